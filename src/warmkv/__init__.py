@@ -1,0 +1,62 @@
+"""warmkv: keep the KV cache of a stable prefix warm; re-prefill only what changed."""
+
+from .backends import available_backends, registered_backends
+from .config import DecodeConfig, RuntimeConfig
+from .errors import (
+    BackendUnavailable,
+    ContextOverflow,
+    InvalidConfig,
+    InvalidInput,
+    InvalidModelFile,
+    ManifestMismatch,
+    ModelNotFound,
+    ModelUnloaded,
+    NoPrefix,
+    SessionClosed,
+    SessionFatal,
+    SessionLimit,
+    Unsupported,
+    WarmkvError,
+)
+from .manifest import ContextManifest, Segment, hash_token_ids
+from .models import default_model_path
+from .runtime import Completion, Runtime
+from .session import Session
+from .types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus, Usage
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailable",
+    "Completion",
+    "ContextManifest",
+    "ContextOverflow",
+    "ContextReport",
+    "DecodeConfig",
+    "InvalidConfig",
+    "InvalidInput",
+    "InvalidModelFile",
+    "ManifestMismatch",
+    "ModelNotFound",
+    "ModelUnloaded",
+    "NoPrefix",
+    "PrefixInput",
+    "PrefixStatus",
+    "Runtime",
+    "RuntimeConfig",
+    "Segment",
+    "Session",
+    "SessionClosed",
+    "SessionFatal",
+    "SessionLimit",
+    "StreamChunk",
+    "SuffixInput",
+    "SuffixStatus",
+    "Unsupported",
+    "Usage",
+    "WarmkvError",
+    "available_backends",
+    "default_model_path",
+    "hash_token_ids",
+    "registered_backends",
+]

@@ -1,0 +1,113 @@
+"""The narrow door between warmkv's product code and an inference engine.
+
+A backend is one loaded model with one KV memory holding several sequences.
+Product code (Session, Runtime, server) talks only to this protocol; it never
+sees llama.cpp or torch objects. The session owns token bookkeeping; the
+backend owns KV cells and their positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from ..config import RuntimeConfig
+
+
+class ModelState(StrEnum):
+    """cold -> warm (weights loaded) -> active (context created) -> unloaded."""
+
+    COLD = "cold"
+    WARM = "warm"
+    ACTIVE = "active"
+    UNLOADED = "unloaded"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a caller may want to know about a loaded model."""
+
+    path: str
+    name: str
+    architecture: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_params: int
+    size_bytes: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos: bool
+    chat_template: str | None
+    file_digest: str
+    tokenizer_digest: str
+    metadata: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class ForwardRow:
+    """Tokens of one sequence to evaluate at positions [start, start + len(tokens))."""
+
+    seq: int
+    tokens: Sequence[int]
+    start: int
+    want_logits: bool = True
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One loaded model. All methods are called under the runtime's model lock."""
+
+    name: str
+    info: ModelInfo
+    config: RuntimeConfig  # resolved: no None/"auto" left
+
+    @property
+    def state(self) -> ModelState: ...
+
+    def numerics(self) -> dict[str, object]:
+        """Settings that change the KV numbers; they go into the manifest."""
+        ...
+
+    def tokenize(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]: ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """Raw bytes of one token as it appears in generated text (control tokens: b'')."""
+        ...
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary entry of a token, special tokens included (e.g. '<|im_end|>')."""
+        ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+    def acquire_seq(self) -> int:
+        """Reserve a sequence slot (creates the context on first use); SessionLimit when full."""
+        ...
+
+    def release_seq(self, seq: int) -> None:
+        """Drop the sequence's KV and free its slot."""
+        ...
+
+    def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:
+        """Evaluate rows (one per sequence) in one step; last-token logits per row (float32 copy).
+
+        Raises ContextOverflow when the KV memory has no room (nothing changed),
+        SessionFatal when the engine failed and the KV state is unknown.
+        """
+        ...
+
+    def truncate(self, seq: int, n: int) -> None:
+        """Keep positions [0, n) of seq, drop the rest (mlx-lm's trim)."""
+        ...
+
+    def copy_seq(self, src: int, dst: int, n: int) -> None:
+        """Make dst's KV equal the first n positions of src (sharing where the engine can)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,318 @@
+"""llama.cpp backend, on llama-cpp-python's low-level API.
+
+One model is loaded once; one context serves every session, and each session
+owns a sequence id in it. The KV is split into one stream of num_ctx cells per
+sequence (kv_unified off): a session's attention never spans another session's
+cells, so its numbers do not depend on who else is resident (warm == cold to the
+bit), and a session's own bound check, done before any KV is touched, is the
+only overflow check that can fire.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import llama_cpp as lc
+import numpy as np
+
+from ..config import RuntimeConfig
+from ..errors import InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal, SessionLimit
+from ..manifest import file_digest
+from .base import ForwardRow, ModelInfo, ModelState
+
+_KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0}
+_FLASH = {"on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+GGUF_MAGIC = b"GGUF"
+
+_init_lock = threading.Lock()
+_initialized = False
+
+
+@lc.llama_log_callback
+def _quiet_log(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    """Drop llama.cpp's chatter; WARMKV_LLAMA_LOG=1 shows it again."""
+
+
+def _init_library() -> None:
+    global _initialized
+    with _init_lock:
+        if _initialized:
+            return
+        if os.environ.get("WARMKV_LLAMA_LOG") != "1":
+            lc.llama_log_set(_quiet_log, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _initialized = True
+
+
+def check_gguf(path: str) -> Path:
+    """Fail early and clearly on a missing or non-GGUF file, before llama.cpp sees it."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelNotFound(f"model file not found: {path}")
+    if not p.is_file():
+        raise InvalidModelFile(f"model path is not a file: {path}")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise InvalidModelFile(f"{path} is not a GGUF file (first bytes {magic!r}, expected {GGUF_MAGIC!r})")
+    return p
+
+
+class LlamaCppBackend:
+    """One GGUF model in llama.cpp plus one multi-sequence context."""
+
+    name = "llamacpp"
+
+    def __init__(self, path: str, config: RuntimeConfig) -> None:
+        self._state = ModelState.COLD
+        self._path = check_gguf(path)
+        _init_library()
+        mparams = lc.llama_model_default_params()
+        mparams.n_gpu_layers = config.n_gpu_layers
+        model = lc.llama_model_load_from_file(str(self._path).encode(), mparams)
+        if not model:
+            raise InvalidModelFile(f"llama.cpp could not load {path} (unsupported or corrupt GGUF)")
+        self._model = model
+        self._vocab = lc.llama_model_get_vocab(model)
+        self._n_vocab = lc.llama_vocab_n_tokens(self._vocab)
+        self._state = ModelState.WARM
+        meta = self._read_metadata()
+        n_ctx_train = lc.llama_model_n_ctx_train(model)
+        self.config = config.resolved(n_ctx_train=n_ctx_train)
+        template = lc.llama_model_chat_template(model, None)
+        bos = lc.llama_vocab_bos(self._vocab)
+        eos = lc.llama_vocab_eos(self._vocab)
+        self.info = ModelInfo(
+            path=str(self._path.resolve()),
+            name=meta.get("general.name", self._path.stem),
+            architecture=meta.get("general.architecture", "unknown"),
+            n_vocab=self._n_vocab,
+            n_ctx_train=n_ctx_train,
+            n_embd=lc.llama_model_n_embd(model),
+            n_layer=lc.llama_model_n_layer(model),
+            n_params=lc.llama_model_n_params(model),
+            size_bytes=self._path.stat().st_size,
+            bos_token_id=bos if bos >= 0 else None,
+            eos_token_id=eos if eos >= 0 else None,
+            add_bos=bool(lc.llama_vocab_get_add_bos(self._vocab)),
+            chat_template=template.decode("utf-8", "replace") if template else None,
+            file_digest=file_digest(self._path),
+            tokenizer_digest=self._tokenizer_digest(meta),
+            metadata=meta,
+        )
+        self._pieces: dict[int, bytes] = {}
+        self._ctx = None
+        self._mem = None
+        self._batch = None
+        # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
+        self._n_slots = self.config.n_seq_max + 1
+        self._free_slots = list(range(self._n_slots - 1, -1, -1))
+
+    # -- model facts -------------------------------------------------------
+
+    @property
+    def state(self) -> ModelState:
+        return self._state
+
+    def numerics(self) -> dict[str, object]:
+        c = self.config
+        return {
+            "kv_cache_type": c.kv_cache_type,
+            "flash_attn": c.flash_attn,
+            "n_gpu_layers": c.n_gpu_layers,
+            "num_ubatch": c.num_ubatch,
+            "llama_cpp": lc.__version__,
+        }
+
+    def _read_metadata(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        buf = ctypes.create_string_buffer(1 << 16)
+        for i in range(lc.llama_model_meta_count(self._model)):
+            n = lc.llama_model_meta_key_by_index(self._model, i, buf, len(buf))
+            key = buf.value[: max(n, 0)].decode("utf-8", "replace")
+            n = lc.llama_model_meta_val_str_by_index(self._model, i, buf, len(buf))
+            out[key] = buf.value[: max(n, 0)].decode("utf-8", "replace")
+        return out
+
+    def _tokenizer_digest(self, meta: dict[str, str]) -> str:
+        h = hashlib.sha256()
+        for k in sorted(meta):
+            if k.startswith("tokenizer.") and k != "tokenizer.chat_template":
+                h.update(f"{k}={meta[k]}\n".encode())
+        for t in range(self._n_vocab):
+            h.update(lc.llama_vocab_get_text(self._vocab, t) or b"")
+            h.update(int(lc.llama_vocab_get_attr(self._vocab, t)).to_bytes(4, "little"))
+        return h.hexdigest()
+
+    # -- tokens ------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, False, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self._vocab, data, len(data), buf, cap, False, parse_special)
+        if n < 0:
+            raise InvalidInput(f"tokenizer failed on {len(data)} bytes of text")
+        ids = list(buf[:n])
+        if add_bos and self.info.bos_token_id is not None:
+            ids.insert(0, self.info.bos_token_id)
+        return ids
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            piece = self._pieces[token] = self._piece(token)
+        return piece
+
+    def _piece(self, token: int) -> bytes:
+        if not 0 <= token < self._n_vocab:
+            raise InvalidInput(f"token id {token} out of range [0, {self._n_vocab})")
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def token_text(self, token: int) -> str:
+        buf = ctypes.create_string_buffer(256)
+        n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, True)
+        return buf.raw[: max(n, 0)].decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self._vocab, token))
+
+    # -- context and sequences ----------------------------------------------
+
+    def _activate(self) -> None:
+        if self._ctx is not None:
+            return
+        if self._state is ModelState.UNLOADED:
+            raise SessionFatal("the model was unloaded")
+        c = self.config
+        p = lc.llama_context_default_params()
+        p.n_ctx = c.num_ctx * self._n_slots
+        p.n_batch = c.num_batch
+        p.n_ubatch = c.num_ubatch
+        p.n_seq_max = self._n_slots
+        p.n_threads = c.num_threads
+        p.n_threads_batch = c.num_threads
+        p.flash_attn_type = _FLASH[c.flash_attn]
+        p.type_k = _KV_TYPES[c.kv_cache_type]
+        p.type_v = _KV_TYPES[c.kv_cache_type]
+        p.kv_unified = False  # one KV stream per sequence: see the module docstring
+        p.no_perf = True
+        ctx = lc.llama_init_from_model(self._model, p)
+        if not ctx:
+            raise SessionFatal(
+                f"llama.cpp could not create a context of {p.n_ctx} tokens "
+                f"({self._n_slots} slots x num_ctx={c.num_ctx})"
+            )
+        per_seq = lc.llama_n_ctx_seq(ctx)
+        if per_seq < c.num_ctx:
+            lc.llama_free(ctx)
+            raise SessionFatal(f"llama.cpp gave {per_seq} cells per sequence, need num_ctx={c.num_ctx}")
+        self._ctx = ctx
+        self._mem = lc.llama_get_memory(ctx)
+        self._batch = lc.llama_batch_init(c.num_batch, 0, 1)
+        self._state = ModelState.ACTIVE
+
+    def acquire_seq(self) -> int:
+        self._activate()
+        # The last slot is reserved for the runtime; sessions get the others.
+        if len(self._free_slots) <= 1:
+            raise SessionLimit(self.config.n_seq_max, self.config.n_seq_max)
+        return self._free_slots.pop()
+
+    def acquire_internal_seq(self) -> int:
+        self._activate()
+        reserved = self._n_slots - 1
+        if reserved not in self._free_slots:
+            raise SessionLimit(1, 1)
+        self._free_slots.remove(reserved)
+        return reserved
+
+    def release_seq(self, seq: int) -> None:
+        if self._mem is not None:
+            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        if seq not in self._free_slots:
+            self._free_slots.append(seq)
+
+    def truncate(self, seq: int, n: int) -> None:
+        if self._mem is None:
+            return
+        if not lc.llama_memory_seq_rm(self._mem, seq, n, -1):
+            raise SessionFatal(f"llama.cpp could not drop positions >= {n} of sequence {seq}")
+
+    def copy_seq(self, src: int, dst: int, n: int) -> None:
+        lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
+        lc.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+
+    # -- evaluation ----------------------------------------------------------
+
+    def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:
+        """Pack rows into batches of at most num_batch tokens; one llama_decode each."""
+        self._activate()
+        out: list[np.ndarray | None] = [None] * len(rows)
+        cap = self.config.num_batch
+        pending: list[tuple[int, int, int]] = []  # (row index, token offset, batch index)
+        fill = 0
+        for r, row in enumerate(rows):
+            toks = row.tokens
+            for i, tok in enumerate(toks):
+                if fill == cap:
+                    self._decode(fill, pending, out)
+                    pending, fill = [], 0
+                last = i == len(toks) - 1 and row.want_logits
+                self._put(fill, tok, row.start + i, row.seq, last)
+                if last:
+                    pending.append((r, i, fill))
+                fill += 1
+        if fill:
+            self._decode(fill, pending, out)
+        return out
+
+    def _put(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
+        b = self._batch
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = 1
+        b.seq_id[i][0] = seq
+        b.logits[i] = logits
+
+    def _decode(self, n: int, pending: list[tuple[int, int, int]], out: list) -> None:
+        self._batch.n_tokens = n
+        rc = lc.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            raise SessionFatal(f"llama_decode failed with code {rc} on a batch of {n} tokens")
+        for r, _, idx in pending:
+            ptr = lc.llama_get_logits_ith(self._ctx, idx)
+            out[r] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+
+    def close(self) -> None:
+        if self._state is ModelState.UNLOADED:
+            return
+        if self._batch is not None:
+            lc.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            lc.llama_free(self._ctx)
+            self._ctx = None
+            self._mem = None
+        if self._model is not None:
+            lc.llama_model_free(self._model)
+            self._model = None
+        self._state = ModelState.UNLOADED
+
+
+def load(path: str, config: RuntimeConfig) -> LlamaCppBackend:
+    return LlamaCppBackend(path, config)

@@ -1,0 +1,1 @@
+"""Reproducible workloads and peer comparisons (`warmkv bench ...`)."""

@@ -1,0 +1,148 @@
+"""Frozen, validated configuration.
+
+"auto" values are resolved by :meth:`RuntimeConfig.resolved` before a backend
+sees the config; nothing mutates a config after construction.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+
+from .errors import InvalidConfig
+
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+FLASH_ATTN = ("auto", "on", "off")
+PROMPT_FORMATS = ("auto", "chatml", "raw")
+# Upper bound for num_ctx when the caller leaves it to the model: keeps the
+# preallocated KV modest on small machines while fitting agent contexts.
+DEFAULT_MAX_CTX = 4096
+
+
+def _int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidConfig(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        hi = f" and <= {maximum}" if maximum is not None else ""
+        raise InvalidConfig(f"{name} must be >= {minimum}{hi}, got {value}")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise InvalidConfig(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How a model is loaded and its context laid out.
+
+    num_ctx is the context window of one session; the backend reserves KV for
+    n_seq_max sessions of that size. None means "the model's training context,
+    capped at 4096".
+    """
+
+    num_ctx: int | None = None
+    num_batch: int = 512
+    num_ubatch: int = 512
+    num_threads: int | None = None
+    n_gpu_layers: int = 0
+    flash_attn: str = "auto"
+    kv_cache_type: str = "f16"
+    n_seq_max: int = 4
+    prompt_format: str = "auto"
+    disable_bos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_ctx is not None:
+            _int("num_ctx", self.num_ctx, minimum=16, maximum=1 << 20)
+        _int("num_batch", self.num_batch, minimum=1, maximum=1 << 16)
+        _int("num_ubatch", self.num_ubatch, minimum=1, maximum=1 << 16)
+        if self.num_ubatch > self.num_batch:
+            raise InvalidConfig(f"num_ubatch ({self.num_ubatch}) must be <= num_batch ({self.num_batch})")
+        if self.num_threads is not None:
+            _int("num_threads", self.num_threads, minimum=1, maximum=1024)
+        _int("n_gpu_layers", self.n_gpu_layers, minimum=-1)
+        _choice("flash_attn", self.flash_attn, FLASH_ATTN)
+        _choice("kv_cache_type", self.kv_cache_type, KV_CACHE_TYPES)
+        if self.kv_cache_type != "f16" and self.flash_attn == "off":
+            raise InvalidConfig(
+                f"kv_cache_type={self.kv_cache_type} needs flash_attn 'on' or 'auto' "
+                "(a quantized V cache requires flash attention)"
+            )
+        _int("n_seq_max", self.n_seq_max, minimum=1, maximum=256)
+        _choice("prompt_format", self.prompt_format, PROMPT_FORMATS)
+        if not isinstance(self.disable_bos, bool):
+            raise InvalidConfig(f"disable_bos must be a bool, got {self.disable_bos!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> RuntimeConfig:
+        """Build from keyword arguments, rejecting unknown names with the valid ones listed."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidConfig(f"unknown runtime option(s) {unknown}; valid: {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    def resolved(self, *, n_ctx_train: int) -> RuntimeConfig:
+        """A copy with every "auto"/None value made concrete for this model."""
+        num_ctx = self.num_ctx or min(max(n_ctx_train, 16), DEFAULT_MAX_CTX)
+        threads = self.num_threads or max(1, os.cpu_count() or 1)
+        flash = self.flash_attn
+        if flash == "auto":
+            # Quantized V needs flash attention; otherwise keep llama.cpp's
+            # tested default path (off on CPU) so numerics are predictable.
+            flash = "on" if self.kv_cache_type != "f16" else "off"
+        return replace(self, num_ctx=num_ctx, num_threads=threads, flash_attn=flash)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How tokens are chosen and when generation stops.
+
+    temperature 0 is greedy. max_tokens None means "until the context is full".
+    """
+
+    max_tokens: int | None = 256
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Accept lists and a bare string for convenience; store tuples (hashable, frozen).
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, minimum=1)
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise InvalidConfig(f"{name} must be a number, got {value!r}")
+        if self.temperature < 0:
+            raise InvalidConfig(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidConfig(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidConfig(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repeat_penalty <= 0:
+            raise InvalidConfig(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        _int("top_k", self.top_k, minimum=0)
+        _int("repeat_last_n", self.repeat_last_n, minimum=0)
+        if self.seed is not None:
+            _int("seed", self.seed, minimum=0, maximum=2**32 - 1)
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidConfig(f"stop strings must be non-empty str, got {s!r}")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids[]", t, minimum=0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1

@@ -1,0 +1,249 @@
+"""The runtime: loads one model into a backend, opens sessions, offers helpers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .backends import Backend, ModelInfo, ModelState, load_backend
+from .chat import ChatTemplate, resolve_template
+from .config import DecodeConfig, RuntimeConfig
+from .errors import InvalidInput, ModelUnloaded, Unsupported
+from .manifest import ContextManifest
+from .models import resolve_model
+from .session import Session
+from .types import StreamChunk, Usage
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished (non-streamed) generation."""
+
+    text: str
+    finish_reason: str
+    usage: Usage
+    ttft_s: float
+    total_s: float
+
+
+class Runtime:
+    """One loaded model. Use :meth:`load`; close it (or use `with`) when done."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        # One lock per model: llama.cpp contexts and the KV pool are not thread-safe.
+        self.lock = threading.RLock()
+        self._sessions: dict[str, Session] = {}
+        self._helper: Session | None = None
+        self._helper_lock = threading.Lock()
+        template = resolve_template(self.config.prompt_format, backend.info.chat_template)
+        self._template_source = template
+        self._template: ChatTemplate | None = None
+        self.default_add_bos = backend.info.add_bos and not self.config.disable_bos
+        self._manifests = {
+            bos: ContextManifest.build(
+                model_digest=backend.info.file_digest,
+                tokenizer_digest=backend.info.tokenizer_digest,
+                chat_template=template,
+                numerics=backend.numerics(),
+                add_bos=bos,
+                backend=backend.name,
+            )
+            for bos in (False, True)
+        }
+
+    @classmethod
+    def load(
+        cls,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        backend: str = "llamacpp",
+        config: RuntimeConfig | None = None,
+        **options: Any,
+    ) -> Runtime:
+        """Load a model (default: the bundled SmolLM2-135M-Instruct GGUF).
+
+        Options are RuntimeConfig fields (num_ctx=8192, kv_cache_type="q8_0", ...).
+        """
+        if config is not None and options:
+            raise InvalidInput("pass either config= or keyword options, not both")
+        cfg = config if config is not None else RuntimeConfig.from_kwargs(**options)
+        if not isinstance(cfg, RuntimeConfig):
+            raise InvalidInput(f"config must be RuntimeConfig, got {type(cfg).__name__}")
+        path = resolve_model(model)
+        return cls(load_backend(backend, str(path), cfg))
+
+    # -- facts ------------------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.backend.info
+
+    @property
+    def config(self) -> RuntimeConfig:
+        return self.backend.config
+
+    @property
+    def state(self) -> ModelState:
+        return self.backend.state
+
+    def manifest(self, add_bos: bool | None = None) -> ContextManifest:
+        return self._manifests[self.default_add_bos if add_bos is None else bool(add_bos)]
+
+    def _check_loaded(self) -> None:
+        if self.backend.state is ModelState.UNLOADED:
+            raise ModelUnloaded("the runtime was closed")
+
+    # -- sessions -----------------------------------------------------------------
+
+    def session(self) -> Session:
+        """Open a session with its own resident sequence; SessionLimit past n_seq_max."""
+        with self.lock:
+            self._check_loaded()
+            s = Session(self, self.backend.acquire_seq())
+            self._sessions[s.id] = s
+            return s
+
+    @property
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def _release(self, session: Session, seq: int) -> None:
+        self._sessions.pop(session.id, None)
+        if self.backend.state is not ModelState.UNLOADED:
+            self.backend.release_seq(seq)
+
+    # -- tokens ---------------------------------------------------------------
+
+    def tokenize(self, text: str | bytes, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        from .text import as_text
+
+        value = as_text(text, "text")
+        with self.lock:
+            self._check_loaded()
+            bos = self.default_add_bos if add_bos is None else add_bos
+            return self.backend.tokenize(value, add_bos=bos, parse_special=parse_special)
+
+    def count_tokens(self, text: str | bytes, *, add_bos: bool | None = None) -> int:
+        return len(self.tokenize(text, add_bos=add_bos))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        n = self.info.n_vocab
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
+                raise InvalidInput(f"token id {t!r} out of range [0, {n})")
+        with self.lock:
+            self._check_loaded()
+            return b"".join(self.backend.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    # -- completion helpers -----------------------------------------------------
+
+    def chat_template(self) -> ChatTemplate:
+        if self._template_source is None:
+            raise Unsupported("chat", "prompt_format='raw' has no chat template")
+        if self._template is None:
+            bos, eos = self.info.bos_token_id, self.info.eos_token_id
+            self._template = ChatTemplate(
+                self._template_source,
+                bos_token=self.backend.token_text(bos) if bos is not None else "",
+                eos_token=self.backend.token_text(eos) if eos is not None else "",
+            )
+        return self._template
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
+        return self.chat_template().render(messages, **kwargs)
+
+    def complete(
+        self, prompt: str | bytes, config: DecodeConfig | None = None, *, stream: bool = False, **decode: Any
+    ) -> Completion | Iterator[StreamChunk]:
+        """Generate after a raw prompt, reusing the runtime's own warm sequence."""
+        cfg = _decode_config(config, decode)
+        t0 = time.perf_counter()
+        chunks = self._stream(prompt, cfg)
+        return chunks if stream else _collect(chunks, t0)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        config: DecodeConfig | None = None,
+        *,
+        stream: bool = False,
+        **decode: Any,
+    ) -> Completion | Iterator[StreamChunk]:
+        """Chat through the model's template; consecutive turns reuse the shared prefix."""
+        prompt = self.render_chat(messages, add_generation_prompt=True)
+        return self.complete(prompt, config, stream=stream, **decode)
+
+    def _helper_session(self) -> Session:
+        if self._helper is None or self._helper.closed:
+            with self.lock:
+                self._check_loaded()
+                acquire = getattr(self.backend, "acquire_internal_seq", self.backend.acquire_seq)
+                self._helper = Session(self, acquire())
+        return self._helper
+
+    def _stream(self, prompt: str | bytes, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+        # Validate and prefill eagerly so errors raise at the call, not at iteration.
+        self._helper_lock.acquire()
+        try:
+            s = self._helper_session()
+            s.ensure_prefix(prompt)
+            gen = s.decode(cfg)
+        except BaseException:
+            self._helper_lock.release()
+            raise
+        return _locked(gen, self._helper_lock)
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self.lock:
+            for s in list(self._sessions.values()):
+                s.close()
+            if self._helper is not None:
+                self._helper.close()
+            self.backend.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _locked(gen: Iterator[StreamChunk], lock: threading.Lock) -> Iterator[StreamChunk]:
+    try:
+        yield from gen
+    finally:
+        lock.release()
+
+
+def _decode_config(config: DecodeConfig | None, overrides: Mapping[str, Any]) -> DecodeConfig:
+    if config is not None and overrides:
+        raise InvalidInput("pass either a DecodeConfig or keyword options, not both")
+    if config is not None:
+        return config
+    try:
+        return DecodeConfig(**overrides)
+    except TypeError as e:
+        raise InvalidInput(f"bad decode option: {e}") from None
+
+
+def _collect(stream: Iterator[StreamChunk], t0: float) -> Completion:
+    """Drain a stream into a Completion; t0 is when the request began (before prefill)."""
+    ttft = None
+    parts: list[str] = []
+    for chunk in stream:
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        parts.append(chunk.text)
+        if chunk.done:
+            if chunk.error is not None:
+                raise chunk.error
+            assert chunk.usage is not None and chunk.finish_reason is not None
+            return Completion("".join(parts), chunk.finish_reason, chunk.usage, ttft or 0.0, time.perf_counter() - t0)
+    raise RuntimeError("stream ended without a final chunk")

@@ -1,0 +1,339 @@
+"""A persistent session: one sequence of resident KV kept warm across turns.
+
+Region map of the resident tokens (KV positions):
+
+    [0, prefix_len) prefix | [prefix_len, suffix_end) suffix | [suffix_end, resident) generated
+
+plus at most one sampled token not yet evaluated (`_tail`): it is fed to the
+model only if generation continues, so a turn that ends never pays for it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .backends.base import ForwardRow
+from .config import DecodeConfig
+from .errors import (
+    ContextOverflow,
+    InvalidInput,
+    ManifestMismatch,
+    NoPrefix,
+    SessionClosed,
+    SessionFatal,
+    WarmkvError,
+)
+from .manifest import ContextManifest, hash_token_ids, sha256_bytes, validate_segments
+from .sampling import Sampler
+from .text import StopMatcher, Utf8Stream, as_text
+from .types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus, Usage
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    """ensure_prefix -> prefill_suffix -> decode, with explain() and close().
+
+    Every method validates its input before touching KV, so a rejected call
+    leaves the session exactly as it was. Methods are thread-safe; decode
+    takes the model lock per token so sessions interleave.
+    """
+
+    def __init__(self, runtime: Runtime, seq: int) -> None:
+        self.id = secrets.token_hex(8)
+        self._rt = runtime
+        self._backend = runtime.backend
+        self._lock = runtime.lock
+        self._seq = seq
+        self._num_ctx: int = runtime.config.num_ctx  # type: ignore[assignment]
+        self._tokens: list[int] = []
+        self._tail: list[int] = []
+        self._logits: np.ndarray | None = None  # after _tokens[-1]; None when unknown
+        self._prefix_len = 0
+        self._suffix_end = 0
+        self._manifest: ContextManifest | None = None
+        self._byte_hash: str | None = None
+        self._token_hash: str | None = None
+        self._last_prefix: PrefixStatus | None = None
+        self._cached_since_decode = 0
+        self._cancel = threading.Event()
+        self._closed = False
+        self._fatal: str | None = None
+
+    # -- helpers -------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise SessionClosed(f"session {self.id} is closed")
+        if self._fatal:
+            raise SessionFatal(f"session {self.id} must be evicted: {self._fatal}")
+
+    def _truncate(self, n: int) -> None:
+        if n < len(self._tokens):
+            self._backend.truncate(self._seq, n)
+            del self._tokens[n:]
+            self._logits = None
+        self._tail = []
+
+    def _eval(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the KV; on failure roll back to where we were."""
+        if not tokens:
+            return
+        start = len(self._tokens)
+        try:
+            (logits,) = self._backend.forward([ForwardRow(self._seq, tokens, start)])
+        except SessionFatal as e:
+            self._fatal = str(e)
+            raise
+        except BaseException:
+            self._backend.truncate(self._seq, start)
+            raise
+        self._tokens.extend(tokens)
+        self._logits = logits
+
+    def _ensure_logits(self) -> np.ndarray:
+        """Logits after the last resident token, recomputing that one token if needed."""
+        if self._tail:
+            tail, self._tail = self._tail, []
+            self._eval(tail)
+        if self._logits is None:
+            last = self._tokens[-1]
+            self._backend.truncate(self._seq, len(self._tokens) - 1)
+            self._tokens.pop()
+            self._eval([last])
+        assert self._logits is not None
+        return self._logits
+
+    # -- the contract ------------------------------------------------------------
+
+    def ensure_prefix(self, prefix: PrefixInput | str | bytes) -> PrefixStatus:
+        """Make the resident KV equal the prefix, prefilling only the divergent tail."""
+        inp = PrefixInput.coerce(prefix)
+        text = as_text(inp.text, "prefix text")
+        if not text:
+            raise InvalidInput("prefix text is empty; ensure_prefix needs at least one token")
+        raw = text.encode("utf-8")
+        add_bos = self._rt.default_add_bos if inp.add_bos is None else bool(inp.add_bos)
+        segments = validate_segments(inp.segments, len(raw))
+        manifest = self._rt.manifest(add_bos).with_segments(segments)
+        if inp.expect_manifest is not None and inp.expect_manifest != manifest.digest:
+            raise ManifestMismatch(
+                f"prefix expects manifest {inp.expect_manifest[:16]} but this runtime is {manifest.digest[:16]}"
+            )
+        with self._lock:
+            self._check_usable()
+            tokens = self._backend.tokenize(text, add_bos=add_bos, parse_special=inp.parse_special)
+            if not tokens:
+                raise InvalidInput("prefix text produced no tokens")
+            same = self._manifest is not None and self._manifest == manifest
+            reused = common_prefix_len(self._tokens, tokens) if same else 0
+            if len(tokens) > self._num_ctx:
+                raise ContextOverflow("ensure_prefix", reused, len(tokens) - reused, self._num_ctx)
+            reason = self._prefix_reason(same, manifest, reused, len(tokens))
+            dropped = len(self._tokens) + len(self._tail) - reused
+            t0 = time.perf_counter()
+            self._truncate(reused)
+            self._prefix_len = self._suffix_end = 0
+            self._manifest = manifest
+            self._eval(tokens[reused:])
+            self._prefix_len = self._suffix_end = len(tokens)
+            self._byte_hash = sha256_bytes(raw)
+            self._token_hash = hash_token_ids(tokens)
+            self._cached_since_decode = reused
+            status = PrefixStatus(
+                reused_tokens=reused,
+                prefilled_tokens=len(tokens) - reused,
+                dropped_tokens=dropped,
+                prefix_tokens=len(tokens),
+                resident_tokens=len(self._tokens),
+                available_tokens=self._num_ctx - len(self._tokens),
+                stable_byte_hash=self._byte_hash,
+                stable_token_hash=self._token_hash,
+                manifest_digest=manifest.digest,
+                reuse_source="resident" if reused else "none",
+                reason=reason,
+                prefill_s=time.perf_counter() - t0,
+            )
+            self._last_prefix = status
+            return status
+
+    def _prefix_reason(self, same: bool, manifest: ContextManifest, reused: int, n: int) -> str:
+        if self._manifest is None or not self._tokens:
+            return f"cold: nothing resident; prefilled {n} tokens"
+        if not same:
+            return f"cold: manifest changed ({self._manifest.diff(manifest)}); prefilled {n} tokens"
+        if reused == 0:
+            return f"cold: first token differs from the resident context; prefilled {n} tokens"
+        if reused == n:
+            return f"warm: all {n} prefix tokens were resident"
+        return f"warm: reused {reused} of {n} prefix tokens; diverged at token {reused}, prefilled {n - reused}"
+
+    def prefill_suffix(self, suffix: SuffixInput | str | bytes) -> SuffixStatus:
+        """Prefill the volatile part after the prefix; the prefix KV is never touched."""
+        inp = SuffixInput.coerce(suffix)
+        text = as_text(inp.text, "suffix text")
+        with self._lock:
+            self._check_usable()
+            if self._manifest is None or self._prefix_len == 0:
+                raise NoPrefix("prefill_suffix needs a prefix: call ensure_prefix first")
+            if inp.manifest_digest is not None and inp.manifest_digest != self._manifest.digest:
+                raise ManifestMismatch(
+                    f"suffix was built for manifest {inp.manifest_digest[:16]} but the resident KV "
+                    f"is {self._manifest.digest[:16]}"
+                )
+            tokens = self._backend.tokenize(text, add_bos=False, parse_special=inp.parse_special) if text else []
+            if inp.append:
+                base, new = len(self._tokens), self._tail + tokens
+                reused = 0
+            else:
+                base, new = self._prefix_len, tokens
+                reused = common_prefix_len(self._tokens[base:], tokens)
+            if base + len(new) > self._num_ctx:
+                raise ContextOverflow("prefill_suffix", base + reused, len(new) - reused, self._num_ctx)
+            t0 = time.perf_counter()
+            if inp.append:
+                self._tail = []
+            else:
+                self._truncate(base + reused)
+            self._eval(new[reused:])
+            self._suffix_end = len(self._tokens)
+            self._cached_since_decode += reused
+            return SuffixStatus(
+                suffix_tokens=self._suffix_end - self._prefix_len,
+                prefix_tokens=self._prefix_len,
+                resident_tokens=len(self._tokens),
+                available_tokens=self._num_ctx - len(self._tokens),
+                manifest_digest=self._manifest.digest,
+                reused_tokens=reused,
+                prefilled_tokens=len(new) - reused,
+                prefill_s=time.perf_counter() - t0,
+            )
+
+    def decode(self, config: DecodeConfig | None = None) -> Iterator[StreamChunk]:
+        """Stream text deltas; the last chunk carries finish_reason and usage.
+
+        Input is checked now (not at first iteration), so a bad call raises here.
+        """
+        cfg = DecodeConfig() if config is None else config
+        if not isinstance(cfg, DecodeConfig):
+            raise InvalidInput(f"decode config must be DecodeConfig, got {type(cfg).__name__}")
+        n_vocab = self._backend.info.n_vocab
+        for t in cfg.stop_token_ids:
+            if t >= n_vocab:
+                raise InvalidInput(f"stop token id {t} out of range [0, {n_vocab})")
+        with self._lock:
+            self._check_usable()
+            if self._prefix_len == 0:
+                raise NoPrefix("decode needs a prefix: call ensure_prefix first")
+            used = len(self._tokens) + len(self._tail)
+            budget = cfg.max_tokens if cfg.max_tokens is not None else self._num_ctx - used
+            if budget < 1 or used + budget > self._num_ctx:
+                raise ContextOverflow("decode", used, max(budget, 1), self._num_ctx)
+            self._cancel.clear()
+            prompt_tokens = used
+        return self._generate(cfg, budget, prompt_tokens)
+
+    def _generate(self, cfg: DecodeConfig, budget: int, prompt_tokens: int) -> Iterator[StreamChunk]:
+        sampler = Sampler(cfg)
+        utf8 = Utf8Stream()
+        stops = StopMatcher(cfg.stop)
+        stop_ids = set(cfg.stop_token_ids)
+        produced: list[int] = []
+        pending: list[int] = []
+        finish = None
+        stop_hit = False
+        error: WarmkvError | None = None
+        try:
+            while finish is None:
+                if self._cancel.is_set():
+                    finish = "cancelled"
+                    break
+                with self._lock:
+                    self._check_usable()
+                    logits = self._ensure_logits()
+                    token = sampler.sample(logits, self._tokens)
+                    self._tail = [token]
+                produced.append(token)
+                pending.append(token)
+                if token in stop_ids or (self._backend.is_eog(token) and not cfg.ignore_eos):
+                    finish = "stop"
+                    break
+                text, hit = stops.push(utf8.push(self._backend.token_bytes(token)))
+                if hit:
+                    finish, stop_hit = "stop", True
+                    if text:
+                        yield StreamChunk(text=text, token_ids=tuple(pending))
+                        pending = []
+                    break
+                if text:
+                    yield StreamChunk(text=text, token_ids=tuple(pending))
+                    pending = []
+                if len(produced) >= budget:
+                    finish = "length"
+        except WarmkvError as e:
+            finish, error = "error", e
+        # Text held back as a possible stop-string start is real output unless a stop matched.
+        rest = "" if stop_hit else stops.push(utf8.flush())[0] + stops.flush()
+        usage = Usage(prompt_tokens, len(produced), self._cached_since_decode)
+        self._cached_since_decode = 0
+        yield StreamChunk(text=rest, token_ids=tuple(pending), finish_reason=finish, usage=usage, error=error)
+
+    def cancel(self) -> None:
+        """Stop a running decode at the next token (safe from any thread)."""
+        self._cancel.set()
+
+    def explain(self) -> ContextReport:
+        with self._lock:
+            m = self._manifest
+            return ContextReport(
+                session_id=self.id,
+                backend=self._backend.name,
+                closed=self._closed,
+                num_ctx=self._num_ctx,
+                resident_tokens=len(self._tokens),
+                prefix_tokens=self._prefix_len,
+                suffix_tokens=self._suffix_end - self._prefix_len,
+                generated_tokens=len(self._tokens) - self._suffix_end + len(self._tail),
+                available_tokens=self._num_ctx - len(self._tokens),
+                stable_byte_hash=self._byte_hash,
+                stable_token_hash=self._token_hash,
+                manifest_digest=m.digest if m else None,
+                manifest=m.to_dict() if m else None,
+                segments=tuple(m.to_dict()["segments"]) if m else (),  # type: ignore[arg-type]
+                last_prefix=self._last_prefix,
+            )
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Free the session's KV and slot. Idempotent."""
+        self._cancel.set()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._rt._release(self, self._seq)
+            self._tokens, self._tail, self._logits = [], [], None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

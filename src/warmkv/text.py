@@ -1,0 +1,82 @@
+"""Streaming text: UTF-8-safe detokenizing and stop-string matching.
+
+Tokens are byte pieces; a multi-byte character can straddle two tokens. The
+incremental decoder holds back an incomplete tail so no delta ever carries a
+broken character, and the stop matcher holds back text that may yet become a
+stop string so no delta ever carries part of one.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+from .errors import InvalidInput
+
+
+def as_text(value: str | bytes, what: str) -> str:
+    """Validate user text: str without lone surrogates, or strictly valid UTF-8 bytes."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidInput(
+                f"{what} is not valid UTF-8: byte 0x{raw[e.start]:02x} at offset {e.start} of {len(raw)} ({e.reason})"
+            ) from None
+    if not isinstance(value, str):
+        raise InvalidInput(f"{what} must be str or UTF-8 bytes, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidInput(f"{what} contains an unencodable code point at index {e.start} ({e.reason})") from None
+    return value
+
+
+class Utf8Stream:
+    """Bytes in, complete characters out; invalid bytes become U+FFFD."""
+
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, data: bytes) -> str:
+        return self._dec.decode(data, final=False)
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+class StopMatcher:
+    """Finds the first stop string in streamed text, holding back possible partial matches."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stops)
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._buf = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return (safe text to emit, whether a stop string matched)."""
+        if not self._stops:
+            return text, False
+        self._buf += text
+        hits = [i for i in (self._buf.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            out = self._buf[: min(hits)]
+            self._buf = ""
+            return out, True
+        keep = self._partial_len()
+        out, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+        return out, False
+
+    def _partial_len(self) -> int:
+        """Length of the longest buffer suffix that is a proper prefix of a stop string."""
+        buf = self._buf
+        for n in range(min(self._hold, len(buf)), 0, -1):
+            tail = buf[-n:]
+            if any(s.startswith(tail) for s in self._stops):
+                return n
+        return 0
+
+    def flush(self) -> str:
+        out, self._buf = self._buf, ""
+        return out

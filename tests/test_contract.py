@@ -1,0 +1,263 @@
+"""The Session contract, on the real default model, for every installed backend."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import warmkv
+from conftest import SYSTEM, USER_A, USER_B, greedy_tokens
+from warmkv.session import common_prefix_len
+
+
+def test_reuse_counts_are_exact(rt: warmkv.Runtime) -> None:
+    extended = SYSTEM + "Always answer in one sentence.\n"
+    toks, toks_ext = rt.tokenize(SYSTEM), rt.tokenize(extended)
+    with rt.session() as s:
+        p = s.ensure_prefix(SYSTEM)
+        assert (p.reused_tokens, p.prefilled_tokens, p.prefix_tokens) == (0, len(toks), len(toks))
+        assert not p.warm and p.resident_tokens == len(toks)
+        assert p.available_tokens == rt.config.num_ctx - len(toks)
+        assert p.stable_token_hash == warmkv.hash_token_ids(toks)
+        p = s.ensure_prefix(SYSTEM)
+        assert (p.reused_tokens, p.prefilled_tokens, p.dropped_tokens) == (len(toks), 0, 0)
+        assert p.warm
+        p = s.ensure_prefix(extended)
+        lcp = common_prefix_len(toks, toks_ext)
+        assert lcp > 0
+        assert (p.reused_tokens, p.prefilled_tokens) == (lcp, len(toks_ext) - lcp)
+        assert p.dropped_tokens == len(toks) - lcp
+
+
+def test_changed_byte_reprefills_from_divergence_only(rt: warmkv.Runtime) -> None:
+    mid = len(SYSTEM) // 2
+    changed = SYSTEM[:mid] + ("X" if SYSTEM[mid] != "X" else "Y") + SYSTEM[mid + 1 :]
+    a, b = rt.tokenize(SYSTEM), rt.tokenize(changed)
+    lcp = common_prefix_len(a, b)
+    assert 0 < lcp < len(a)
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM)
+        p = s.ensure_prefix(changed)
+        assert p.reused_tokens == lcp
+        assert p.prefilled_tokens == len(b) - lcp
+        assert p.dropped_tokens == len(a) - lcp
+        assert "diverged at token" in p.reason
+
+
+def test_suffix_never_alters_prefix(rt: warmkv.Runtime) -> None:
+    with rt.session() as s:
+        n_prefix = s.ensure_prefix(SYSTEM).prefix_tokens
+        q = s.prefill_suffix(USER_A)
+        assert q.prefix_tokens == n_prefix and q.suffix_tokens == len(rt.tokenize(USER_A, add_bos=False))
+        first = greedy_tokens(s)
+        s.prefill_suffix(USER_B)
+        greedy_tokens(s)
+        s.prefill_suffix(USER_A)
+        assert greedy_tokens(s) == first
+        p = s.ensure_prefix(SYSTEM)
+        assert p.reused_tokens == n_prefix and p.prefilled_tokens == 0
+
+
+def test_warm_equals_cold(rt: warmkv.Runtime) -> None:
+    with rt.session() as warm:
+        warm.ensure_prefix(SYSTEM)
+        warm.prefill_suffix(USER_B)
+        greedy_tokens(warm)
+        p = warm.ensure_prefix(SYSTEM)
+        assert p.warm
+        warm.prefill_suffix(USER_A)
+        warm_out = greedy_tokens(warm, 24)
+    with rt.session() as cold:
+        cold.ensure_prefix(SYSTEM)
+        cold.prefill_suffix(USER_A)
+        assert greedy_tokens(cold, 24) == warm_out
+
+
+def test_generated_tokens_stay_resident_for_append(rt: warmkv.Runtime) -> None:
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM)
+        s.prefill_suffix(USER_A)
+        out = greedy_tokens(s, 8)
+        before = s.explain()
+        assert before.generated_tokens == len(out)
+        q = s.prefill_suffix(warmkv.SuffixInput(text="<|im_end|>\n", append=True))
+        assert q.resident_tokens == before.resident_tokens + 1 + len(rt.tokenize("<|im_end|>\n", add_bos=False))
+
+
+def test_overflow_at_every_stage_keeps_session(tiny_rt: warmkv.Runtime) -> None:
+    rt = tiny_rt
+    n = rt.config.num_ctx
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM[:120])
+        s.prefill_suffix("Hi")
+        before = s.explain()
+        reference = greedy_tokens(s, 4)
+        s.prefill_suffix("Hi")
+
+        with pytest.raises(warmkv.ContextOverflow) as e:
+            s.ensure_prefix(SYSTEM * 3)
+        total = len(rt.tokenize(SYSTEM * 3))
+        assert (e.value.stage, e.value.num_ctx) == ("ensure_prefix", n)
+        assert e.value.resident + e.value.additional == total
+        assert str(total) in str(e.value) or str(e.value.additional) in str(e.value)
+
+        with pytest.raises(warmkv.ContextOverflow) as e:
+            s.prefill_suffix("word " * 200)
+        assert e.value.stage == "prefill_suffix" and e.value.resident == before.prefix_tokens
+
+        with pytest.raises(warmkv.ContextOverflow) as e:
+            s.decode(warmkv.DecodeConfig(max_tokens=n))
+        assert e.value.stage == "decode" and e.value.resident == before.resident_tokens
+        assert e.value.additional == n
+
+        after = s.explain()
+        assert (after.resident_tokens, after.prefix_tokens) == (before.resident_tokens, before.prefix_tokens)
+        assert greedy_tokens(s, 4) == reference
+
+
+def test_manifest_mismatch_raises(rt: warmkv.Runtime) -> None:
+    with rt.session() as s:
+        p = s.ensure_prefix(SYSTEM)
+        assert p.manifest_digest == rt.manifest().digest
+        with pytest.raises(warmkv.ManifestMismatch):
+            s.prefill_suffix(warmkv.SuffixInput(text=USER_A, manifest_digest="0" * 64))
+        with pytest.raises(warmkv.ManifestMismatch):
+            s.ensure_prefix(warmkv.PrefixInput(text=SYSTEM, expect_manifest="f" * 64))
+        # The matching digest is accepted; a BOS-policy change is a new manifest: no reuse.
+        s.prefill_suffix(warmkv.SuffixInput(text=USER_A, manifest_digest=p.manifest_digest))
+        other = s.ensure_prefix(warmkv.PrefixInput(text=SYSTEM, add_bos=not rt.default_add_bos))
+        assert other.reused_tokens == 0 and "manifest changed" in other.reason
+        assert other.manifest_digest != p.manifest_digest
+
+
+def test_use_after_close_raises(rt: warmkv.Runtime) -> None:
+    s = rt.session()
+    s.ensure_prefix(SYSTEM)
+    s.close()
+    s.close()  # idempotent
+    assert s.closed and s.explain().closed
+    with pytest.raises(warmkv.SessionClosed):
+        s.ensure_prefix(SYSTEM)
+    with pytest.raises(warmkv.SessionClosed):
+        s.prefill_suffix(USER_A)
+    with pytest.raises(warmkv.SessionClosed):
+        s.decode(warmkv.DecodeConfig(max_tokens=2))
+
+
+def test_two_sessions_interleaved_match_alone(rt: warmkv.Runtime) -> None:
+    cfg = warmkv.DecodeConfig(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = []
+    for suffix in (USER_A, USER_B):
+        with rt.session() as s:
+            s.ensure_prefix(SYSTEM)
+            s.prefill_suffix(suffix)
+            alone.append(greedy_tokens(s, 12))
+    with rt.session() as a, rt.session() as b:
+        a.ensure_prefix(SYSTEM)
+        b.ensure_prefix(SYSTEM)
+        a.prefill_suffix(USER_A)
+        b.prefill_suffix(USER_B)
+        ga, gb = a.decode(cfg), b.decode(cfg)
+        out: list[list[int]] = [[], []]
+        live = [ga, gb]
+        while any(live):
+            for i, g in enumerate(live):
+                if g is None:
+                    continue
+                chunk = next(g)
+                out[i].extend(chunk.token_ids)
+                if chunk.done:
+                    live[i] = None
+        assert out == alone
+
+
+def test_threads_share_the_model(rt: warmkv.Runtime) -> None:
+    results: dict[int, list[int]] = {}
+
+    def work(i: int, suffix: str) -> None:
+        with rt.session() as s:
+            s.ensure_prefix(SYSTEM)
+            s.prefill_suffix(suffix)
+            results[i] = greedy_tokens(s, 10)
+
+    threads = [threading.Thread(target=work, args=(i, sfx)) for i, sfx in enumerate((USER_A, USER_B, USER_A))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results[0] == results[2] and len(results[1]) == 10
+
+
+def test_streamed_multibyte_text_is_never_broken(rt: warmkv.Runtime) -> None:
+    prompt = (
+        "<|im_start|>user\nRepeat exactly: 🎉🚀✨ 你好世界 日本語のテキスト 😀😀😀<|im_end|>\n"
+        "<|im_start|>assistant\n🎉🚀✨ 你好"
+    )
+    with rt.session() as s:
+        s.ensure_prefix(prompt)
+        chunks = list(s.decode(warmkv.DecodeConfig(max_tokens=40, temperature=0.0, ignore_eos=True)))
+    tokens = [t for c in chunks for t in c.token_ids]
+    pieces = [rt.backend.token_bytes(t) for t in tokens]
+    split_chars = [p for p in pieces if p and p.decode("utf-8", "ignore").encode() != p]
+    assert split_chars, "the model produced no token that splits a UTF-8 character; the test must exercise that"
+    # Only the final flush may hold U+FFFD, and only if generation stopped mid-character.
+    for c in chunks[:-1]:
+        assert "\ufffd" not in c.text
+    assert "".join(c.text for c in chunks) == b"".join(pieces).decode("utf-8", "replace")
+    assert "世界" in "".join(c.text for c in chunks)
+
+
+def test_cancel_stops_decode(rt: warmkv.Runtime) -> None:
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM)
+        s.prefill_suffix(USER_A)
+        stream = s.decode(warmkv.DecodeConfig(max_tokens=200, temperature=0.0, ignore_eos=True))
+        first = next(stream)
+        assert not first.done
+        threading.Thread(target=s.cancel).start()
+        rest = list(stream)
+        assert rest[-1].finish_reason == "cancelled"
+        assert rest[-1].usage is not None and rest[-1].usage.completion_tokens < 200
+        # The session stays usable after a cancel.
+        s.prefill_suffix(USER_B)
+        assert len(greedy_tokens(s, 3)) == 3
+
+
+def test_stop_strings_cut_text(rt: warmkv.Runtime) -> None:
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM)
+        s.prefill_suffix(USER_A)
+        full = "".join(c.text for c in s.decode(warmkv.DecodeConfig(max_tokens=20, temperature=0.0)))
+        assert len(full) > 4
+        stop = full[2:4]
+        s.prefill_suffix(USER_A)
+        chunks = list(s.decode(warmkv.DecodeConfig(max_tokens=20, temperature=0.0, stop=[stop])))
+    assert chunks[-1].finish_reason == "stop"
+    assert "".join(c.text for c in chunks) == full[: full.index(stop)]
+
+
+def test_session_limit_is_typed(tiny_rt: warmkv.Runtime) -> None:
+    opened = [tiny_rt.session() for _ in range(tiny_rt.config.n_seq_max)]
+    try:
+        with pytest.raises(warmkv.SessionLimit) as e:
+            tiny_rt.session()
+        assert e.value.n_seq_max == tiny_rt.config.n_seq_max
+    finally:
+        for s in opened:
+            s.close()
+    tiny_rt.session().close()  # slots come back
+
+
+def test_explain_reports_segments_and_reason(rt: warmkv.Runtime) -> None:
+    raw = SYSTEM.encode()
+    seg = (warmkv.Segment("system", 0, len(raw) // 2), warmkv.Segment("files", len(raw) // 2, len(raw)))
+    with rt.session() as s:
+        s.ensure_prefix(warmkv.PrefixInput(text=SYSTEM, segments=seg))
+        s.ensure_prefix(warmkv.PrefixInput(text=SYSTEM, segments=seg))
+        s.prefill_suffix(USER_A)
+        report = s.explain()
+    assert [x["name"] for x in report.segments] == ["system", "files"]
+    assert report.last_prefix is not None and report.last_prefix.reason.startswith("warm")
+    assert report.suffix_tokens > 0 and report.manifest_digest == rt.manifest().digest
+    assert "segment files" in str(report)

@@ -1,0 +1,75 @@
+"""Runtime helpers on the real model: tokens, complete, chat, lifecycle."""
+
+from __future__ import annotations
+
+import pytest
+
+import warmkv
+from warmkv.backends import ModelState
+
+
+def test_tokenize_roundtrip(rt: warmkv.Runtime) -> None:
+    text = "def add(a, b):\n    return a + b  # ünïcödé 🎉"
+    ids = rt.tokenize(text, add_bos=False)
+    assert rt.count_tokens(text, add_bos=False) == len(ids)
+    assert rt.detokenize(ids) == text
+    assert rt.tokenize("<|im_end|>", add_bos=False) == [rt.tokenize("<|im_end|>", add_bos=False)[0]]
+
+
+def test_info_and_state(rt: warmkv.Runtime) -> None:
+    assert rt.info.architecture == "llama" and rt.info.n_vocab == 49152
+    assert len(rt.info.file_digest) == 64
+    assert rt.state in (ModelState.WARM, ModelState.ACTIVE)
+    m = rt.manifest()
+    assert dict(m.numerics)["kv_cache_type"] == rt.config.kv_cache_type
+
+
+def test_complete_and_stream_agree(rt: warmkv.Runtime) -> None:
+    prompt = "The capital of France is"
+    done = rt.complete(prompt, max_tokens=8, temperature=0.0)
+    assert isinstance(done, warmkv.Completion)
+    assert done.finish_reason in ("stop", "length") and done.usage.completion_tokens <= 8
+    streamed = list(rt.complete(prompt, max_tokens=8, temperature=0.0, stream=True))
+    assert "".join(c.text for c in streamed) == done.text
+    assert streamed[-1].usage is not None and streamed[-1].usage.cached_tokens > 0  # second call was warm
+
+
+def test_chat_reuses_prefix_across_turns(rt: warmkv.Runtime) -> None:
+    msgs = [
+        {"role": "system", "content": "You answer in one short sentence. " * 10},
+        {"role": "user", "content": "What is 2+2?"},
+    ]
+    first = rt.chat(msgs, max_tokens=12, temperature=0.0)
+    assert first.text.strip()
+    second = rt.chat(
+        [*msgs, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And 3+3?"}],
+        max_tokens=12,
+        temperature=0.0,
+    )
+    assert second.usage.cached_tokens >= rt.count_tokens(rt.render_chat(msgs[:1], add_generation_prompt=False))
+
+
+def test_chat_rejects_bad_messages(rt: warmkv.Runtime) -> None:
+    with pytest.raises(warmkv.InvalidInput, match="non-empty list"):
+        rt.chat([])
+    with pytest.raises(warmkv.InvalidInput, match="role"):
+        rt.chat([{"role": "wizard", "content": "hi"}])
+    with pytest.raises(warmkv.InvalidInput, match="content"):
+        rt.chat([{"role": "user", "content": 5}])
+    with pytest.raises(warmkv.InvalidInput):
+        rt.complete("hi", max_tokens=-1)
+    # the helper session is still usable after rejected calls
+    assert rt.complete("Hello", max_tokens=2, temperature=0.0).usage.completion_tokens >= 1
+
+
+def test_lifecycle_cold_warm_active_unloaded() -> None:
+    r = warmkv.Runtime.load(num_ctx=64, n_seq_max=1)
+    assert r.state is ModelState.WARM
+    s = r.session()
+    assert r.state is ModelState.ACTIVE
+    r.close()
+    assert r.state is ModelState.UNLOADED and s.closed
+    with pytest.raises(warmkv.ModelUnloaded):
+        r.session()
+    with pytest.raises(warmkv.SessionClosed):
+        s.ensure_prefix("hello")

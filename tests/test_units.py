@@ -1,0 +1,94 @@
+"""Config, manifest and sampling units, without a model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import warmkv
+from warmkv.config import RuntimeConfig
+from warmkv.manifest import ContextManifest
+from warmkv.sampling import Sampler
+
+
+def _manifest(**over: object) -> ContextManifest:
+    args = dict(
+        model_digest="m",
+        tokenizer_digest="t",
+        chat_template="tpl",
+        numerics={"kv_cache_type": "f16"},
+        add_bos=False,
+        backend="llamacpp",
+    )
+    args.update(over)
+    return ContextManifest.build(**args)  # type: ignore[arg-type]
+
+
+def test_manifest_digest_covers_every_numerics_input() -> None:
+    base = _manifest()
+    assert base.digest == _manifest().digest
+    for change in (
+        {"model_digest": "m2"},
+        {"tokenizer_digest": "t2"},
+        {"chat_template": "other"},
+        {"numerics": {"kv_cache_type": "q8_0"}},
+        {"add_bos": True},
+        {"backend": "native"},
+    ):
+        other = _manifest(**change)
+        assert other.digest != base.digest
+        assert base.diff(other)
+        with pytest.raises(warmkv.ManifestMismatch):
+            base.require_equal(other, "test")
+
+
+def test_segments_do_not_change_identity() -> None:
+    base = _manifest()
+    seg = base.with_segments((warmkv.Segment("system", 0, 10),))
+    assert seg == base and seg.digest == base.digest
+    assert seg.to_dict()["segments"] == [{"name": "system", "start": 0, "end": 10}]
+
+
+def test_bad_segments() -> None:
+    with pytest.raises(warmkv.InvalidInput):
+        warmkv.Segment("x", 5, 2)
+    with pytest.raises(warmkv.InvalidInput):
+        warmkv.Segment("", 0, 1)
+
+
+def test_hash_token_ids_is_order_sensitive() -> None:
+    assert warmkv.hash_token_ids([1, 2, 3]) != warmkv.hash_token_ids([3, 2, 1])
+    assert warmkv.hash_token_ids([]) == warmkv.hash_token_ids(())
+
+
+def test_runtime_config_resolves_auto() -> None:
+    cfg = RuntimeConfig().resolved(n_ctx_train=8192)
+    assert cfg.num_ctx == 4096 and cfg.num_threads and cfg.flash_attn == "off"
+    assert RuntimeConfig(kv_cache_type="q8_0").resolved(n_ctx_train=512).flash_attn == "on"
+    assert RuntimeConfig(kv_cache_type="q8_0").resolved(n_ctx_train=512).num_ctx == 512
+    with pytest.raises(AttributeError):
+        cfg.num_ctx = 5  # type: ignore[misc]
+
+
+def test_sampler_greedy_and_seeded() -> None:
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=1000).astype(np.float32)
+    assert Sampler(warmkv.DecodeConfig(temperature=0.0)).sample(logits) == int(np.argmax(logits))
+    cfg = warmkv.DecodeConfig(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, seed=7)
+    a = [Sampler(cfg).sample(logits) for _ in range(3)]
+    assert len(set(a)) == 1  # same seed, same draw
+    top50 = set(np.argsort(-logits)[:50].tolist())
+    draws = Sampler(cfg)
+    assert all(draws.sample(logits) in top50 for _ in range(200))
+
+
+def test_repeat_penalty_discourages_history() -> None:
+    logits = np.array([2.0, 1.9, 0.0], dtype=np.float32)
+    cfg = warmkv.DecodeConfig(temperature=0.0, repeat_penalty=1.5)
+    assert Sampler(cfg).sample(logits, history=[0]) == 1
+
+
+def test_decode_config_accepts_lists_and_strings() -> None:
+    cfg = warmkv.DecodeConfig(stop="END", stop_token_ids=[2])
+    assert cfg.stop == ("END",) and cfg.stop_token_ids == (2,)
+    hash(cfg)
