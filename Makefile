@@ -4,7 +4,7 @@
 .PHONY: run test lint bench setup
 
 setup:
-	scripts/setup.sh dev,bench
+	scripts/setup.sh dev,bench,server,native
 
 run: setup
 	mkdir -p out

@@ -9,12 +9,24 @@ import pytest
 import warmkv
 
 BACKENDS = [b for b in ("llamacpp", "native") if b in warmkv.available_backends()]
+# The contract suite checks reuse of a session's own resident KV, exactly; the
+# shared memory and disk tiers have their own tests (test_tiers.py).
+NO_TIERS = {"prefix_cache_mb": 0, "kv_store_mb": 0}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Keep every store the tests open (CLI included) out of the user's cache dir."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("WARMKV_CACHE_DIR", str(tmp_path_factory.mktemp("warmkv-cache")))
+    yield
+    mp.undo()
 
 
 @pytest.fixture(scope="session", params=BACKENDS)
 def rt(request: pytest.FixtureRequest) -> Iterator[warmkv.Runtime]:
     """A runtime per backend with a small context (fast tests) and 4 session slots."""
-    runtime = warmkv.Runtime.load(backend=request.param, num_ctx=1024, n_seq_max=4)
+    runtime = warmkv.Runtime.load(backend=request.param, num_ctx=1024, n_seq_max=4, **NO_TIERS)
     yield runtime
     runtime.close()
 
@@ -22,7 +34,7 @@ def rt(request: pytest.FixtureRequest) -> Iterator[warmkv.Runtime]:
 @pytest.fixture(scope="session", params=BACKENDS)
 def tiny_rt(request: pytest.FixtureRequest) -> Iterator[warmkv.Runtime]:
     """A runtime with a 96-token context, to reach overflow quickly."""
-    runtime = warmkv.Runtime.load(backend=request.param, num_ctx=96, n_seq_max=2)
+    runtime = warmkv.Runtime.load(backend=request.param, num_ctx=96, n_seq_max=2, **NO_TIERS)
     yield runtime
     runtime.close()
 

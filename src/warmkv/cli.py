@@ -27,9 +27,11 @@ KvOpt = Annotated[str, typer.Option("--kv-cache-type", help="f16, q8_0 or q4_0")
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")]
 
 
-def _load(model: str | None, backend: str, num_ctx: int | None, kv: str = "f16", threads: int | None = None) -> Runtime:
+def _load(
+    model: str | None, backend: str, num_ctx: int | None, kv: str = "f16", threads: int | None = None, **more: Any
+) -> Runtime:
     with err.status(f"loading {model or 'default model'} on {backend}..."):
-        return Runtime.load(model, backend=backend, num_ctx=num_ctx, kv_cache_type=kv, num_threads=threads)
+        return Runtime.load(model, backend=backend, num_ctx=num_ctx, kv_cache_type=kv, num_threads=threads, **more)
 
 
 def _fail(e: Exception) -> None:
@@ -226,6 +228,87 @@ def chat(
             err.print(f"[dim]reused {reused}, prefilled {prefilled} tokens; TTFT {ttft or 0:.3f}s[/]")
 
 
+@app.command()
+def serve(
+    model: ModelOpt = None,
+    backend: BackendOpt = "llamacpp",
+    host: Annotated[str, typer.Option("--host", help="address to bind (non-loopback needs --api-key)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8000,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", envvar="WARMKV_API_KEY", help="require 'Authorization: Bearer KEY'")
+    ] = None,
+    session_ttl: Annotated[float, typer.Option("--session-ttl", help="seconds before an idle session expires")] = 600,
+    num_ctx: CtxOpt = None,
+    n_seq_max: Annotated[int, typer.Option("--n-seq-max", min=1, help="resident sessions (pool + /v1/sessions)")] = 8,
+    pool_size: Annotated[int, typer.Option("--pool-size", min=1, help="server sessions for plain /v1 requests")] = 4,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="waiting requests before 429")] = 64,
+    cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="allow this browser origin")] = None,
+    model_id: Annotated[str | None, typer.Option("--model-id", help="model name clients use")] = None,
+    kv_cache_type: KvOpt = "f16",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API with persistent sessions."""
+    import uvicorn
+
+    from .server import ServerSettings, create_app
+
+    try:
+        settings = ServerSettings(
+            host=host,
+            port=port,
+            api_key=api_key,
+            cors_origins=tuple(cors_origin or ()),
+            model_id=model_id,
+            session_ttl_s=session_ttl,
+            pool_size=pool_size,
+            max_queue=max_queue,
+        )
+        with err.status(f"loading {model or 'default model'} on {backend}..."):
+            rt = Runtime.load(
+                model,
+                backend=backend,
+                num_ctx=num_ctx,
+                n_seq_max=n_seq_max,
+                kv_cache_type=kv_cache_type,
+                num_threads=threads,
+            )
+        app_ = create_app(rt, settings)
+    except WarmkvError as e:
+        _fail(e)
+    err.print(f"serving {rt.info.name} on http://{host}:{port}/v1 (docs: /docs, metrics: /metrics)")
+    with rt:
+        uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+@app.command()
+def stats(
+    store_dir: Annotated[str | None, typer.Option("--dir", help="KV store directory (default: user cache dir)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """Show the persistent KV store: entries, bytes, snapshots."""
+    from dataclasses import asdict
+
+    from .cache import KVStore
+
+    try:
+        store = KVStore(store_dir)
+    except WarmkvError as e:
+        _fail(e)
+    with store:
+        st, snaps = asdict(store.stats()), [asdict(s) for s in store.list_snapshots()]
+    if as_json:
+        console.print_json(json.dumps({"store": st, "snapshots": snaps}))
+        return
+    t = Table(title=f"KV store {st['directory']}", show_header=False)
+    for k in ("entries", "entry_bytes", "snapshots", "snapshot_bytes", "capacity_bytes"):
+        t.add_row(k, f"{st[k]:,}")
+    console.print(t)
+    for s in snaps:
+        console.print(
+            f"snapshot {s['name']}: {s['n_tokens']} tokens, {s['size']:,} bytes, manifest {s['manifest_digest'][:16]}"
+        )
+
+
 @bench_app.command("coding-loop")
 def bench_coding_loop(
     turns: Annotated[int, typer.Option("--turns", min=1, max=1000)] = 10,
@@ -234,6 +317,10 @@ def bench_coding_loop(
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
     plot_out: Annotated[Path | None, typer.Option("--plot", help="draw TTFT per turn to a PNG")] = None,
     no_peer: Annotated[bool, typer.Option("--no-peer", help="skip llama-cpp-python's Llama")] = False,
+    workspaces: Annotated[
+        int, typer.Option("--workspaces", min=1, max=64, help="also run N interleaved workspaces (1: skip)")
+    ] = 4,
+    restart: Annotated[bool, typer.Option("--restart", help="also measure first-turn TTFT after a restart")] = False,
     model: ModelOpt = None,
     backend: BackendOpt = "llamacpp",
     num_ctx: CtxOpt = None,
@@ -244,9 +331,13 @@ def bench_coding_loop(
     from rich.progress import Progress
 
     from .bench.coding_loop import plot, run_coding_loop
+    from .bench.restart import run_restart
+    from .bench.workspaces import run_workspaces
 
+    no_tiers = {"prefix_cache_mb": 0, "kv_store_mb": 0}
     try:
-        rt = _load(model, backend, num_ctx, kv_cache_type, threads)
+        # Tiers off: the cold session of each turn must really be cold.
+        rt = _load(model, backend, num_ctx, kv_cache_type, threads, **no_tiers)
     except WarmkvError as e:
         _fail(e)
     with rt, Progress(console=err, transient=True) as progress:
@@ -259,6 +350,28 @@ def bench_coding_loop(
             peer=not no_peer,
             on_turn=lambda r: progress.advance(task),
         )
+        if restart:
+            progress.update(task, description="restart")
+            report["restart"] = run_restart(rt, target_tokens=prefix_tokens, max_tokens=max_tokens)
+            report["summary"]["restart_over_cold"] = report["restart"]["restart_over_cold"]
+    if workspaces > 1:
+        # The shared memory tier on, the disk tier off: this phase measures sharing in one process.
+        with (
+            _load(model, backend, num_ctx, kv_cache_type, threads, kv_store_mb=0, n_seq_max=max(4, workspaces)) as wrt,
+            Progress(console=err, transient=True) as progress,
+        ):
+            task = progress.add_task("workspaces", total=turns * workspaces)
+            ws = run_workspaces(
+                wrt,
+                workspaces=workspaces,
+                turns=turns,
+                max_tokens=max_tokens,
+                target_tokens=prefix_tokens,
+                peer=not no_peer,
+                on_turn=lambda: progress.advance(task),
+            )
+        report["workspaces"] = ws
+        report["summary"]["prefilled_over_unique"] = ws["prefilled_over_unique"]
     _print_coding_loop(report)
     if json_out:
         json_out.write_text(json.dumps(report, indent=2))
@@ -269,6 +382,97 @@ def bench_coding_loop(
     if not report["summary"]["all_tokens_equal"]:
         err.print("[bold red]warm and cold tokens differ[/]")
         raise typer.Exit(1)
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=16, max=32768)] = 1024,
+    decode_tokens: Annotated[int, typer.Option("--decode-tokens", min=1, max=4096)] = 128,
+    engines: Annotated[str, typer.Option("--engines", help="comma-separated: native,transformers,llamacpp")] = (
+        "native,transformers,llamacpp"
+    ),
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
+    model: ModelOpt = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Prefill and decode tokens/s: native engine dtypes vs transformers vs llama.cpp, in one run."""
+    from .bench.throughput import run_throughput
+
+    chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
+    unknown = sorted(set(chosen) - {"native", "transformers", "llamacpp"})
+    if unknown or not chosen:
+        _fail(ValueError(f"--engines takes native, transformers, llamacpp; got {engines!r}"))
+    try:
+        with err.status("measuring...") as status:
+            report = run_throughput(
+                model,
+                prompt_tokens=prompt_tokens,
+                decode_tokens=decode_tokens,
+                threads=threads,
+                engines=chosen,
+                on_engine=lambda name: status.update(f"measuring {name}..."),
+            )
+    except WarmkvError as e:
+        _fail(e)
+    t = Table(
+        title=f"throughput: {prompt_tokens}-token prefill, {decode_tokens} greedy decode steps, "
+        f"{report['threads']} threads"
+    )
+    for col in ("engine", "prefill tok/s", "decode tok/s", "note"):
+        t.add_column(col, justify="left" if col in ("engine", "note") else "right")
+    for r in report["results"]:
+        if r["error"]:
+            t.add_row(r["engine"], "-", "-", r["error"][:80])
+        else:
+            t.add_row(r["engine"], f"{r['prefill_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.1f}", "")
+    console.print(t)
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2))
+        err.print(f"wrote {json_out}")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    streams: Annotated[str, typer.Option("--streams", help="comma-separated concurrency levels")] = "1,4,8",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=4096)] = 64,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
+    model: ModelOpt = None,
+    num_ctx: Annotated[int, typer.Option("--num-ctx")] = 1024,
+    threads: ThreadsOpt = None,
+) -> None:
+    """Aggregate decode tokens/s of `warmkv serve` at several concurrent stream counts, in one run."""
+    from .bench.serve import run_serve_bench
+
+    try:
+        levels = [int(x) for x in streams.split(",") if x.strip()]
+        if not levels or min(levels) < 1:
+            raise ValueError
+    except ValueError:
+        _fail(ValueError(f"--streams must be positive integers like 1,4,8; got {streams!r}"))
+    args = (
+        ["--num-ctx", str(num_ctx)]
+        + (["--model", model] if model else [])
+        + (["--threads", str(threads)] if threads else [])
+    )
+    report = run_serve_bench(levels, max_tokens=max_tokens, server_args=args)
+    t = Table(title=f"warmkv serve: {report['model']}, {max_tokens} greedy tokens per stream")
+    for col in ("streams", "tokens", "wall s", "tokens/s", "decode tokens/s", "median TTFT s", "x vs 1 stream"):
+        t.add_column(col, justify="right")
+    for r in report["levels"]:
+        x = f"{r['speedup_vs_1']:.2f}" if r["speedup_vs_1"] else "-"
+        t.add_row(
+            str(r["streams"]),
+            str(r["completion_tokens"]),
+            f"{r['wall_s']:.2f}",
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['decode_tokens_per_s']:.1f}",
+            f"{r['median_ttft_s']:.3f}",
+            x,
+        )
+    console.print(t)
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2))
+        err.print(f"wrote {json_out}")
 
 
 def _print_coding_loop(report: dict[str, Any]) -> None:
@@ -292,6 +496,20 @@ def _print_coding_loop(report: dict[str, Any]) -> None:
     if s["warm_over_peer"] is not None:
         line += f", warm/peer = {s['warm_over_peer']:.3f}"
     console.print(line)
+    if "restart" in report:
+        r = report["restart"]
+        console.print(
+            f"restart: first-turn TTFT {r['restart_ttft_s']:.3f}s restored from {r['restart_source']} vs "
+            f"{r['cold_ttft_s']:.3f}s cold = {r['restart_over_cold']:.3f}; tokens equal: {r['tokens_equal']}"
+        )
+    if "workspaces" in report:
+        w = report["workspaces"]
+        peer = f", warm/peer (LlamaRAMCache) = {w['warm_over_peer']:.3f}" if w["warm_over_peer"] is not None else ""
+        console.print(
+            f"{w['workspaces']} workspaces: prefilled {w['total_prefilled_tokens']} tokens for "
+            f"{w['unique_tokens']} unique = {w['prefilled_over_unique']:.3f}x; "
+            f"warm TTFT median {w['warm_ttft_s_median']:.3f}s{peer}"
+        )
 
 
 def main() -> None:  # pragma: no cover - console entry

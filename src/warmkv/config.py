@@ -11,7 +11,9 @@ from dataclasses import dataclass, field, fields, replace
 
 from .errors import InvalidConfig
 
-KV_CACHE_TYPES = ("f16", "q8_0", "q4_0")
+# llama.cpp names; the native engine also takes f32 and bf16 (each backend rejects what it can't store).
+KV_CACHE_TYPES = ("f16", "q8_0", "q4_0", "f32", "bf16")
+QUANTIZED_KV = ("q8_0", "q4_0")
 FLASH_ATTN = ("auto", "on", "off")
 PROMPT_FORMATS = ("auto", "chatml", "raw")
 # Upper bound for num_ctx when the caller leaves it to the model: keeps the
@@ -51,6 +53,11 @@ class RuntimeConfig:
     n_seq_max: int = 4
     prompt_format: str = "auto"
     disable_bos: bool = False
+    # Warm tiers (no effect on numerics, so not in the manifest).
+    prefix_cache_mb: int = 1024
+    kv_store_dir: str | None = None
+    kv_store_mb: int = 8192
+    cache_block_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.num_ctx is not None:
@@ -64,13 +71,18 @@ class RuntimeConfig:
         _int("n_gpu_layers", self.n_gpu_layers, minimum=-1)
         _choice("flash_attn", self.flash_attn, FLASH_ATTN)
         _choice("kv_cache_type", self.kv_cache_type, KV_CACHE_TYPES)
-        if self.kv_cache_type != "f16" and self.flash_attn == "off":
+        if self.kv_cache_type in QUANTIZED_KV and self.flash_attn == "off":
             raise InvalidConfig(
                 f"kv_cache_type={self.kv_cache_type} needs flash_attn 'on' or 'auto' "
                 "(a quantized V cache requires flash attention)"
             )
         _int("n_seq_max", self.n_seq_max, minimum=1, maximum=256)
         _choice("prompt_format", self.prompt_format, PROMPT_FORMATS)
+        _int("prefix_cache_mb", self.prefix_cache_mb, minimum=0)
+        _int("kv_store_mb", self.kv_store_mb, minimum=0)
+        _int("cache_block_tokens", self.cache_block_tokens, minimum=1, maximum=65536)
+        if self.kv_store_dir is not None and not isinstance(self.kv_store_dir, str):
+            raise InvalidConfig(f"kv_store_dir must be a path string, got {self.kv_store_dir!r}")
         if not isinstance(self.disable_bos, bool):
             raise InvalidConfig(f"disable_bos must be a bool, got {self.disable_bos!r}")
 
@@ -91,7 +103,7 @@ class RuntimeConfig:
         if flash == "auto":
             # Quantized V needs flash attention; otherwise keep llama.cpp's
             # tested default path (off on CPU) so numerics are predictable.
-            flash = "on" if self.kv_cache_type != "f16" else "off"
+            flash = "on" if self.kv_cache_type in QUANTIZED_KV else "off"
         return replace(self, num_ctx=num_ctx, num_threads=threads, flash_attn=flash)
 
 

@@ -87,3 +87,85 @@ class SessionFatal(WarmkvError):
 
 class ModelUnloaded(WarmkvError):
     """The runtime (and its model) was closed."""
+
+
+class CacheFull(WarmkvError):
+    """The prefix cache cannot take an entry even after evicting every unreferenced one."""
+
+    def __init__(
+        self, nbytes: int, used: int, locked: int, capacity: int, entries: int, max_entries: int | None
+    ) -> None:
+        self.nbytes = nbytes
+        self.used = used
+        self.locked = locked
+        self.capacity = capacity
+        self.entries = entries
+        self.max_entries = max_entries
+        limit = f", {entries} of max_entries={max_entries} entries" if max_entries is not None else ""
+        super().__init__(
+            f"prefix cache full: entry of {nbytes} bytes does not fit; {used} of {capacity} bytes used, "
+            f"{locked} of them locked by sessions{limit}"
+        )
+
+
+class CacheEntryGone(WarmkvError):
+    """A prefix cache entry was used after it was evicted or removed."""
+
+    def __init__(self, entry_id: int, n_blocks: int) -> None:
+        self.entry_id = entry_id
+        self.n_blocks = n_blocks
+        super().__init__(f"prefix cache entry #{entry_id} ({n_blocks} blocks) is no longer in the cache")
+
+
+class CacheCorrupt(WarmkvError):
+    """An invariant of the in-memory prefix cache is broken (a bug, never a user error)."""
+
+
+class StoreError(WarmkvError):
+    """Base class of persistent KV store errors."""
+
+
+class StoreCorrupt(StoreError):
+    """A stored blob or index row failed verification; it was deleted, never served."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"corrupt KV store blob {path}: {reason}")
+
+
+class StoreFull(StoreError):
+    """A blob does not fit the store's size cap even after evicting every evictable entry."""
+
+    def __init__(self, nbytes: int, pinned: int, capacity: int) -> None:
+        self.nbytes = nbytes
+        self.pinned = pinned
+        self.capacity = capacity
+        super().__init__(
+            f"KV store full: blob of {nbytes} bytes + {pinned} bytes of snapshots (never evicted) "
+            f"> capacity {capacity} bytes"
+        )
+
+
+class SnapshotNotFound(StoreError):
+    """No snapshot has the requested name."""
+
+    def __init__(self, name: str, directory: str, available: int) -> None:
+        self.name = name
+        self.directory = directory
+        self.available = available
+        super().__init__(f"no snapshot named {name!r} in {directory} ({available} snapshots stored)")
+
+
+class KVCacheFull(WarmkvError):
+    """The native engine's KV block pool has no free block for the tokens asked for; nothing changed."""
+
+    def __init__(self, needed: int, free: int, total: int, block_size: int) -> None:
+        self.needed = needed
+        self.free = free
+        self.total = total
+        self.block_size = block_size
+        super().__init__(
+            f"KV cache full: need {needed} more blocks of {block_size} tokens, {free} of {total} blocks free; "
+            "close a session, shorten the context or raise the KV budget"
+        )

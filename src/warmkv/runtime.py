@@ -12,10 +12,11 @@ from typing import Any
 from .backends import Backend, ModelInfo, ModelState, load_backend
 from .chat import ChatTemplate, resolve_template
 from .config import DecodeConfig, RuntimeConfig
-from .errors import InvalidInput, ModelUnloaded, Unsupported
+from .errors import ContextOverflow, InvalidInput, ManifestMismatch, ModelUnloaded, Unsupported
 from .manifest import ContextManifest
 from .models import resolve_model
-from .session import Session
+from .session import NO_STORE, Session
+from .tiers import KVTiers
 from .types import StreamChunk, Usage
 
 
@@ -44,6 +45,18 @@ class Runtime:
         self._template_source = template
         self._template: ChatTemplate | None = None
         self.default_add_bos = backend.info.add_bos and not self.config.disable_bos
+        c = self.config
+        # Warm tiers need a backend that can export and import a sequence's KV.
+        self.tiers = (
+            KVTiers(
+                block_tokens=c.cache_block_tokens,
+                memory_mb=c.prefix_cache_mb,
+                store_dir=c.kv_store_dir,
+                store_mb=c.kv_store_mb,
+            )
+            if callable(getattr(backend, "export_seq", None)) and (c.prefix_cache_mb or c.kv_store_mb)
+            else None
+        )
         self._manifests = {
             bos: ContextManifest.build(
                 model_digest=backend.info.file_digest,
@@ -107,6 +120,33 @@ class Runtime:
             s = Session(self, self.backend.acquire_seq())
             self._sessions[s.id] = s
             return s
+
+    def restore(self, name: str) -> Session:
+        """A new session holding a snapshot's context, under this runtime's manifest only."""
+        if not isinstance(name, str) or not name:
+            raise InvalidInput(f"snapshot name must be a non-empty string, got {name!r}")
+        with self.lock:
+            self._check_loaded()
+            if self.tiers is None or self.tiers.store is None:
+                raise Unsupported("restore", NO_STORE)
+            snap = self.tiers.store.get_snapshot(name)
+            manifest = next((m for m in self._manifests.values() if m.digest == snap.manifest_digest), None)
+            if manifest is None:
+                theirs = dict(snap.manifest)
+                ours = self.manifest().identity()
+                diff = "; ".join(
+                    f"{k}: {str(theirs.get(k))[:24]} != {str(v)[:24]}" for k, v in ours.items() if theirs.get(k) != v
+                )
+                raise ManifestMismatch(f"snapshot {name!r} was taken under another manifest ({diff})")
+            if len(snap.tokens) > self.config.num_ctx:  # type: ignore[operator]
+                raise ContextOverflow("restore", 0, len(snap.tokens), self.config.num_ctx)  # type: ignore[arg-type]
+            session = self.session()
+            try:
+                session._restore(snap.tokens, snap.blob, manifest, dict(snap.meta))
+            except BaseException:
+                session.close()
+                raise
+            return session
 
     @property
     def sessions(self) -> list[Session]:
@@ -206,6 +246,9 @@ class Runtime:
                 s.close()
             if self._helper is not None:
                 self._helper.close()
+            if self.tiers is not None:
+                self.tiers.close()
+                self.tiers = None
             self.backend.close()
 
     def __enter__(self) -> Runtime:

@@ -6,10 +6,17 @@ Region map of the resident tokens (KV positions):
 
 plus at most one sampled token not yet evaluated (`_tail`): it is fed to the
 model only if generation continues, so a turn that ends never pays for it.
+
+When ensure_prefix finds its whole prefix resident, the old suffix and
+generated tokens are dropped logically but their KV stays *detached* until the
+next call that needs the room: prefill_suffix reuses the part of it the new
+suffix shares (a resent conversation history, a repeated header) and every
+other call drops it first (`_settle`).
 """
 
 from __future__ import annotations
 
+import re
 import secrets
 import threading
 import time
@@ -27,15 +34,21 @@ from .errors import (
     NoPrefix,
     SessionClosed,
     SessionFatal,
+    Unsupported,
     WarmkvError,
 )
 from .manifest import ContextManifest, hash_token_ids, sha256_bytes, validate_segments
 from .sampling import Sampler
 from .text import StopMatcher, Utf8Stream, as_text
+from .tiers import CachedKV
 from .types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus, Usage
 
 if TYPE_CHECKING:
+    from .cache import SnapshotInfo
     from .runtime import Runtime
+
+SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NO_STORE = "the disk store is disabled (kv_store_mb=0) or the backend cannot move KV"
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -66,6 +79,7 @@ class Session:
         self._logits: np.ndarray | None = None  # after _tokens[-1]; None when unknown
         self._prefix_len = 0
         self._suffix_end = 0
+        self._detached: int | None = None  # _tokens[_detached:] is a dropped suffix whose KV is kept
         self._manifest: ContextManifest | None = None
         self._byte_hash: str | None = None
         self._token_hash: str | None = None
@@ -82,6 +96,16 @@ class Session:
             raise SessionClosed(f"session {self.id} is closed")
         if self._fatal:
             raise SessionFatal(f"session {self.id} must be evicted: {self._fatal}")
+
+    @property
+    def _live(self) -> int:
+        return len(self._tokens) if self._detached is None else self._detached
+
+    def _settle(self) -> None:
+        """Really drop a detached old suffix."""
+        if self._detached is not None:
+            self._truncate(self._detached)
+            self._detached = None
 
     def _truncate(self, n: int) -> None:
         if n < len(self._tokens):
@@ -147,10 +171,34 @@ class Session:
             reason = self._prefix_reason(same, manifest, reused, len(tokens))
             dropped = len(self._tokens) + len(self._tail) - reused
             t0 = time.perf_counter()
-            self._truncate(reused)
+            if same and reused == len(tokens) and len(self._tokens) > reused:
+                self._tail, self._logits, self._detached = [], None, reused  # keep the old suffix for reuse
+            else:
+                self._truncate(reused)
+                self._detached = None
             self._prefix_len = self._suffix_end = 0
             self._manifest = manifest
-            self._eval(tokens[reused:])
+            source = "resident" if reused else "none"
+            tiers = self._rt.tiers
+            if tiers is not None:
+                keys = tiers.keys(manifest.digest, tokens)
+                hit = tiers.lookup(manifest.digest, tokens, keys, reused)
+                if hit is not None:
+                    loaded = self._load_cached(hit.kv, hit.n_tokens)
+                    reused, source = len(self._tokens), hit.source if loaded else "none"
+                    reason = (
+                        f"warm: {reused} of {len(tokens)} prefix tokens restored from the {hit.source} tier"
+                        if loaded
+                        else f"cold: the {hit.source} tier's KV was rejected; prefilled {len(tokens)} tokens"
+                    )
+                # Two passes: stop at the last full block so the cached blob holds
+                # exactly the prefix, keep it, then prefill the partial block.
+                boundary = len(keys) * tiers.block_tokens
+                if boundary > len(self._tokens) and not tiers.covered(keys):
+                    self._eval(tokens[len(self._tokens) : boundary])
+                    blob = self._backend.export_seq(self._seq)
+                    tiers.remember(manifest.digest, keys, CachedKV(tuple(tokens[:boundary]), blob))
+            self._eval(tokens[len(self._tokens) :])
             self._prefix_len = self._suffix_end = len(tokens)
             self._byte_hash = sha256_bytes(raw)
             self._token_hash = hash_token_ids(tokens)
@@ -160,17 +208,29 @@ class Session:
                 prefilled_tokens=len(tokens) - reused,
                 dropped_tokens=dropped,
                 prefix_tokens=len(tokens),
-                resident_tokens=len(self._tokens),
-                available_tokens=self._num_ctx - len(self._tokens),
+                resident_tokens=self._live,
+                available_tokens=self._num_ctx - self._live,
                 stable_byte_hash=self._byte_hash,
                 stable_token_hash=self._token_hash,
                 manifest_digest=manifest.digest,
-                reuse_source="resident" if reused else "none",
+                reuse_source=source,
                 reason=reason,
                 prefill_s=time.perf_counter() - t0,
             )
             self._last_prefix = status
             return status
+
+    def _load_cached(self, kv: CachedKV, n: int) -> bool:
+        """Replace our KV with a cached blob, keeping its first n tokens; False if the backend refused it."""
+        try:
+            self._backend.import_seq(self._seq, kv.blob)
+        except WarmkvError:
+            self._backend.truncate(self._seq, 0)
+            self._tokens, self._tail, self._logits = [], [], None
+            return False
+        self._tokens, self._tail, self._logits = list(kv.tokens), [], None
+        self._truncate(n)
+        return True
 
     def _prefix_reason(self, same: bool, manifest: ContextManifest, reused: int, n: int) -> str:
         if self._manifest is None or not self._tokens:
@@ -198,6 +258,7 @@ class Session:
                 )
             tokens = self._backend.tokenize(text, add_bos=False, parse_special=inp.parse_special) if text else []
             if inp.append:
+                self._settle()
                 base, new = len(self._tokens), self._tail + tokens
                 reused = 0
             else:
@@ -210,6 +271,7 @@ class Session:
                 self._tail = []
             else:
                 self._truncate(base + reused)
+                self._detached = None
             self._eval(new[reused:])
             self._suffix_end = len(self._tokens)
             self._cached_since_decode += reused
@@ -240,6 +302,7 @@ class Session:
             self._check_usable()
             if self._prefix_len == 0:
                 raise NoPrefix("decode needs a prefix: call ensure_prefix first")
+            self._settle()
             used = len(self._tokens) + len(self._tail)
             budget = cfg.max_tokens if cfg.max_tokens is not None else self._num_ctx - used
             if budget < 1 or used + budget > self._num_ctx:
@@ -293,6 +356,91 @@ class Session:
         self._cached_since_decode = 0
         yield StreamChunk(text=rest, token_ids=tuple(pending), finish_reason=finish, usage=usage, error=error)
 
+    # -- batched decoding (warmkv.scheduler) -----------------------------------
+    # A running decode() generator evaluates its sampled token lazily (_tail) at
+    # its next step. A scheduler may evaluate the tails of several sessions in one
+    # backend.forward and hand the logits back; the generator then finds them
+    # ready and skips its own forward. Call both methods under runtime.lock, with
+    # no release in between, so the row still matches the session state.
+
+    def pending_row(self) -> ForwardRow | None:
+        """The row this session's decode needs evaluated before its next sample, or None."""
+        if self._closed or self._fatal or not self._tail or self._cancel.is_set():
+            return None
+        return ForwardRow(self._seq, tuple(self._tail), len(self._tokens))
+
+    def accept_row(self, row: ForwardRow, logits: np.ndarray | None) -> None:
+        """Record that `row` (from pending_row) was evaluated and its last-token logits."""
+        if row.start != len(self._tokens) or tuple(row.tokens) != tuple(self._tail):
+            raise InvalidInput(f"row at {row.start} does not match session {self.id}'s pending tokens")
+        self._tokens.extend(self._tail)
+        self._tail = []
+        self._logits = logits
+
+    def fail_row(self, reason: str) -> None:
+        """A batched forward holding this session's row failed fatally: its KV is unknown."""
+        self._fatal = reason
+
+    def token_ids(self) -> tuple[int, ...]:
+        """The resident token ids (evaluated KV), for routing requests by shared prefix."""
+        with self._lock:
+            return tuple(self._tokens)
+
+    def fork(self) -> Session:
+        """A second session holding the same resident context; the two diverge after.
+
+        The child gets its own sequence (SessionLimit when none is free) and a copy
+        of the parent's KV, so either may prefill or decode without touching the other.
+        """
+        with self._lock:
+            self._check_usable()
+            self._settle()
+            child = self._rt.session()
+            try:
+                self._backend.copy_seq(self._seq, child._seq, len(self._tokens))
+            except BaseException:
+                child.close()
+                raise
+            child._adopt(self)
+            return child
+
+    def snapshot(self, name: str) -> SnapshotInfo:
+        """Write the resident context (tokens, KV, manifest) to the disk store under `name`.
+
+        `Runtime.restore(name)` brings it back, also in another process after a crash.
+        """
+        if not isinstance(name, str) or not SNAPSHOT_NAME.fullmatch(name):
+            raise InvalidInput(f"snapshot name must match {SNAPSHOT_NAME.pattern}, got {name!r}")
+        with self._lock:
+            self._check_usable()
+            tiers = self._rt.tiers
+            if tiers is None or tiers.store is None:
+                raise Unsupported("snapshot", NO_STORE)
+            if self._manifest is None or not self._tokens:
+                raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
+            self._settle()
+            meta = {"prefix_len": self._prefix_len, "suffix_end": self._suffix_end, "byte_hash": self._byte_hash}
+            blob = self._backend.export_seq(self._seq)
+            m = self._manifest
+            return tiers.store.put_snapshot(name, m.digest, m.to_dict(), self._tokens, blob, meta)
+
+    def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
+        """Load a snapshot's KV into this (fresh) session."""
+        with self._lock:
+            self._backend.import_seq(self._seq, blob)
+            self._tokens, self._tail, self._logits = list(tokens), [], None
+            self._manifest = manifest
+            self._prefix_len = int(meta.get("prefix_len", len(tokens)))
+            self._suffix_end = int(meta.get("suffix_end", len(tokens)))
+            self._byte_hash = meta.get("byte_hash")  # type: ignore[assignment]
+            self._token_hash = hash_token_ids(self._tokens[: self._prefix_len])
+
+    def _adopt(self, other: Session) -> None:
+        """Take over another session's bookkeeping (its KV was copied to our sequence)."""
+        self._tokens, self._tail, self._logits = list(other._tokens), list(other._tail), other._logits
+        self._prefix_len, self._suffix_end, self._manifest = other._prefix_len, other._suffix_end, other._manifest
+        self._byte_hash, self._token_hash, self._last_prefix = other._byte_hash, other._token_hash, other._last_prefix
+
     def cancel(self) -> None:
         """Stop a running decode at the next token (safe from any thread)."""
         self._cancel.set()
@@ -305,11 +453,11 @@ class Session:
                 backend=self._backend.name,
                 closed=self._closed,
                 num_ctx=self._num_ctx,
-                resident_tokens=len(self._tokens),
+                resident_tokens=self._live,
                 prefix_tokens=self._prefix_len,
                 suffix_tokens=self._suffix_end - self._prefix_len,
-                generated_tokens=len(self._tokens) - self._suffix_end + len(self._tail),
-                available_tokens=self._num_ctx - len(self._tokens),
+                generated_tokens=self._live - self._suffix_end + len(self._tail),
+                available_tokens=self._num_ctx - self._live,
                 stable_byte_hash=self._byte_hash,
                 stable_token_hash=self._token_hash,
                 manifest_digest=m.digest if m else None,

@@ -25,7 +25,13 @@ from ..errors import InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal
 from ..manifest import file_digest
 from .base import ForwardRow, ModelInfo, ModelState
 
-_KV_TYPES = {"f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0, "q4_0": lc.GGML_TYPE_Q4_0}
+_KV_TYPES = {
+    "f16": lc.GGML_TYPE_F16,
+    "q8_0": lc.GGML_TYPE_Q8_0,
+    "q4_0": lc.GGML_TYPE_Q4_0,
+    "f32": lc.GGML_TYPE_F32,
+    "bf16": 30,  # GGML_TYPE_BF16; the bindings do not export it
+}
 _FLASH = {"on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 GGUF_MAGIC = b"GGUF"
 
@@ -254,8 +260,28 @@ class LlamaCppBackend:
             raise SessionFatal(f"llama.cpp could not drop positions >= {n} of sequence {seq}")
 
     def copy_seq(self, src: int, dst: int, n: int) -> None:
+        # Each sequence has its own KV stream, and llama.cpp copies across streams
+        # only whole buffers: copy everything, then drop what lies past n.
         lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
-        lc.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        lc.llama_memory_seq_rm(self._mem, dst, n, -1)
+
+    def export_seq(self, seq: int) -> bytes:
+        """The sequence's KV as llama.cpp state bytes (only its own cells)."""
+        self._activate()
+        size = lc.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        n = lc.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        return ctypes.string_at(buf, n)
+
+    def import_seq(self, seq: int, blob: bytes) -> None:
+        """Replace the sequence's KV with state bytes from export_seq (same manifest)."""
+        self._activate()
+        lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        if lc.llama_state_seq_set_data(self._ctx, buf, len(blob), seq) == 0:
+            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+            raise InvalidInput(f"llama.cpp rejected {len(blob)} bytes of sequence state")
 
     # -- evaluation ----------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..runtime import Runtime
 
-_KV = {"f16": 1, "q8_0": 8, "q4_0": 2}
+_KV = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2, "bf16": 30}
 
 
 def peer_llama(rt: Runtime, **extra: Any) -> Any:

@@ -47,6 +47,13 @@ TOOLS = [
 ]
 
 SOURCE_MODULES = ("bisect", "fnmatch", "graphlib", "sched")
+# Workspaces of the multi-workspace loop: same system prompt and tools, own files.
+WORKSPACE_MODULES = (
+    ("bisect", "fnmatch", "graphlib", "sched"),
+    ("colorsys", "glob", "sched", "queue"),
+    ("copy", "shlex", "queue", "string"),
+    ("operator", "string", "textwrap", "glob"),
+)
 
 
 @dataclass(frozen=True)
@@ -102,10 +109,16 @@ def _request_turn(files: dict[str, str], turn: int) -> str:
 TURN_KINDS: tuple[Callable[[dict[str, str], int], str], ...] = (_diff_turn, _test_turn, _request_turn)
 
 
-def coding_workload(count_tokens: Callable[[str], int], *, target_tokens: int = 3000, turns: int = 10) -> Workload:
+def coding_workload(
+    count_tokens: Callable[[str], int],
+    *,
+    target_tokens: int = 3000,
+    turns: int = 10,
+    modules: tuple[str, ...] = SOURCE_MODULES,
+) -> Workload:
     """Build the workload, trimming the last file so the system text is ~target_tokens."""
     files: dict[str, str] = {}
-    for name in SOURCE_MODULES:
+    for name in modules:
         files[f"lib/{name}.py"] = _module_source(name)
         wl = Workload(SYSTEM, files, [])
         if count_tokens(wl.system_text()) >= target_tokens:

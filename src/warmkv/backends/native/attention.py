@@ -1,0 +1,58 @@
+"""Attention over the paged KV cache: one SDPA call per sequence, on its gathered slots.
+
+Each row attends only to its own positions, computed the same way whatever else
+is in the batch, so a token's numbers do not depend on batch composition.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .paged_kv import PagedKVCache
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """One sequence's slice of a flat batch: tokens [offset, offset + n) at positions [start, start + n)."""
+
+    offset: int
+    n: int
+    start: int
+    slots: torch.Tensor  # slot ids of positions [0, start + n)
+    mask: torch.Tensor | None  # [n, start + n] bool, None when plain causal or a single query
+    causal: bool
+    first_slot: int | None  # set when the slots are one range: K/V are read as a view
+
+
+def plan_row(offset: int, n: int, start: int, slots: torch.Tensor, first_slot: int | None) -> RowPlan:
+    if n == 1:
+        return RowPlan(offset, n, start, slots, None, False, first_slot)
+    if start == 0:
+        return RowPlan(offset, n, start, slots, None, True, first_slot)
+    keys = torch.arange(start + n)
+    mask = keys[None, :] <= (start + torch.arange(n))[:, None]
+    return RowPlan(offset, n, start, slots, mask, False, first_slot)
+
+
+def paged_attention(
+    q: torch.Tensor, cache: PagedKVCache, layer: int, rows: list[RowPlan], scale: float
+) -> torch.Tensor:
+    """q: [T, n_heads, head_dim] -> [T, n_heads, head_dim]; K/V already written to the cache."""
+    out = torch.empty_like(q)
+    for r in rows:
+        k, v = cache.gather(layer, r.slots, q.dtype, r.first_slot)
+        qr = q[r.offset : r.offset + r.n].transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            qr,
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=r.mask,
+            is_causal=r.causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[r.offset : r.offset + r.n] = o[0].transpose(0, 1)
+    return out

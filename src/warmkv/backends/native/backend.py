@@ -1,0 +1,282 @@
+"""The native backend: the Backend protocol over Transformer + PagedKVCache."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...config import RuntimeConfig
+from ...errors import (
+    ContextOverflow,
+    InvalidConfig,
+    InvalidInput,
+    InvalidModelFile,
+    ModelNotFound,
+    SessionFatal,
+    SessionLimit,
+    Unsupported,
+    WarmkvError,
+)
+from ...manifest import file_digest
+from ..base import ForwardRow, ModelInfo, ModelState
+from .batch import BatchPlanner
+from .checkpoint import Checkpoint
+from .gguf_loader import load_gguf
+from .hf_loader import load_hf
+from .kv_blob import export_seq, import_seq
+from .model import Transformer
+from .paged_kv import KVLayout, PagedKVCache
+
+# RuntimeConfig.kv_cache_type (llama.cpp names) -> the native KV storage dtype.
+KV_STORAGE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "q8_0": "int8"}
+# compute_dtype -> (matmul input dtype, int8 weight-only quantization)
+COMPUTE_DTYPES = {
+    "float32": (torch.float32, False),
+    "bfloat16": (torch.bfloat16, False),
+    "int8": (torch.bfloat16, True),
+}
+GGUF_MAGIC = b"GGUF"
+
+
+def _read(path: Path) -> tuple[Checkpoint, str, int]:
+    """Load a GGUF file or an HF directory: (checkpoint, content digest, size in bytes)."""
+    if not path.exists():
+        raise ModelNotFound(f"model not found: {path}")
+    try:
+        if path.is_dir():
+            files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors", ".jinja"))
+            h = hashlib.sha256()
+            for f in files:
+                h.update(f"{f.name}={file_digest(f)}\n".encode())
+            return load_hf(path), h.hexdigest(), sum(f.stat().st_size for f in files)
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise InvalidModelFile(f"{path} is not a GGUF file (first bytes {magic!r}, expected {GGUF_MAGIC!r})")
+        return load_gguf(path), file_digest(path), path.stat().st_size
+    except WarmkvError:
+        raise
+    except Exception as e:  # a malformed file can fail anywhere inside the readers
+        raise InvalidModelFile(f"cannot load {path}: {type(e).__name__}: {e}") from None
+
+
+class NativeBackend:
+    """One model in warmkv's PyTorch engine with one paged KV pool for all sequences."""
+
+    name = "native"
+
+    def __init__(
+        self,
+        path: str,
+        config: RuntimeConfig,
+        *,
+        compute_dtype: str = "float32",
+        kv_cache_mb: int | None = None,
+    ) -> None:
+        self._state = ModelState.COLD
+        if config.kv_cache_type not in KV_STORAGE:
+            raise Unsupported(
+                "kv_cache_type", f"{config.kv_cache_type!r} on native; use one of {', '.join(KV_STORAGE)}"
+            )
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise InvalidConfig(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}; got {compute_dtype!r}")
+        if kv_cache_mb is not None and (not isinstance(kv_cache_mb, int) or kv_cache_mb < 1):
+            raise InvalidConfig(f"kv_cache_mb must be a positive integer, got {kv_cache_mb!r}")
+        p = Path(path)
+        ckpt, digest, size = _read(p)
+        args = ckpt.args
+        self.config = config.resolved(n_ctx_train=args.max_seq_len)
+        torch.set_num_threads(self.config.num_threads or 1)
+        self._compute = compute_dtype
+        dtype, int8 = COMPUTE_DTYPES[compute_dtype]
+        self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx or 1, int8)
+        self._tok = ckpt.tokenizer
+        self._state = ModelState.WARM
+        self.info = ModelInfo(
+            path=str(p.resolve()),
+            name=ckpt.name,
+            architecture=args.arch,
+            n_vocab=args.vocab_size,
+            n_ctx_train=args.max_seq_len,
+            n_embd=args.dim,
+            n_layer=args.n_layers,
+            n_params=self._model.n_params(),
+            size_bytes=size,
+            bos_token_id=ckpt.tokenizer.vocab.bos,
+            eos_token_id=ckpt.tokenizer.vocab.eos,
+            add_bos=ckpt.add_bos,
+            chat_template=ckpt.chat_template,
+            file_digest=digest,
+            tokenizer_digest=ckpt.tokenizer.vocab.digest,
+            metadata=ckpt.metadata,
+        )
+        self._kv_mb = kv_cache_mb
+        self._cache: PagedKVCache | None = None
+        self._planner: BatchPlanner | None = None
+        # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
+        self._n_slots = self.config.n_seq_max + 1
+        self._free_slots = list(range(self._n_slots - 1, -1, -1))
+
+    # -- model facts -------------------------------------------------------------
+
+    @property
+    def state(self) -> ModelState:
+        return self._state
+
+    @property
+    def cache(self) -> PagedKVCache | None:
+        return self._cache
+
+    def numerics(self) -> dict[str, object]:
+        return {
+            "kv_cache_type": self.config.kv_cache_type,
+            "kv_dtype": KV_STORAGE[self.config.kv_cache_type],
+            "compute_dtype": self._compute,
+            "num_batch": self.config.num_batch,
+            "torch": torch.__version__.split("+")[0],
+        }
+
+    # -- tokens ------------------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
+        return self._tok.tokenize(text, add_bos=add_bos, parse_special=parse_special)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._tok.token_bytes(token)
+
+    def token_text(self, token: int) -> str:
+        return self._tok.token_text(token)
+
+    def is_eog(self, token: int) -> bool:
+        return self._tok.is_eog(token)
+
+    # -- sequences -----------------------------------------------------------------
+
+    def _activate(self) -> PagedKVCache:
+        if self._state is ModelState.UNLOADED:
+            raise SessionFatal("the model was unloaded")
+        if self._cache is None:
+            a, c = self._model.args, self.config
+            bs = 16
+            layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, 1, bs, KV_STORAGE[c.kv_cache_type])
+            if self._kv_mb is None:
+                blocks = self._n_slots * -(-(c.num_ctx or 1) // bs)
+            else:
+                blocks = max(1, self._kv_mb * 2**20 // (layout.bytes_per_token() * bs))
+            layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, blocks, bs, layout.dtype)
+            try:
+                self._cache = PagedKVCache(layout)
+            except RuntimeError as e:
+                raise SessionFatal(f"cannot allocate the KV pool of {blocks} blocks x {bs} tokens: {e}") from None
+            self._planner = BatchPlanner(self._cache, self.config.num_batch)
+            self._state = ModelState.ACTIVE
+        return self._cache
+
+    def acquire_seq(self) -> int:
+        self._activate()
+        # The last slot is reserved for the runtime; sessions get the others.
+        if len(self._free_slots) <= 1:
+            raise SessionLimit(self.config.n_seq_max, self.config.n_seq_max)
+        return self._free_slots.pop()
+
+    def acquire_internal_seq(self) -> int:
+        self._activate()
+        reserved = self._n_slots - 1
+        if reserved not in self._free_slots:
+            raise SessionLimit(1, 1)
+        self._free_slots.remove(reserved)
+        return reserved
+
+    def _check_seq(self, seq: int) -> None:
+        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < self._n_slots:
+            raise InvalidInput(f"sequence id {seq!r} out of range [0, {self._n_slots})")
+        if seq in self._free_slots:
+            raise InvalidInput(f"sequence {seq} is not acquired")
+
+    def release_seq(self, seq: int) -> None:
+        if self._cache is not None:
+            self._cache.free(seq)
+        if isinstance(seq, int) and 0 <= seq < self._n_slots and seq not in self._free_slots:
+            self._free_slots.append(seq)
+
+    def truncate(self, seq: int, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidInput(f"truncate length must be an integer >= 0, got {n!r}")
+        if self._cache is not None:
+            self._cache.truncate(seq, n)
+
+    def copy_seq(self, src: int, dst: int, n: int) -> None:
+        cache = self._activate()
+        self._check_seq(src)
+        self._check_seq(dst)
+        cache.copy_prefix(src, dst, n)
+
+    def export_seq(self, seq: int) -> bytes:
+        cache = self._activate()
+        self._check_seq(seq)
+        return export_seq(cache, seq)
+
+    def import_seq(self, seq: int, blob: bytes) -> None:
+        cache = self._activate()
+        self._check_seq(seq)
+        import_seq(cache, seq, blob, self.config.num_ctx or 0)
+
+    # -- evaluation ------------------------------------------------------------------
+
+    def _validate(self, rows: Sequence[ForwardRow], cache: PagedKVCache) -> None:
+        seen: set[int] = set()
+        n_ctx = self.config.num_ctx or 0
+        for row in rows:
+            if not isinstance(row, ForwardRow):
+                raise InvalidInput(f"forward rows must be ForwardRow, got {type(row).__name__}")
+            self._check_seq(row.seq)
+            if row.seq in seen:
+                raise InvalidInput(f"sequence {row.seq} appears twice in one forward")
+            seen.add(row.seq)
+            have = cache.length(row.seq)
+            if row.start != have:
+                raise InvalidInput(f"row for sequence {row.seq} starts at {row.start} but {have} tokens are resident")
+            for t in row.tokens:
+                self._tok.check(t)
+            if row.start + len(row.tokens) > n_ctx:
+                raise ContextOverflow("forward", row.start, len(row.tokens), n_ctx)
+
+    def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:
+        cache = self._activate()
+        self._validate(rows, cache)
+        cache.can_append({r.seq: len(r.tokens) for r in rows})  # KVCacheFull here changes nothing
+        out: list[np.ndarray | None] = [None] * len(rows)
+        assert self._planner is not None
+        try:
+            for step in self._planner.chunks(rows):
+                logits = self._model.forward(
+                    step.tokens, step.positions, step.plans, step.write_slots, step.logit_index, cache
+                )
+                for i, r in enumerate(step.logit_rows):
+                    out[r] = logits[i].numpy().copy()
+        except Exception as e:
+            for r in rows:
+                cache.truncate(r.seq, r.start)
+            raise SessionFatal(f"native forward failed on {sum(len(r.tokens) for r in rows)} tokens: {e}") from None
+        return out
+
+    def close(self) -> None:
+        if self._state is ModelState.UNLOADED:
+            return
+        self._cache = None
+        self._planner = None
+        self._model = None  # type: ignore[assignment]
+        self._state = ModelState.UNLOADED
+
+
+def load(path: str, config: RuntimeConfig, **options: object) -> NativeBackend:
+    """Load a GGUF file or HF directory.
+
+    Options: compute_dtype ("float32", "bfloat16", or "int8": int8 weights with bfloat16
+    activations), kv_cache_mb (KV pool budget in MiB).
+    """
+    return NativeBackend(path, config, **options)  # type: ignore[arg-type]

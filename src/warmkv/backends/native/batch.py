@@ -1,0 +1,75 @@
+"""Turning ForwardRows into model steps of at most num_batch tokens each.
+
+A row longer than the budget spans several steps; each step appends its tokens to
+the paged cache first, then the model writes their K/V into the returned slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..base import ForwardRow
+from .attention import RowPlan, plan_row
+from .paged_kv import PagedKVCache
+
+
+@dataclass(frozen=True)
+class Step:
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    plans: list[RowPlan]
+    write_slots: torch.Tensor
+    logit_index: torch.Tensor
+    logit_rows: list[int]  # which input row each logits row answers
+
+
+class BatchPlanner:
+    def __init__(self, cache: PagedKVCache, num_batch: int) -> None:
+        self._cache = cache
+        self._cap = num_batch
+
+    def chunks(self, rows: Sequence[ForwardRow]) -> Iterator[Step]:
+        pending: list[tuple[int, int, int]] = []  # (row index, token begin, token end)
+        fill = 0
+        for r, row in enumerate(rows):
+            i, n = 0, len(row.tokens)
+            while i < n:
+                take = min(n - i, self._cap - fill)
+                pending.append((r, i, i + take))
+                fill += take
+                i += take
+                if fill == self._cap:
+                    yield self._step(rows, pending)
+                    pending, fill = [], 0
+        if pending:
+            yield self._step(rows, pending)
+
+    def _step(self, rows: Sequence[ForwardRow], parts: list[tuple[int, int, int]]) -> Step:
+        tokens: list[int] = []
+        positions: list[torch.Tensor] = []
+        writes: list[torch.Tensor] = []
+        plans: list[RowPlan] = []
+        logit_index: list[int] = []
+        logit_rows: list[int] = []
+        for r, b, e in parts:
+            row = rows[r]
+            start = row.start + b
+            slots = self._cache.append(row.seq, e - b)
+            plans.append(plan_row(len(tokens), e - b, start, slots, self._cache.first_slot_if_contiguous(row.seq)))
+            writes.append(slots[start:])
+            positions.append(torch.arange(start, row.start + e))
+            tokens.extend(row.tokens[b:e])
+            if e == len(row.tokens) and row.want_logits:
+                logit_index.append(len(tokens) - 1)
+                logit_rows.append(r)
+        return Step(
+            tokens=torch.tensor(tokens, dtype=torch.long),
+            positions=torch.cat(positions),
+            plans=plans,
+            write_slots=torch.cat(writes),
+            logit_index=torch.tensor(logit_index, dtype=torch.long),
+            logit_rows=logit_rows,
+        )

@@ -1,0 +1,149 @@
+"""GGUF files: metadata, tensors (dequantized to float32) and the tokenizer.
+
+llama.cpp's converter permutes the rows of Q and K for the llama architecture
+(its RoPE rotates adjacent pairs; HF rotates halves). We undo that permutation
+so one model implementation serves GGUF and HF checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ...errors import InvalidModelFile, Unsupported
+from .args import ARCHITECTURES, ModelArgs
+from .checkpoint import Checkpoint
+from .tokenizer import from_gguf_metadata
+
+log = logging.getLogger(__name__)
+Q = gguf.GGMLQuantizationType
+DEQUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_name(name: str) -> str | None:
+    """The HF name of a GGUF tensor name, None for tensors the engine does not use."""
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
+    return None
+
+
+def unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's convert permute(): pairwise-interleaved rows back to halves."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> object:
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def read_metadata(reader: gguf.GGUFReader) -> dict[str, object]:
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def _args(meta: dict[str, object], arch: str, tensors: set[str]) -> ModelArgs:
+    def get(key: str, default: object = None) -> object:
+        v = meta.get(f"{arch}.{key}", default)
+        if v is None:
+            raise InvalidModelFile(f"GGUF metadata lacks {arch}.{key}")
+        return v
+
+    n_heads = int(get("attention.head_count"))  # type: ignore[call-overload]
+    n_kv = get("attention.head_count_kv", n_heads)
+    dim = int(get("embedding_length"))  # type: ignore[call-overload]
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or dim // n_heads)  # type: ignore[call-overload]
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or ())  # type: ignore[arg-type]
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "llama3"):
+        raise Unsupported("rope scaling", f"{scaling!r} in GGUF; supported: none, llama3")
+    return ModelArgs(
+        arch=arch,
+        vocab_size=int(vocab),  # type: ignore[call-overload]
+        dim=dim,
+        n_layers=int(get("block_count")),  # type: ignore[call-overload]
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv),  # type: ignore[call-overload]
+        head_dim=head_dim,
+        hidden_dim=int(get("feed_forward_length")),  # type: ignore[call-overload]
+        norm_eps=float(get("attention.layer_norm_rms_epsilon")),  # type: ignore[arg-type]
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),  # type: ignore[arg-type]
+        max_seq_len=int(get("context_length")),  # type: ignore[call-overload]
+        tie_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+    )
+
+
+def load_gguf(path: Path) -> Checkpoint:
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise InvalidModelFile(f"cannot read GGUF {path}: {e}") from None
+    meta = read_metadata(reader)
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in ARCHITECTURES:
+        raise Unsupported("architecture", f"{arch!r} in {path.name}; the native engine runs {', '.join(ARCHITECTURES)}")
+    names = {t.name for t in reader.tensors}
+    args = _args(meta, arch, names)
+    weights: dict[str, torch.Tensor] = {}
+    for i, t in enumerate(reader.tensors):
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        if t.tensor_type not in DEQUANTIZABLE:
+            raise Unsupported("GGUF tensor type", f"{t.tensor_type.name} for {t.name}")
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = unpermute(w, args.n_heads)
+        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = unpermute(w, args.n_kv_heads)
+        weights[name] = torch.from_numpy(w if w.flags.writeable else w.copy())
+        if i % 50 == 0:
+            log.info("dequantized %d of %d tensors", i + 1, len(reader.tensors))
+    tokenizer = from_gguf_metadata(meta)
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", arch == "llama" and tokenizer.vocab.bos is not None))
+    template = meta.get("tokenizer.chat_template")
+    return Checkpoint(
+        args=args,
+        weights=weights,
+        tokenizer=tokenizer,
+        chat_template=str(template) if template else None,
+        name=str(meta.get("general.name") or path.stem),
+        add_bos=add_bos,
+        metadata={k: _short(v) for k, v in meta.items() if not k.startswith("tokenizer.ggml.")},
+    )
+
+
+def _short(v: object) -> str:
+    s = str(v)
+    return s if len(s) <= 512 else s[:509] + "..."

@@ -1,0 +1,79 @@
+"""Records the prefix cache hands out: entry handles, match/insert results, evictions, stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class CacheEntry:
+    """Handle of one cached prefix. Callers read it; only the cache changes it (under its lock)."""
+
+    __slots__ = ("_locks", "_node", "_tick", "id", "keys", "nbytes", "payload")
+
+    def __init__(self, entry_id: int, keys: tuple[str, ...], payload: object, nbytes: int, tick: int) -> None:
+        self.id = entry_id
+        self.keys = keys
+        self.payload = payload
+        self.nbytes = nbytes
+        self._locks = 0
+        self._tick = tick
+        self._node: object = None  # the trie node of the last block; None once released
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def lock_count(self) -> int:
+        return self._locks
+
+    @property
+    def alive(self) -> bool:
+        """False once the cache has let go of the entry (its payload went to on_evict)."""
+        return self._node is not None
+
+    def __repr__(self) -> str:
+        return f"CacheEntry(id={self.id}, n_blocks={self.n_blocks}, nbytes={self.nbytes}, locks={self._locks})"
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The first n_blocks blocks of entry's KV equal the caller's (entry None when n_blocks == 0)."""
+
+    n_blocks: int
+    entry: CacheEntry | None
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """inserted False: an existing entry already covered the keys; the caller keeps its payload."""
+
+    entry: CacheEntry
+    inserted: bool
+
+
+@dataclass(frozen=True)
+class EvictedEntry:
+    """A payload the cache let go. reason: 'budget', 'superseded', 'removed' or 'clear'."""
+
+    entry_id: int
+    keys: tuple[str, ...]
+    payload: object
+    nbytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Counters since the cache was created; bytes/entries are current. evictions counts budget evictions."""
+
+    hits: int
+    misses: int
+    hit_blocks: int
+    inserts: int
+    evictions: int
+    bytes: int
+    locked_bytes: int
+    entries: int
+    locked_entries: int
+    capacity_bytes: int

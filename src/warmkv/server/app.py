@@ -1,0 +1,128 @@
+"""The FastAPI app: create_app(runtime, settings) wires routes, limits, metrics and background work."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
+
+from .. import __version__
+from ..errors import InvalidConfig
+from ..runtime import Runtime
+from ..scheduler import Scheduler
+from . import errors, openai_routes, session_routes
+from .admission import Admission
+from .guard import Guard
+from .metrics import ServerMetrics
+from .pool import SessionPool
+from .registry import SessionRegistry
+from .settings import ServerSettings
+from .state import ServerState, get_state
+
+
+def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving `runtime`. The caller owns the runtime and closes it after the app stops."""
+    cfg = settings or ServerSettings()
+    n_seq = runtime.config.n_seq_max
+    if cfg.pool_size > n_seq:
+        raise InvalidConfig(f"pool_size={cfg.pool_size} exceeds the runtime's n_seq_max={n_seq}")
+    metrics = ServerMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        admission = Admission(cfg.max_queue)
+        pool = SessionPool(runtime, cfg.pool_size, admission, cfg.queue_timeout_s)
+        pool.open()
+        registry = SessionRegistry(runtime, n_seq - cfg.pool_size, cfg.session_ttl_s, admission, cfg.queue_timeout_s)
+        scheduler = Scheduler(runtime)
+        st = ServerState(
+            runtime=runtime,
+            settings=cfg,
+            scheduler=scheduler,
+            pool=pool,
+            registry=registry,
+            admission=admission,
+            metrics=metrics,
+            model_id=cfg.model_id or Path(runtime.info.path).stem,
+        )
+        app.state.warmkv = st
+        _gauges(st)
+        expiry = asyncio.create_task(_expire_loop(registry))
+        try:
+            yield
+        finally:
+            expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await expiry
+            await asyncio.to_thread(scheduler.close)
+            await asyncio.to_thread(_close_sessions, pool, registry)
+
+    app = FastAPI(
+        title="warmkv",
+        version=__version__,
+        description="OpenAI-compatible local inference that keeps the KV cache of a stable prefix warm.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+    app.include_router(openai_routes.router)
+    app.include_router(session_routes.router)
+    app.add_api_route("/health", health, methods=["GET"], tags=["ops"])
+    app.add_api_route("/metrics", metrics_route, methods=["GET"], tags=["ops"], response_class=Response)
+    if cfg.cors_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["*"], allow_headers=["*"]
+        )
+    app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, metrics=metrics)
+    return app
+
+
+def _close_sessions(pool: SessionPool, registry: SessionRegistry) -> None:
+    pool.close()
+    registry.close_all()
+
+
+def _gauges(st: ServerState) -> None:
+    m = st.metrics
+    m.gauge("warmkv_resident_sessions", "Open sessions (server pool + /v1/sessions)", lambda: len(st.runtime.sessions))
+    m.gauge("warmkv_user_sessions", "Sessions opened through /v1/sessions", lambda: len(st.registry))
+    m.gauge("warmkv_queue_depth", "Requests waiting for a session", lambda: st.queue_depth)
+    m.gauge("warmkv_active_streams", "Decodes running on the scheduler", lambda: st.scheduler.active)
+    m.gauge("warmkv_decode_tokens_per_second", "Aggregate decode rate over the last 5 s", st.scheduler.tokens_per_s)
+
+
+async def _expire_loop(registry: SessionRegistry) -> None:
+    period = min(max(registry.ttl_s / 4, 0.05), 30.0)
+    while True:
+        await asyncio.sleep(period)
+        registry.expire()
+
+
+async def health(request: Request) -> dict[str, Any]:
+    """Liveness plus what is in use: sessions, streams, queue."""
+    st = get_state(request)
+    return {
+        "status": "ok",
+        "model": st.model_id,
+        "backend": st.runtime.backend.name,
+        "state": st.runtime.state.value,
+        "num_ctx": st.runtime.config.num_ctx,
+        "uptime_s": time.time() - st.started,
+        "pool": {"size": st.pool.size, "idle": st.pool.idle, "waiting": st.pool.waiting},
+        "sessions": {"open": len(st.registry), "capacity": st.registry.capacity, "expired": st.registry.expired},
+        "active_streams": st.scheduler.active,
+        "scheduler": {"steps": st.scheduler.steps, "batched_rows": st.scheduler.batched_rows},
+        "queue_depth": st.queue_depth,
+    }
+
+
+async def metrics_route(request: Request) -> Response:
+    """Prometheus text format."""
+    m = get_state(request).metrics
+    return Response(m.render(), media_type=m.content_type)

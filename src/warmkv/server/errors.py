@@ -1,0 +1,148 @@
+"""warmkv errors as OpenAI-style JSON error bodies: {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ..errors import (
+    ContextOverflow,
+    InvalidInput,
+    ManifestMismatch,
+    ModelUnloaded,
+    NoPrefix,
+    SessionClosed,
+    SessionFatal,
+    SessionLimit,
+    Unsupported,
+    WarmkvError,
+)
+
+log = logging.getLogger("warmkv.server")
+
+_HTTP_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    410: "gone_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    501: "not_implemented_error",
+    503: "server_error",
+}
+
+
+class ApiError(Exception):
+    """An error the server answers with status and an OpenAI-style body."""
+
+    def __init__(
+        self, status: int, message: str, *, code: str | None = None, param: str | None = None, **extra: Any
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        err = {
+            "message": self.message,
+            "type": _HTTP_TYPES.get(self.status, "server_error"),
+            "param": self.param,
+            "code": self.code,
+        }
+        return {"error": {**err, **self.extra}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_warmkv(e: WarmkvError) -> ApiError:
+    """The status and body for a warmkv error; the numbers it carries go into the body."""
+    msg = str(e)
+    if isinstance(e, ContextOverflow):
+        return ApiError(
+            400,
+            msg,
+            code="context_length_exceeded",
+            param="messages",
+            stage=e.stage,
+            resident_tokens=e.resident,
+            additional_tokens=e.additional,
+            num_ctx=e.num_ctx,
+        )
+    if isinstance(e, ManifestMismatch):
+        return ApiError(409, msg, code="manifest_mismatch")
+    if isinstance(e, NoPrefix):
+        return ApiError(409, msg, code="no_prefix")
+    if isinstance(e, SessionClosed):
+        return ApiError(410, msg, code="session_closed")
+    if isinstance(e, SessionLimit):
+        return ApiError(429, msg, code="session_limit", open_sessions=e.open_sessions, n_seq_max=e.n_seq_max)
+    if isinstance(e, SessionFatal):
+        return ApiError(500, msg + " (the session was evicted)", code="session_fatal")
+    if isinstance(e, ModelUnloaded):
+        return ApiError(503, msg, code="model_unloaded")
+    if isinstance(e, Unsupported):
+        return ApiError(400, msg, code="unsupported", feature=e.feature)
+    if isinstance(e, InvalidInput):
+        return ApiError(400, msg, code="invalid_value")
+    return ApiError(500, msg, code="internal_error")
+
+
+def not_found(what: str, ident: str) -> ApiError:
+    return ApiError(404, f"{what} {ident!r} not found", code=f"{what}_not_found")
+
+
+def not_implemented(feature: str) -> ApiError:
+    return ApiError(501, f"{feature} is not implemented yet by this server", code="not_implemented")
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or "body"
+
+
+def install(app: FastAPI) -> None:
+    """Every failure becomes an OpenAI-style body; nothing takes the server down."""
+
+    @app.exception_handler(ApiError)
+    async def _api(_: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(WarmkvError)
+    async def _warmkv(_: Request, e: WarmkvError) -> JSONResponse:
+        return from_warmkv(e).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            return ApiError(
+                400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", code="invalid_json"
+            ).response()
+        where = _loc(tuple(first.get("loc", ())))
+        msg = "; ".join(f"{_loc(tuple(x.get('loc', ())))}: {x.get('msg')}" for x in errs[:5])
+        return ApiError(422, msg or "invalid request", code="invalid_parameter", param=where).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+        code = "invalid_body" if e.status_code == 400 else None
+        return ApiError(e.status_code, str(e.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return ApiError(500, f"internal error: {type(e).__name__}", code="internal_error").response()

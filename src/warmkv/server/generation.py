@@ -1,0 +1,58 @@
+"""A plain (session-less) request: route to the warmest pooled session, prefill, decode."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+
+from ..config import DecodeConfig
+from ..errors import ContextOverflow, SessionFatal
+from ..types import PrefixInput
+from .state import ServerState
+from .streams import ChunkStream, start_decode
+
+
+@dataclass(frozen=True)
+class Generation:
+    stream: ChunkStream
+    prompt_tokens: int
+    cached_tokens: int
+    t0: float
+
+
+async def generate(st: ServerState, prompt: str, max_tokens: int | None, sampling: dict[str, Any]) -> Generation:
+    """Start generating after prompt; errors before the first token raise here (4xx/5xx)."""
+    t0 = time.perf_counter()
+    rt = st.runtime
+    tokens = await run_in_threadpool(rt.tokenize, prompt)
+    num_ctx: int = rt.config.num_ctx  # type: ignore[assignment]
+    if max_tokens is None:
+        max_tokens = min(st.settings.default_max_tokens, num_ctx - len(tokens))
+    if max_tokens < 1 or len(tokens) + max_tokens > num_ctx:
+        raise ContextOverflow("prompt", len(tokens), max(max_tokens, 1), num_ctx)
+    cfg = DecodeConfig(max_tokens=max_tokens, **sampling)
+    session = await st.pool.acquire(tokens)
+
+    def finished(stream: ChunkStream) -> None:
+        final = stream.final
+        if final is not None and isinstance(final.error, SessionFatal):
+            st.pool.replace(session)
+        else:
+            st.pool.release(session)
+        if final is not None:
+            st.metrics.observe_usage(final.usage)
+
+    try:
+        status = await run_in_threadpool(session.ensure_prefix, PrefixInput(text=prompt))
+        st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
+        stream = await start_decode(st.scheduler, session, cfg, finished)
+    except SessionFatal:
+        st.pool.replace(session)
+        raise
+    except BaseException:
+        st.pool.release(session)
+        raise
+    return Generation(stream, len(tokens), status.reused_tokens, t0)

@@ -1,0 +1,50 @@
+"""Prometheus metrics, one registry per app (several apps may live in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..types import Usage
+
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("warmkv_requests", "HTTP requests", ["route", "status"], registry=r)
+        self.prompt_tokens = Counter(
+            "warmkv_prompt_tokens",
+            "Prompt tokens by origin: prefilled now or reused from resident KV",
+            ["kind"],
+            registry=r,
+        )
+        self.completion_tokens = Counter("warmkv_completion_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("warmkv_ttft_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r)
+        self.errors = Counter("warmkv_errors", "Error responses by code", ["code"], registry=r)
+        self._reused = 0
+        self._prefilled = 0
+        self.cache_hit_rate = Gauge(
+            "warmkv_cache_hit_rate", "Reused / (reused + prefilled) prompt tokens since start", registry=r
+        )
+        self.cache_hit_rate.set_function(lambda: self._reused / max(1, self._reused + self._prefilled))
+
+    def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
+        Gauge(name, doc, registry=self.registry).set_function(fn)
+
+    def observe_prompt(self, reused: int, prefilled: int) -> None:
+        self._reused += reused
+        self._prefilled += prefilled
+        self.prompt_tokens.labels("reused").inc(reused)
+        self.prompt_tokens.labels("prefilled").inc(prefilled)
+
+    def observe_usage(self, usage: Usage | None) -> None:
+        if usage is not None:
+            self.completion_tokens.inc(usage.completion_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,237 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from ..types import StreamChunk, Usage
+from .errors import ApiError, from_warmkv
+from .generation import Generation, generate
+from .schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ErrorBody,
+    ModelList,
+    TextCompletion,
+    _Sampling,
+)
+from .state import ServerState, State
+from .streams import SSE_DONE, SSEResponse, sse
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 410, 413, 422, 429, 500, 501, 503)
+}
+router = APIRouter(prefix="/v1", tags=["openai"], responses=ERRORS)
+
+
+def _unsupported(param: str, why: str) -> ApiError:
+    return ApiError(400, f"{param}: {why}", code="unsupported_parameter", param=param)
+
+
+def _sampling(req: _Sampling) -> dict[str, Any]:
+    """Check the fields we cannot honour; map the rest onto DecodeConfig."""
+    if req.n != 1:
+        raise _unsupported("n", f"only n=1 is supported, got {req.n}")
+    if req.frequency_penalty or req.presence_penalty:
+        raise _unsupported("frequency_penalty", "frequency/presence penalties are not supported; use repeat_penalty")
+    if req.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias is not supported")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > 16:
+        raise _unsupported("stop", f"at most 16 stop strings, got {len(stop)}")
+    return {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repeat_penalty": req.repeat_penalty,
+        "seed": None if req.seed is None else req.seed % 2**32,
+        "stop": tuple(stop),
+        "ignore_eos": req.ignore_eos,
+    }
+
+
+def _usage(u: Usage | None) -> dict[str, Any] | None:
+    if u is None:
+        return None
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def _finish(chunk: StreamChunk) -> str:
+    return "length" if chunk.finish_reason == "length" else "stop"
+
+
+async def _collect(st: ServerState, gen: Generation) -> tuple[str, StreamChunk]:
+    parts: list[str] = []
+    first = True
+    try:
+        async for chunk in gen.stream:
+            if first:
+                st.metrics.ttft.observe(time.perf_counter() - gen.t0)
+                first = False
+            parts.append(chunk.text)
+            if chunk.done:
+                if chunk.error is not None:
+                    raise from_warmkv(chunk.error)
+                return "".join(parts), chunk
+    except BaseException:
+        gen.stream.cancel()  # the client left (or a bug): stop decoding for nobody
+        raise
+    raise ApiError(500, "stream ended without a final chunk", code="internal_error")
+
+
+def _stream(
+    st: ServerState,
+    gen: Generation,
+    frame: Callable[[dict[str, Any] | None, str | None, dict[str, Any] | None], dict[str, Any]],
+    first: dict[str, Any] | None,
+    include_usage: bool,
+) -> SSEResponse:
+    """SSE of frames: frame(delta, finish_reason, usage) builds one OpenAI chunk object."""
+
+    async def body() -> AsyncIterator[bytes]:
+        if first is not None:
+            yield sse(frame(first, None, None))
+        got_first = False
+        async for chunk in gen.stream:
+            if not got_first:
+                st.metrics.ttft.observe(time.perf_counter() - gen.t0)
+                got_first = True
+            if chunk.text:
+                yield sse(frame({"content": chunk.text}, None, None))
+            if chunk.done:
+                if chunk.error is not None:
+                    err = from_warmkv(chunk.error)
+                    st.metrics.errors.labels(err.code or "error").inc()
+                    yield sse(err.body())
+                else:
+                    yield sse(frame({}, _finish(chunk), None))
+                    if include_usage:
+                        yield sse(frame(None, None, _usage(chunk.usage)))
+        yield SSE_DONE
+
+    return SSEResponse(body(), on_close=gen.stream.cancel)
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(st: State) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{"id": st.model_id, "object": "model", "created": st.started, "owned_by": "warmkv"}],
+    }
+
+
+@router.get("/models/{model_id}")
+async def get_model(model_id: str, st: State) -> dict[str, Any]:
+    st.check_model(model_id)
+    return _card(st)
+
+
+def _card(st: ServerState) -> dict[str, Any]:
+    return {"id": st.model_id, "object": "model", "created": st.started, "owned_by": "warmkv"}
+
+
+@router.post("/chat/completions", response_model=ChatCompletion)
+async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
+    """Chat through the model's template; prompts sharing a prefix with a pooled session reuse its KV."""
+    st.check_model(req.model)
+    sampling = _sampling(req)
+    if req.logprobs or req.top_logprobs:
+        raise _unsupported("logprobs", "logprobs unsupported by this server")
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    prompt = st.runtime.render_chat(messages, add_generation_prompt=True, tools=req.tools)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    gen = await generate(st, prompt, max_tokens, sampling)
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if req.stream:
+
+        def frame(delta: dict[str, Any] | None, finish: str | None, usage: dict[str, Any] | None) -> dict[str, Any]:
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_id}
+            return {**out, "choices": choices, **({"usage": usage} if usage else {})}
+
+        opts = req.stream_options
+        return _stream(st, gen, frame, {"role": "assistant", "content": ""}, bool(opts and opts.include_usage))
+    text, last = await _collect(st, gen)
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": st.model_id,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": _finish(last),
+                "logprobs": None,
+            }
+        ],
+        "usage": _usage(last.usage),
+    }
+
+
+@router.post("/completions", response_model=TextCompletion)
+async def completions(req: CompletionRequest, st: State) -> Any:
+    """Raw text completion after prompt (no template)."""
+    st.check_model(req.model)
+    sampling = _sampling(req)
+    if req.echo:
+        raise _unsupported("echo", "echo is not supported")
+    if req.suffix:
+        raise _unsupported("suffix", "suffix (fill-in-the-middle) is not supported")
+    if req.best_of not in (None, 1):
+        raise _unsupported("best_of", "only best_of=1 is supported")
+    if req.logprobs:
+        raise _unsupported("logprobs", "logprobs unsupported by this server")
+    if isinstance(req.prompt, list):
+        if len(req.prompt) != 1:
+            raise _unsupported("prompt", f"exactly one prompt per request, got {len(req.prompt)}")
+        prompt = req.prompt[0]
+    else:
+        prompt = req.prompt
+    if not prompt:
+        raise ApiError(400, "prompt is empty", code="invalid_value", param="prompt")
+    gen = await generate(st, prompt, req.max_tokens, sampling)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if req.stream:
+
+        def frame(delta: dict[str, Any] | None, finish: str | None, usage: dict[str, Any] | None) -> dict[str, Any]:
+            text = "" if delta is None else delta.get("content", "")
+            choices = [] if delta is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+            out = {"id": rid, "object": "text_completion", "created": created, "model": st.model_id}
+            return {**out, "choices": choices, **({"usage": usage} if usage else {})}
+
+        opts = req.stream_options
+        return _stream(st, gen, frame, None, bool(opts and opts.include_usage))
+    text, last = await _collect(st, gen)
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": st.model_id,
+        "choices": [{"index": 0, "text": text, "finish_reason": _finish(last), "logprobs": None}],
+        "usage": _usage(last.usage),
+    }
+
+
+@router.post("/embeddings", status_code=501, response_class=JSONResponse)
+async def embeddings(req: EmbeddingRequest, st: State) -> Any:
+    st.check_model(req.model)
+    raise ApiError(
+        501,
+        f"embeddings are not available: the {st.runtime.backend.name} backend has no embedding output yet",
+        code="embeddings_unsupported",
+    )

@@ -1,0 +1,127 @@
+"""Sessions created through /v1/sessions: unguessable ids, one request at a time each, idle TTL.
+
+All methods run on the event loop. A session's lock is held for the whole of a
+request on it, a streamed decode included (released when the decode finishes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ..runtime import Runtime
+from ..session import Session
+from .admission import Admission
+from .errors import ApiError, not_found
+
+_GONE_MEMORY = 4096  # closed ids remembered, to answer 410 rather than 404
+
+
+@dataclass
+class Entry:
+    id: str
+    session: Session
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+
+class SessionRegistry:
+    def __init__(self, runtime: Runtime, capacity: int, ttl_s: float, admission: Admission, timeout_s: float) -> None:
+        self._rt = runtime
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._admission = admission
+        self._timeout_s = timeout_s
+        self._entries: dict[str, Entry] = {}
+        self._gone: OrderedDict[str, str] = OrderedDict()
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def create(self) -> Entry:
+        if len(self._entries) >= self.capacity:
+            raise ApiError(
+                429,
+                f"{len(self._entries)} of {self.capacity} sessions are open; close one or wait for idle ones to expire",
+                code="session_limit",
+            )
+        entry = Entry(secrets.token_urlsafe(24), self._rt.session())
+        self._entries[entry.id] = entry
+        return entry
+
+    def get(self, sid: str) -> Entry:
+        entry = self._entries.get(sid)
+        if entry is not None:
+            return entry
+        if sid in self._gone:
+            raise ApiError(410, f"session {sid!r} was {self._gone[sid]}", code="session_closed")
+        raise not_found("session", sid)
+
+    async def lock(self, sid: str) -> Entry:
+        """The entry with its lock held; waits (bounded) while another request uses it."""
+        entry = self.get(sid)
+        if entry.lock.locked():
+            with self._admission.wait():
+                try:
+                    await asyncio.wait_for(entry.lock.acquire(), self._timeout_s)
+                except TimeoutError:
+                    raise ApiError(
+                        503, f"session {sid!r} stayed busy for {self._timeout_s:.0f}s", code="busy"
+                    ) from None
+        else:
+            await entry.lock.acquire()
+        if self._entries.get(sid) is not entry:  # closed while we waited
+            entry.lock.release()
+            self.get(sid)
+        entry.touch()
+        return entry
+
+    def unlock(self, entry: Entry) -> None:
+        entry.touch()
+        if entry.lock.locked():
+            entry.lock.release()
+
+    def close(self, sid: str, why: str = "closed") -> None:
+        entry = self.get(sid)
+        self._drop(entry, why)
+
+    def _drop(self, entry: Entry, why: str) -> None:
+        self._entries.pop(entry.id, None)
+        self._gone[entry.id] = why
+        while len(self._gone) > _GONE_MEMORY:
+            self._gone.popitem(last=False)
+        entry.session.cancel()
+        # close() waits for the model lock (a forward step or a prefill): not on the loop.
+        asyncio.get_running_loop().run_in_executor(None, entry.session.close)
+
+    def evict(self, entry: Entry, reason: str) -> None:
+        """Drop a session whose KV is unknown after a backend failure."""
+        self._drop(entry, f"evicted: {reason}")
+
+    def register(self, session: Session) -> Entry:
+        """Adopt a session made elsewhere (a fork)."""
+        entry = Entry(secrets.token_urlsafe(24), session)
+        self._entries[entry.id] = entry
+        return entry
+
+    def expire(self) -> int:
+        """Close sessions idle for longer than the TTL (never one in use)."""
+        cutoff = time.monotonic() - self.ttl_s
+        old = [e for e in self._entries.values() if e.last_used < cutoff and not e.lock.locked()]
+        for e in old:
+            self._drop(e, f"expired after {self.ttl_s:g}s idle")
+        self.expired += len(old)
+        return len(old)
+
+    def close_all(self) -> None:
+        for e in list(self._entries.values()):
+            self._entries.pop(e.id, None)
+            e.session.close()

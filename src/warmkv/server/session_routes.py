@@ -1,0 +1,203 @@
+"""Session routes: clients that manage prefix and suffix themselves keep one session warm."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body
+from starlette.concurrency import run_in_threadpool
+
+from ..config import DecodeConfig
+from ..errors import SessionFatal
+from ..manifest import Segment
+from ..session import Session
+from ..types import PrefixInput, StreamChunk, SuffixInput
+from .errors import from_warmkv, not_implemented
+from .openai_routes import ERRORS
+from .registry import Entry
+from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
+from .state import ServerState, State
+from .streams import SSE_DONE, ChunkStream, SSEResponse, sse, start_decode
+
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERRORS)
+
+
+def _chunk(c: StreamChunk) -> dict[str, Any]:
+    out: dict[str, Any] = {"text": c.text, "token_ids": list(c.token_ids)}
+    if c.done:
+        out["finish_reason"] = c.finish_reason
+        if c.usage is not None:
+            u = c.usage
+            out["usage"] = {
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
+                "total_tokens": u.total_tokens,
+                "cached_tokens": u.cached_tokens,
+            }
+    return out
+
+
+async def _call(st: ServerState, sid: str, fn: Any, *args: Any) -> Any:
+    """Run fn(session, *args) off the loop with the session's lock held; evict on a fatal error."""
+    entry = await st.registry.lock(sid)
+    try:
+        return await run_in_threadpool(fn, entry.session, *args)
+    except SessionFatal as e:
+        st.registry.evict(entry, str(e))
+        raise
+    finally:
+        st.registry.unlock(entry)
+
+
+@router.post("", response_model=SessionCreated)
+async def create_session(st: State, body: Annotated[dict[str, Any] | None, Body()] = None) -> dict[str, Any]:
+    """Open a session; its id is the capability to use it. It expires after session_ttl_s idle."""
+    if body and "model" in body:
+        st.check_model(str(body["model"]))
+    entry = st.registry.create()
+    return {
+        "id": entry.id,
+        "object": "session",
+        "created": int(entry.created),
+        "model": st.model_id,
+        "num_ctx": st.runtime.config.num_ctx,
+        "ttl_s": st.registry.ttl_s,
+    }
+
+
+@router.post("/{sid}/prefix")
+async def ensure_prefix(sid: str, req: PrefixRequest, st: State) -> dict[str, Any]:
+    """Make the resident KV equal this prefix, prefilling only the divergent tail (PrefixStatus)."""
+    inp = PrefixInput(
+        text=req.text,
+        segments=tuple(Segment(s.name, s.start, s.end) for s in req.segments),
+        add_bos=req.add_bos,
+        parse_special=req.parse_special,
+        expect_manifest=req.expect_manifest,
+    )
+    status = await _call(st, sid, Session.ensure_prefix, inp)
+    st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
+    return status.to_dict()
+
+
+@router.post("/{sid}/suffix")
+async def prefill_suffix(sid: str, req: SuffixRequest, st: State) -> dict[str, Any]:
+    """Prefill the volatile part after the prefix (SuffixStatus); the prefix KV is untouched."""
+    inp = SuffixInput(
+        text=req.text, append=req.append, parse_special=req.parse_special, manifest_digest=req.manifest_digest
+    )
+    status = await _call(st, sid, Session.prefill_suffix, inp)
+    st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
+    return status.to_dict()
+
+
+@router.post("/{sid}/decode")
+async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
+    """Generate: SSE of {text, token_ids} deltas, the last with finish_reason and usage; or one JSON."""
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    cfg = DecodeConfig(
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_k=req.top_k,
+        top_p=req.top_p,
+        min_p=req.min_p,
+        repeat_penalty=req.repeat_penalty,
+        repeat_last_n=req.repeat_last_n,
+        seed=req.seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+    )
+    t0 = time.perf_counter()
+    entry = await st.registry.lock(sid)
+
+    def finished(stream: ChunkStream) -> None:
+        final = stream.final
+        if final is not None and isinstance(final.error, SessionFatal):
+            st.registry.evict(entry, str(final.error))
+        if final is not None:
+            st.metrics.observe_usage(final.usage)
+        st.registry.unlock(entry)
+
+    try:
+        stream = await start_decode(st.scheduler, entry.session, cfg, finished)
+    except BaseException:
+        st.registry.unlock(entry)
+        raise
+    if not req.stream:
+        return await _collect(st, stream, t0)
+
+    async def body() -> AsyncIterator[bytes]:
+        first = True
+        async for chunk in stream:
+            if first:
+                st.metrics.ttft.observe(time.perf_counter() - t0)
+                first = False
+            if chunk.done and chunk.error is not None:
+                yield sse({**_chunk(chunk), **from_warmkv(chunk.error).body()})
+            elif chunk.text or chunk.done:
+                yield sse(_chunk(chunk))
+        yield SSE_DONE
+
+    return SSEResponse(body(), on_close=stream.cancel)
+
+
+async def _collect(st: ServerState, stream: ChunkStream, t0: float) -> dict[str, Any]:
+    parts: list[str] = []
+    ids: list[int] = []
+    try:
+        async for chunk in stream:
+            if not parts and not ids:
+                st.metrics.ttft.observe(time.perf_counter() - t0)
+            parts.append(chunk.text)
+            ids.extend(chunk.token_ids)
+            if chunk.done:
+                if chunk.error is not None:
+                    raise from_warmkv(chunk.error)
+                return {**_chunk(chunk), "text": "".join(parts), "token_ids": ids}
+    except BaseException:
+        stream.cancel()
+        raise
+    raise RuntimeError("stream ended without a final chunk")
+
+
+@router.get("/{sid}")
+async def explain(sid: str, st: State) -> dict[str, Any]:
+    """What is resident in the session, under which manifest, and why its last turn was warm or cold."""
+    entry: Entry = st.registry.get(sid)
+    report = await run_in_threadpool(entry.session.explain)
+    idle = time.monotonic() - entry.last_used
+    return {**report.to_dict(), "id": entry.id, "busy": entry.lock.locked(), "idle_s": idle, "ttl_s": st.registry.ttl_s}
+
+
+@router.delete("/{sid}")
+async def close_session(sid: str, st: State) -> dict[str, Any]:
+    """Close the session and free its KV; a running decode on it is cancelled."""
+    st.registry.close(sid)
+    return {"id": sid, "object": "session.deleted", "deleted": True}
+
+
+@router.post("/{sid}/snapshot")
+async def snapshot(sid: str, req: SnapshotRequest, st: State) -> dict[str, Any]:
+    """Write the session's resident context to the disk store under a name (when supported)."""
+    if not hasattr(Session, "snapshot"):
+        raise not_implemented("session snapshot")
+    info = await _call(st, sid, lambda s: s.snapshot(req.name))
+    if hasattr(info, "to_dict"):
+        return info.to_dict()
+    return dataclasses.asdict(info) if dataclasses.is_dataclass(info) else {"name": req.name}
+
+
+@router.post("/{sid}/fork")
+async def fork(sid: str, st: State) -> dict[str, Any]:
+    """A new session sharing this one's resident KV (when the session type supports forks)."""
+    if not hasattr(Session, "fork"):
+        raise not_implemented("session fork")
+    if len(st.registry) >= st.registry.capacity:
+        st.registry.create()  # raises the 429 with the counts
+    child = await _call(st, sid, lambda s: s.fork())
+    entry = st.registry.register(child)
+    return {"id": entry.id, "object": "session", "parent": sid, "created": int(entry.created)}

@@ -1,0 +1,66 @@
+"""Server settings: one frozen, validated dataclass."""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+from ..errors import InvalidConfig
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+    """True when host only accepts connections from this machine."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _positive(name: str, value: object, *, integer: bool = True) -> None:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:  # type: ignore[operator]
+        raise InvalidConfig(f"{name} must be a positive {'integer' if integer else 'number'}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How `warmkv serve` listens and what it allows.
+
+    pool_size server-owned sessions serve plain /v1 requests (prefix reuse without a
+    session id); the remaining n_seq_max - pool_size slots go to /v1/sessions.
+    max_queue requests may wait for a session; more are answered 429.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    model_id: str | None = None  # served model name; default: the model file's stem
+    session_ttl_s: float = 600.0
+    pool_size: int = 2
+    max_queue: int = 64
+    queue_timeout_s: float = 60.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    default_max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
+        if not isinstance(self.host, str) or not self.host:
+            raise InvalidConfig(f"host must be a non-empty string, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidConfig(f"port must be in [0, 65535], got {self.port!r}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
+            raise InvalidConfig("api_key must be a string of at least 8 characters")
+        if self.api_key is None and not is_loopback(self.host):
+            raise InvalidConfig(
+                f"binding to {self.host} exposes the server beyond this machine: set an API key "
+                "(--api-key or WARMKV_API_KEY), or bind to 127.0.0.1"
+            )
+        for name in ("session_ttl_s", "queue_timeout_s"):
+            _positive(name, getattr(self, name), integer=False)
+        for name in ("pool_size", "max_queue", "max_body_bytes", "default_max_tokens"):
+            _positive(name, getattr(self, name))

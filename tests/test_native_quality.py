@@ -1,0 +1,118 @@
+"""The native engine on the default model: greedy agreement with llama.cpp, int8 KV perplexity."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import warmkv
+from warmkv.backends import available_backends, load_backend
+from warmkv.backends.base import Backend, ForwardRow
+
+PROMPTS = (
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWrite a Python function that reverses a string.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nGive three tips for writing unit tests.<|im_end|>\n<|im_start|>assistant\n",
+    "The history of the printing press begins",
+)
+TEXT = (
+    "The printing press is a mechanical device for applying pressure to an inked surface resting upon a print "
+    "medium, thereby transferring the ink. It marked a dramatic improvement on earlier printing methods in which "
+    "the cloth, paper or other medium was brushed or rubbed repeatedly to achieve the transfer of ink, and "
+    "accelerated the process. Typically used for texts, the invention and global spread of the printing press "
+    "was one of the most influential events in the second millennium."
+)
+
+
+def greedy(backend: Backend, prompt: str, n: int) -> list[int]:
+    seq = backend.acquire_seq()
+    try:
+        ids = backend.tokenize(prompt, add_bos=backend.info.add_bos, parse_special=True)
+        (logits,) = backend.forward([ForwardRow(seq, ids, 0)])
+        out: list[int] = []
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            (logits,) = backend.forward([ForwardRow(seq, out[-1:], len(ids) + len(out) - 1)])
+        return out
+    finally:
+        backend.release_seq(seq)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+@pytest.mark.skipif("llamacpp" not in available_backends(), reason="llama.cpp backend not installed")
+def test_greedy_tokens_follow_llamacpp() -> None:
+    """llama.cpp multiplies Q4_1 weights with quantized activations; native dequantizes to fp32.
+
+    Their logits differ by ~0.5 (of ~25), so greedy paths may part at a near-tie. Check that
+    they agree up to the first divergence, that each divergence is a near-tie for native
+    (llama.cpp's pick is within 0.1 logit of native's), and report the divergence points.
+    """
+    path = str(warmkv.default_model_path())
+    cfg = warmkv.RuntimeConfig(num_ctx=256, n_seq_max=1)
+    outs: dict[str, list[list[int]]] = {}
+    native = load_backend("native", path, cfg)
+    try:
+        llama = load_backend("llamacpp", path, cfg)
+        try:
+            outs = {name: [greedy(b, p, 32) for p in PROMPTS] for name, b in (("native", native), ("llamacpp", llama))}
+        finally:
+            llama.close()
+        points = [first_divergence(a, b) for a, b in zip(outs["native"], outs["llamacpp"], strict=True)]
+        print(f"first divergence per prompt (None = all 32 tokens equal): {points}")
+        for prompt, point, theirs in zip(PROMPTS, points, outs["llamacpp"], strict=True):
+            if point is None:
+                continue
+            ids = native.tokenize(prompt, add_bos=native.info.add_bos, parse_special=True) + theirs[:point]
+            seq = native.acquire_seq()
+            (logits,) = native.forward([ForwardRow(seq, ids, 0)])
+            native.release_seq(seq)
+            assert logits is not None
+            gap = float(logits.max() - logits[theirs[point]])
+            print(f"  at token {point}: llama.cpp's token is {gap:.3f} below native's best")
+            assert gap < 0.1, f"divergence at token {point} is not a near-tie (gap {gap:.3f})"
+        assert sum(p is None for p in points) >= 2, points
+    finally:
+        native.close()
+
+
+def perplexity(backend: Backend, text: str) -> float:
+    ids = backend.tokenize(text, add_bos=False, parse_special=False)
+    seq = backend.acquire_seq()
+    try:
+        (logits,) = backend.forward([ForwardRow(seq, ids[:1], 0)])
+        nll = 0.0
+        for i in range(1, len(ids)):
+            z = logits.astype(np.float64)
+            nll += float(np.log(np.exp(z - z.max()).sum()) + z.max() - z[ids[i]])
+            (logits,) = backend.forward([ForwardRow(seq, ids[i : i + 1], i)])
+        return math.exp(nll / (len(ids) - 1))
+    finally:
+        backend.release_seq(seq)
+
+
+def test_int8_perplexity() -> None:
+    """int8 KV stays within 1% of float32 KV; int8 weights (a speed option) within 5%."""
+    path = str(warmkv.default_model_path())
+    ppl = {}
+    for label, kv, compute in (
+        ("f32", "f32", "float32"),
+        ("int8 KV", "q8_0", "float32"),
+        ("int8 weights", "f16", "int8"),
+    ):
+        cfg = warmkv.RuntimeConfig(num_ctx=256, n_seq_max=1, kv_cache_type=kv)
+        b = load_backend("native", path, cfg, compute_dtype=compute)
+        try:
+            ppl[label] = perplexity(b, TEXT)
+        finally:
+            b.close()
+    kv_change = ppl["int8 KV"] / ppl["f32"] - 1
+    w_change = ppl["int8 weights"] / ppl["f32"] - 1
+    print(f"perplexity: f32 {ppl['f32']:.4f}, int8 KV {ppl['int8 KV']:.4f} ({kv_change:+.3%}), ", end="")
+    print(f"int8 weights {ppl['int8 weights']:.4f} ({w_change:+.3%})")
+    assert abs(kv_change) <= 0.01, ppl
+    assert abs(w_change) <= 0.05, ppl

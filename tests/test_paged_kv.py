@@ -1,0 +1,167 @@
+"""The native engine's paged KV cache, without a model: blocks, refcounts, copy-on-write."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import warmkv
+from warmkv.backends.native.paged_kv import KVLayout, PagedKVCache
+
+BS = 4
+
+
+def make(num_blocks: int = 12, dtype: str = "float32") -> PagedKVCache:
+    return PagedKVCache(
+        KVLayout(n_layers=2, n_kv_heads=2, head_dim=3, num_blocks=num_blocks, block_size=BS, dtype=dtype)
+    )
+
+
+def put(cache: PagedKVCache, seq: int, values: list[float]) -> None:
+    """Append tokens whose K is `value` and V is `-value` everywhere."""
+    start = cache.length(seq)
+    slots = cache.append(seq, len(values))[start:]
+    x = torch.tensor(values, dtype=torch.float32)[:, None, None].expand(len(values), 2, 3)
+    for layer in range(2):
+        cache.write(layer, slots, x + layer, -x)
+
+
+def read(cache: PagedKVCache, seq: int) -> list[float]:
+    slots = cache.slots(seq)
+    first = cache.first_slot_if_contiguous(seq)
+    out = []
+    for layer in range(2):
+        k, v = cache.gather(layer, slots, torch.float32)
+        assert torch.equal(k - layer, -v)
+        if first is not None:  # the view path reads the same values as the gather path
+            kv, vv = cache.gather(layer, slots, torch.float32, first)
+            assert torch.equal(kv, k) and torch.equal(vv, v)
+        out.append((k[:, 0, 0] - layer).tolist())
+    assert out[0] == out[1]
+    return out[0]
+
+
+def test_alloc_free_refcount() -> None:
+    c = make()
+    put(c, 0, [1.0] * 6)
+    assert c.first_slot_if_contiguous(0) == c.table(0)[0] * BS  # a lone sequence gets consecutive blocks
+    assert c.length(0) == 6 and len(c.table(0)) == 2 and c.free_blocks == 10
+    assert all(c.refcount(b) == 1 for b in c.table(0))
+    c.free(0)
+    assert c.free_blocks == 12 and c.length(0) == 0
+    c.check_integrity()
+
+
+def test_copy_prefix_shares_blocks_and_copies_on_write() -> None:
+    c = make()
+    put(c, 0, [1, 2, 3, 4, 5, 6])
+    c.copy_prefix(0, 1, 6)
+    assert c.table(1) == c.table(0) and all(c.refcount(b) == 2 for b in c.table(0))
+    assert c.free_blocks == 10
+    put(c, 1, [70])  # writes into the shared partial block: dst copies it first
+    assert c.table(1)[0] == c.table(0)[0] and c.table(1)[1] != c.table(0)[1]
+    put(c, 0, [7])  # src's partial block is its own again
+    assert read(c, 0) == [1, 2, 3, 4, 5, 6, 7] and read(c, 1) == [1, 2, 3, 4, 5, 6, 70]
+    c.check_integrity()
+
+
+def test_copy_prefix_of_a_partial_length() -> None:
+    c = make()
+    put(c, 0, list(range(10)))
+    c.copy_prefix(0, 1, 5)
+    assert c.length(1) == 5 and c.table(1) == c.table(0)[:2]
+    put(c, 1, [99])
+    assert read(c, 1) == [0, 1, 2, 3, 4, 99] and read(c, 0) == list(range(10))
+    with pytest.raises(warmkv.InvalidInput):
+        c.copy_prefix(0, 2, 11)
+    c.check_integrity()
+
+
+def test_truncate_and_remove() -> None:
+    c = make()
+    put(c, 0, list(range(10)))
+    c.truncate(0, 5)
+    assert read(c, 0) == [0, 1, 2, 3, 4] and len(c.table(0)) == 2
+    put(c, 0, [50, 60, 70])
+    c.remove(0, 1, 3)
+    assert read(c, 0) == [0, 3, 4, 50, 60, 70]
+    c.remove(0, 4, 6)
+    assert read(c, 0) == [0, 3, 4, 50]
+    with pytest.raises(warmkv.InvalidInput):
+        c.remove(0, 3, 9)
+    c.check_integrity()
+
+
+def test_cache_full_is_typed_and_changes_nothing() -> None:
+    c = make(num_blocks=3)
+    put(c, 0, list(range(10)))
+    with pytest.raises(warmkv.KVCacheFull) as e:
+        put(c, 0, [1, 2, 3])
+    assert (e.value.needed, e.value.free, e.value.total) == (1, 0, 3)
+    assert "1 more blocks" in str(e.value) and "0 of 3" in str(e.value)
+    assert read(c, 0) == list(range(10))
+    with pytest.raises(warmkv.KVCacheFull):
+        c.can_append({0: 2, 1: 1})
+    c.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
+def test_storage_dtypes_round_trip(dtype: str) -> None:
+    c = make(dtype=dtype)
+    slots = c.append(0, 5)
+    k = torch.randn(5, 2, 3)
+    c.write(0, slots, k, 2 * k)
+    got, v = c.gather(0, slots, torch.float32)
+    tol = {"bfloat16": 1e-2, "float16": 1e-3, "int8": 1e-2}[dtype]
+    assert torch.allclose(got, k, atol=tol * 4, rtol=tol) and torch.allclose(v, 2 * k, atol=tol * 8, rtol=tol)
+
+
+SEQS = st.integers(0, 3)
+OPS = st.one_of(
+    st.tuples(st.just("put"), SEQS, st.integers(1, 9)),
+    st.tuples(st.just("truncate"), SEQS, st.integers(0, 12)),
+    st.tuples(st.just("copy"), SEQS, SEQS, st.integers(0, 12)),
+    st.tuples(st.just("remove"), SEQS, st.integers(0, 12), st.integers(0, 12)),
+    st.tuples(st.just("free"), SEQS),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(OPS, max_size=40))
+def test_random_operations_keep_integrity(ops: list[tuple]) -> None:
+    c = make(num_blocks=10)
+    ref: dict[int, list[float]] = {}
+    counter = 0.0
+    for op in ops:
+        kind, seq = op[0], op[1]
+        have = ref.get(seq, [])
+        if kind == "put":
+            counter += 1
+            values = [counter * 100 + i for i in range(op[2])]
+            try:
+                put(c, seq, values)
+                ref[seq] = have + values
+            except warmkv.KVCacheFull:
+                pass
+        elif kind == "truncate":
+            c.truncate(seq, op[2])
+            ref[seq] = have[: op[2]]
+        elif kind == "copy":
+            n = min(op[3], len(have))
+            c.copy_prefix(seq, op[2], n)
+            ref[op[2]] = have[:n]
+        elif kind == "remove":
+            begin, end = sorted((min(op[2], len(have)), min(op[3], len(have))))
+            try:
+                c.remove(seq, begin, end)
+                ref[seq] = have[:begin] + have[end:]
+            except warmkv.KVCacheFull:
+                pass
+        else:
+            c.free(seq)
+            ref.pop(seq, None)
+        c.check_integrity()
+        for s, values in ref.items():
+            assert read(c, s) == values, (op, s)

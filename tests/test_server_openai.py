@@ -1,0 +1,104 @@
+"""The official openai client against a live warmkv server on the default model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+import warmkv  # noqa: E402
+from server_harness import live_server  # noqa: E402
+
+SYSTEM = "You are a careful assistant for a Python repository. " + " ".join(
+    f"Rule {i}: keep functions small and name them after what they do." for i in range(20)
+)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[openai.OpenAI]:
+    rt = warmkv.Runtime.load(num_ctx=2048, n_seq_max=4)
+    with live_server(rt, pool_size=2) as base:
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    rt.close()
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _chat(client: openai.OpenAI, model: str, user: str, **kw: object) -> object:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    return client.chat.completions.create(model=model, messages=messages, **kw)  # type: ignore[arg-type]
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, model: str) -> None:
+    assert model.startswith("SmolLM2-135M")
+    assert client.models.retrieve(model).id == model
+
+
+def test_chat_and_usage(client: openai.OpenAI, model: str) -> None:
+    r = _chat(client, model, "Name one Python keyword.", max_tokens=12, temperature=0)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert 0 < r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_second_request_reuses_the_system_prompt(client: openai.OpenAI, model: str) -> None:
+    _chat(client, model, "What is a list?", max_tokens=4, temperature=0)
+    r = _chat(client, model, "What is a dict?", max_tokens=4, temperature=0)
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached > 200, r.usage  # the whole system prompt was resident
+    assert cached < r.usage.prompt_tokens
+
+
+def test_streaming_chat_equals_non_streaming(client: openai.OpenAI, model: str) -> None:
+    kw = {"max_completion_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    whole = _chat(client, model, "Describe a for loop.", **kw).choices[0].message.content
+    stream = _chat(client, model, "Describe a for loop.", stream=True, stream_options={"include_usage": True}, **kw)
+    parts, finishes, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            parts.append(c.delta.content or "")
+            if c.finish_reason:
+                finishes.append(c.finish_reason)
+    assert "".join(parts) == whole
+    assert finishes == ["length"]
+    assert usage is not None and usage.completion_tokens == 16
+    assert usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_with_stop_string(client: openai.OpenAI, model: str) -> None:
+    free = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0)
+    assert "," in free.choices[0].text  # the model continues the list...
+    r = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stop=[","])
+    assert "," not in r.choices[0].text  # ...and stops before the first comma, never emitting it
+    assert r.choices[0].finish_reason == "stop"
+    assert free.choices[0].text.startswith(r.choices[0].text)
+
+
+def test_streaming_completion(client: openai.OpenAI, model: str) -> None:
+    stream = client.completions.create(model=model, prompt="def add(a, b):", max_tokens=10, temperature=0, stream=True)
+    chunks = list(stream)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert "".join(c.choices[0].text for c in chunks)
+
+
+def test_unsupported_parameters_are_400(client: openai.OpenAI, model: str) -> None:
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        _chat(client, model, "hi", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        _chat(client, model, "hi", max_tokens=2, logprobs=True)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.embeddings.create(model=model, input="hello")
+    assert e.value.status_code == 501 and "embeddings" in str(e.value)
+    assert _chat(client, model, "hi", max_tokens=2).choices[0].message.content is not None
