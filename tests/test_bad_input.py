@@ -124,3 +124,8 @@ def test_detokenize_rejects_bad_ids(rt: warmkv.Runtime) -> None:
         rt.detokenize([1, -1])
     with pytest.raises(warmkv.InvalidInput):
         rt.detokenize([rt.info.n_vocab])
+
+
+def test_unknown_backend_option_is_typed() -> None:
+    with pytest.raises(warmkv.InvalidConfig, match=r"has no option\(s\) \['bogus'\]"):
+        warmkv.Runtime.load(backend_options={"bogus": 1})

@@ -8,7 +8,7 @@ import pytest
 
 import warmkv
 from conftest import SYSTEM, USER_A, USER_B, greedy_tokens
-from warmkv.session import common_prefix_len
+from warmkv.tokens import common_prefix_len
 
 
 def test_reuse_counts_are_exact(rt: warmkv.Runtime) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import warmkv
-from conftest import USER_A, USER_B, greedy_tokens
-from warmkv.session import common_prefix_len
+from conftest import BACKENDS, USER_A, USER_B, greedy_tokens
+from warmkv.tokens import common_prefix_len
 
 SYSTEM = "<|im_start|>system\nYou review Python patches. Rules:\n" + "".join(
     f"{i}. Keep functions under {10 + i} lines and name things plainly.\n" for i in range(40)
@@ -193,3 +193,23 @@ def test_tiers_disabled_is_typed() -> None:
             s.snapshot("x")
         with pytest.raises(warmkv.Unsupported):
             plain.restore("x")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_memory_and_disk_restores_equal_cold_on_every_backend(store: Path, backend: str) -> None:
+    """The same check on each installed backend: restored KV gives the cold greedy tokens."""
+    with warmkv.Runtime.load(backend=backend, num_ctx=1024, prefix_cache_mb=0, kv_store_mb=0) as plain:
+        expected = cold_tokens(plain, SYSTEM + FILES_B, USER_A)
+    with warmkv.Runtime.load(backend=backend, num_ctx=1024, n_seq_max=3, kv_store_dir=str(store)) as first:
+        cold_tokens(first, SYSTEM + FILES_A, USER_A)  # computes and caches the shared system blocks
+        with first.session() as s:
+            p = s.ensure_prefix(SYSTEM + FILES_B)
+            assert p.reuse_source == "memory" and p.reused_tokens >= first.config.cache_block_tokens
+            s.prefill_suffix(USER_A)
+            assert greedy_tokens(s) == expected
+    second = warmkv.Runtime.load(backend=backend, num_ctx=1024, n_seq_max=3, kv_store_dir=str(store))
+    with second, second.session() as s:
+        p = s.ensure_prefix(SYSTEM + FILES_B)
+        assert p.reuse_source == "disk" and p.reused_tokens >= second.config.cache_block_tokens
+        s.prefill_suffix(USER_A)
+        assert greedy_tokens(s) == expected

@@ -92,3 +92,22 @@ def test_decode_config_accepts_lists_and_strings() -> None:
     cfg = warmkv.DecodeConfig(stop="END", stop_token_ids=[2])
     assert cfg.stop == ("END",) and cfg.stop_token_ids == (2,)
     hash(cfg)
+
+
+def test_seq_slots_reserve_one_for_the_runtime() -> None:
+    from warmkv.backends.slots import SeqSlots
+
+    slots = SeqSlots(2)
+    helper = slots.acquire_internal()
+    a, b = slots.acquire(), slots.acquire()  # both session slots stay usable after the helper took its own
+    assert len({helper, a, b}) == 3
+    with pytest.raises(warmkv.SessionLimit, match="n_seq_max=2"):
+        slots.acquire()
+    slots.release(a)
+    assert slots.acquire() == a
+    slots.check(b)
+    with pytest.raises(warmkv.InvalidInput):
+        slots.check(7)
+    slots.release(b)
+    with pytest.raises(warmkv.InvalidInput, match="not acquired"):
+        slots.check(b)

@@ -76,11 +76,13 @@ class Runtime:
         *,
         backend: str = "llamacpp",
         config: RuntimeConfig | None = None,
+        backend_options: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> Runtime:
         """Load a model (default: the bundled SmolLM2-135M-Instruct GGUF).
 
-        Options are RuntimeConfig fields (num_ctx=8192, kv_cache_type="q8_0", ...).
+        Options are RuntimeConfig fields (num_ctx=8192, kv_cache_type="q8_0", ...);
+        backend_options go to the backend itself (native: compute_dtype, kv_cache_mb).
         """
         if config is not None and options:
             raise InvalidInput("pass either config= or keyword options, not both")
@@ -88,7 +90,7 @@ class Runtime:
         if not isinstance(cfg, RuntimeConfig):
             raise InvalidInput(f"config must be RuntimeConfig, got {type(cfg).__name__}")
         path = resolve_model(model)
-        return cls(load_backend(backend, str(path), cfg))
+        return cls(load_backend(backend, str(path), cfg, **dict(backend_options or {})))
 
     # -- facts ------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from .manifest import ContextManifest, hash_token_ids, sha256_bytes, validate_se
 from .sampling import Sampler
 from .text import StopMatcher, Utf8Stream, as_text
 from .tiers import CachedKV
+from .tokens import common_prefix_len
 from .types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus, Usage
 
 if TYPE_CHECKING:
@@ -49,14 +50,6 @@ if TYPE_CHECKING:
 
 SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NO_STORE = "the disk store is disabled (kv_store_mb=0) or the backend cannot move KV"
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class Session:

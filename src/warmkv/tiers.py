@@ -17,6 +17,7 @@ from typing import Any
 
 from .cache import EvictedEntry, KVStore, PrefixCache, PrefixCacheConfig, StoreConfig, block_keys
 from .errors import WarmkvError
+from .tokens import common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +35,6 @@ class WarmHit:
     source: str  # "memory" or "disk"
     n_tokens: int  # tokens of `kv` that match the request
     kv: CachedKV
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 class KVTiers:
@@ -66,7 +59,7 @@ class KVTiers:
             m = self.memory.match(keys)
             if m.entry is not None:
                 kv: CachedKV = m.entry.payload  # type: ignore[assignment]
-                n = _common(kv.tokens, tokens)
+                n = common_prefix_len(kv.tokens, tokens)
                 if n > beat:
                     return WarmHit("memory", n, kv)
         if self.store is not None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import RuntimeConfig
-from ..errors import BackendUnavailable
+from ..errors import BackendUnavailable, InvalidConfig
 from .base import Backend, ForwardRow, ModelInfo, ModelState
 
 
@@ -79,6 +79,10 @@ def load_backend(name: str, model_path: str, config: RuntimeConfig, **kwargs: ob
         module = importlib.import_module(spec.module)
     except ImportError as e:
         raise BackendUnavailable(f"backend {name!r} failed to import: {e}; {spec.install_hint}") from e
+    allowed = getattr(module, "OPTIONS", frozenset())
+    unknown = sorted(set(kwargs) - set(allowed))
+    if unknown:
+        raise InvalidConfig(f"backend {name!r} has no option(s) {unknown}; valid: {sorted(allowed)}")
     loader: Callable[..., Backend] = module.load
     return loader(model_path, config, **kwargs)
 

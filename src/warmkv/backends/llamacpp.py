@@ -21,9 +21,10 @@ import llama_cpp as lc
 import numpy as np
 
 from ..config import RuntimeConfig
-from ..errors import InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal, SessionLimit
+from ..errors import InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal
 from ..manifest import file_digest
 from .base import ForwardRow, ModelInfo, ModelState
+from .slots import SeqSlots
 
 _KV_TYPES = {
     "f16": lc.GGML_TYPE_F16,
@@ -116,8 +117,7 @@ class LlamaCppBackend:
         self._mem = None
         self._batch = None
         # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
-        self._n_slots = self.config.n_seq_max + 1
-        self._free_slots = list(range(self._n_slots - 1, -1, -1))
+        self._slots = SeqSlots(self.config.n_seq_max)
 
     # -- model facts -------------------------------------------------------
 
@@ -206,10 +206,10 @@ class LlamaCppBackend:
             raise SessionFatal("the model was unloaded")
         c = self.config
         p = lc.llama_context_default_params()
-        p.n_ctx = c.num_ctx * self._n_slots
+        p.n_ctx = c.num_ctx * self._slots.total
         p.n_batch = c.num_batch
         p.n_ubatch = c.num_ubatch
-        p.n_seq_max = self._n_slots
+        p.n_seq_max = self._slots.total
         p.n_threads = c.num_threads
         p.n_threads_batch = c.num_threads
         p.flash_attn_type = _FLASH[c.flash_attn]
@@ -221,7 +221,7 @@ class LlamaCppBackend:
         if not ctx:
             raise SessionFatal(
                 f"llama.cpp could not create a context of {p.n_ctx} tokens "
-                f"({self._n_slots} slots x num_ctx={c.num_ctx})"
+                f"({self._slots.total} slots x num_ctx={c.num_ctx})"
             )
         per_seq = lc.llama_n_ctx_seq(ctx)
         if per_seq < c.num_ctx:
@@ -234,24 +234,16 @@ class LlamaCppBackend:
 
     def acquire_seq(self) -> int:
         self._activate()
-        # The last slot is reserved for the runtime; sessions get the others.
-        if len(self._free_slots) <= 1:
-            raise SessionLimit(self.config.n_seq_max, self.config.n_seq_max)
-        return self._free_slots.pop()
+        return self._slots.acquire()
 
     def acquire_internal_seq(self) -> int:
         self._activate()
-        reserved = self._n_slots - 1
-        if reserved not in self._free_slots:
-            raise SessionLimit(1, 1)
-        self._free_slots.remove(reserved)
-        return reserved
+        return self._slots.acquire_internal()
 
     def release_seq(self, seq: int) -> None:
         if self._mem is not None:
             lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
-        if seq not in self._free_slots:
-            self._free_slots.append(seq)
+        self._slots.release(seq)
 
     def truncate(self, seq: int, n: int) -> None:
         if self._mem is None:
@@ -338,6 +330,9 @@ class LlamaCppBackend:
             lc.llama_model_free(self._model)
             self._model = None
         self._state = ModelState.UNLOADED
+
+
+OPTIONS: frozenset[str] = frozenset()  # backend_options this backend takes
 
 
 def load(path: str, config: RuntimeConfig) -> LlamaCppBackend:

@@ -38,9 +38,10 @@ from ..errors import (
     StoreError,
     StoreFull,
 )
+from ..tokens import common_prefix_len
 from .blob_files import read_blob, remove_leftovers, unlink_quiet, write_blob
 from .container import BlobHeader, json_object, make_header
-from .store_checks import check_blob, check_name, check_payload, check_tokens, common_prefix, manifest_diff
+from .store_checks import check_blob, check_name, check_payload, check_tokens, manifest_diff
 from .store_index import Row, StoreIndex
 from .store_types import Snapshot, SnapshotInfo, StoreConfig, StoreEntry, StoreMatch, StoreStats, default_store_dir
 
@@ -118,7 +119,7 @@ class KVStore:
                 entry = self._load(entry_key, md)
             except ManifestMismatch:  # replaced by another process meanwhile
                 continue
-            n = common_prefix(entry.tokens, toks) if entry else 0
+            n = common_prefix_len(entry.tokens, toks) if entry else 0
             if entry is not None and n >= depth * block_size:
                 with self._lock:
                     self._hits += 1

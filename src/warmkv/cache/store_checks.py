@@ -30,14 +30,6 @@ def check_payload(blob: object) -> bytes:
     return bytes(blob)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def check_blob(data: bytes, row: Row, kind: str) -> tuple[BlobHeader, bytes] | str:
     """(header, payload) when the blob matches its row, else the reason it does not."""
     if len(data) != row.size:

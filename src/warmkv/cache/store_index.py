@@ -9,6 +9,7 @@ one StoreIndex within a process (one connection, one lock).
 from __future__ import annotations
 
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,22 +56,38 @@ _SNAP_COLS = "name, manifest_digest, n_tokens, file, size, crc, created"
 
 class StoreIndex:
     def __init__(self, path: Path, busy_timeout_s: float) -> None:
-        try:
-            self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
-            self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-            mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            self._conn.execute("PRAGMA synchronous = FULL")
-            with self.transaction() as c:
-                for stmt in _SCHEMA:
-                    c.execute(stmt)
-                c.execute("INSERT OR IGNORE INTO info (k, v) VALUES ('schema', ?)", (SCHEMA_VERSION,))
-                version = c.execute("SELECT v FROM info WHERE k = 'schema'").fetchone()[0]
-        except sqlite3.Error as e:
-            raise StoreError(f"cannot open KV store index {path}: {e}") from None
+        # Switching a new database to WAL takes an exclusive lock that SQLite's busy
+        # handler does not always wait for, so two processes opening one new store at
+        # once can see "database is locked": retry the whole open until the timeout.
+        deadline = time.monotonic() + busy_timeout_s
+        while True:
+            try:
+                mode, version = self._open(path, busy_timeout_s)
+                break
+            except sqlite3.OperationalError as e:
+                if getattr(self, "_conn", None) is not None:
+                    self._conn.close()
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise StoreError(f"cannot open KV store index {path}: {e}") from None
+                time.sleep(0.05)
+            except sqlite3.Error as e:
+                raise StoreError(f"cannot open KV store index {path}: {e}") from None
         if str(mode).lower() != "wal":
             raise StoreError(f"KV store index {path} cannot use WAL mode (got {mode!r}); is it on a network drive?")
         if version != SCHEMA_VERSION:
             raise StoreError(f"KV store index {path} has schema {version}, this build reads {SCHEMA_VERSION}")
+
+    def _open(self, path: Path, busy_timeout_s: float) -> tuple[str, str]:
+        self._conn = sqlite3.connect(path, timeout=busy_timeout_s, isolation_level=None, check_same_thread=False)
+        self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        mode = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        self._conn.execute("PRAGMA synchronous = FULL")
+        with self.transaction() as c:
+            for stmt in _SCHEMA:
+                c.execute(stmt)
+            c.execute("INSERT OR IGNORE INTO info (k, v) VALUES ('schema', ?)", (SCHEMA_VERSION,))
+            version = c.execute("SELECT v FROM info WHERE k = 'schema'").fetchone()[0]
+        return mode, version
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

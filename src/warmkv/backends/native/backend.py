@@ -17,12 +17,12 @@ from ...errors import (
     InvalidModelFile,
     ModelNotFound,
     SessionFatal,
-    SessionLimit,
     Unsupported,
     WarmkvError,
 )
 from ...manifest import file_digest
 from ..base import ForwardRow, ModelInfo, ModelState
+from ..slots import SeqSlots
 from .batch import BatchPlanner
 from .checkpoint import Checkpoint
 from .gguf_loader import load_gguf
@@ -118,8 +118,7 @@ class NativeBackend:
         self._cache: PagedKVCache | None = None
         self._planner: BatchPlanner | None = None
         # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
-        self._n_slots = self.config.n_seq_max + 1
-        self._free_slots = list(range(self._n_slots - 1, -1, -1))
+        self._slots = SeqSlots(self.config.n_seq_max)
 
     # -- model facts -------------------------------------------------------------
 
@@ -164,7 +163,7 @@ class NativeBackend:
             bs = 16
             layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, 1, bs, KV_STORAGE[c.kv_cache_type])
             if self._kv_mb is None:
-                blocks = self._n_slots * -(-(c.num_ctx or 1) // bs)
+                blocks = self._slots.total * -(-(c.num_ctx or 1) // bs)
             else:
                 blocks = max(1, self._kv_mb * 2**20 // (layout.bytes_per_token() * bs))
             layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, blocks, bs, layout.dtype)
@@ -178,30 +177,19 @@ class NativeBackend:
 
     def acquire_seq(self) -> int:
         self._activate()
-        # The last slot is reserved for the runtime; sessions get the others.
-        if len(self._free_slots) <= 1:
-            raise SessionLimit(self.config.n_seq_max, self.config.n_seq_max)
-        return self._free_slots.pop()
+        return self._slots.acquire()
 
     def acquire_internal_seq(self) -> int:
         self._activate()
-        reserved = self._n_slots - 1
-        if reserved not in self._free_slots:
-            raise SessionLimit(1, 1)
-        self._free_slots.remove(reserved)
-        return reserved
+        return self._slots.acquire_internal()
 
     def _check_seq(self, seq: int) -> None:
-        if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < self._n_slots:
-            raise InvalidInput(f"sequence id {seq!r} out of range [0, {self._n_slots})")
-        if seq in self._free_slots:
-            raise InvalidInput(f"sequence {seq} is not acquired")
+        self._slots.check(seq)
 
     def release_seq(self, seq: int) -> None:
         if self._cache is not None:
             self._cache.free(seq)
-        if isinstance(seq, int) and 0 <= seq < self._n_slots and seq not in self._free_slots:
-            self._free_slots.append(seq)
+        self._slots.release(seq)
 
     def truncate(self, seq: int, n: int) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -271,6 +259,9 @@ class NativeBackend:
         self._planner = None
         self._model = None  # type: ignore[assignment]
         self._state = ModelState.UNLOADED
+
+
+OPTIONS = frozenset({"compute_dtype", "kv_cache_mb"})  # backend_options this backend takes
 
 
 def load(path: str, config: RuntimeConfig, **options: object) -> NativeBackend:
