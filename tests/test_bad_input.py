@@ -96,6 +96,10 @@ def test_not_a_gguf_file(tmp_path: Path) -> None:
         ({"n_seq_max": 0}, "n_seq_max"),
         ({"prompt_format": "xml"}, "prompt_format"),
         ({"bogus_option": 1}, "unknown runtime option"),
+        ({"prefix_cache_mb": -1}, "prefix_cache_mb must be >= 0"),
+        ({"kv_store_mb": -5}, "kv_store_mb must be >= 0"),
+        ({"cache_block_tokens": 0}, "cache_block_tokens must be >= 1"),
+        ({"kv_store_dir": 5}, "kv_store_dir must be a path string"),
     ],
 )
 def test_bad_runtime_config(kwargs: dict, match: str) -> None:

@@ -61,8 +61,11 @@ def test_second_session_prefills_only_its_own_part(rt: warmkv.Runtime) -> None:
         sa.prefill_suffix(USER_A)
         sb.prefill_suffix(USER_A)
         assert greedy_tokens(sb) == cold_tokens_uncached(b_text=SYSTEM + FILES_B)
+        report = sb.explain()
     stats = rt.tiers.stats()["memory"]
     assert stats["hits"] >= 1 and stats["entries"] >= 1
+    assert report.cache is not None and report.cache["memory"]["hits"] >= 1
+    assert "memory tier: " in str(report) and "disk tier: " in str(report)
 
 
 def cold_tokens_uncached(b_text: str) -> list[int]:
@@ -213,3 +216,14 @@ def test_memory_and_disk_restores_equal_cold_on_every_backend(store: Path, backe
         assert p.reuse_source == "disk" and p.reused_tokens >= second.config.cache_block_tokens
         s.prefill_suffix(USER_A)
         assert greedy_tokens(s) == expected
+
+
+def test_fork_without_a_free_slot_is_typed_and_harmless(rt: warmkv.Runtime) -> None:
+    with rt.session() as parent, rt.session(), rt.session():
+        parent.ensure_prefix(SYSTEM)
+        before = parent.explain()
+        with pytest.raises(warmkv.SessionLimit, match="n_seq_max=3"):
+            parent.fork()
+        after = parent.explain()
+        assert (after.resident_tokens, after.prefix_tokens) == (before.resident_tokens, before.prefix_tokens)
+        assert parent.ensure_prefix(SYSTEM).reused_tokens == before.prefix_tokens

@@ -126,7 +126,8 @@ def run(
         except WarmkvError as e:
             _fail(e)
         err.print(
-            f"[dim]prefix {p.prefix_tokens} tokens (reused {p.reused_tokens}, prefilled {p.prefilled_tokens}); "
+            f"[dim]prefix {p.prefix_tokens} tokens (reused {p.reused_tokens} from {p.reuse_source}, "
+            f"prefilled {p.prefilled_tokens}); "
             f"suffix {q.suffix_tokens}; TTFT {ttft or 0:.3f}s; {last.usage.completion_tokens} tokens; "
             f"finish: {last.finish_reason}[/]"
         )

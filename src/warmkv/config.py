@@ -58,6 +58,8 @@ class RuntimeConfig:
     kv_store_dir: str | None = None
     kv_store_mb: int = 8192
     cache_block_tokens: int = 64
+    # Tokens prefilled between chances for other sessions' decode steps to run.
+    prefill_chunk: int = 256
 
     def __post_init__(self) -> None:
         if self.num_ctx is not None:
@@ -81,6 +83,7 @@ class RuntimeConfig:
         _int("prefix_cache_mb", self.prefix_cache_mb, minimum=0)
         _int("kv_store_mb", self.kv_store_mb, minimum=0)
         _int("cache_block_tokens", self.cache_block_tokens, minimum=1, maximum=65536)
+        _int("prefill_chunk", self.prefill_chunk, minimum=1, maximum=1 << 16)
         if self.kv_store_dir is not None and not isinstance(self.kv_store_dir, str):
             raise InvalidConfig(f"kv_store_dir must be a path string, got {self.kv_store_dir!r}")
         if not isinstance(self.disable_bos, bool):

@@ -38,6 +38,7 @@ class Runtime:
         self.backend = backend
         # One lock per model: llama.cpp contexts and the KV pool are not thread-safe.
         self.lock = threading.RLock()
+        self._lock_handoff = threading.Condition(self.lock)
         self._sessions: dict[str, Session] = {}
         self._helper: Session | None = None
         self._helper_lock = threading.Lock()
@@ -242,12 +243,21 @@ class Runtime:
 
     # -- lifecycle ------------------------------------------------------------------
 
+    def yield_model_lock(self) -> None:
+        """Let a thread waiting for the model lock (e.g. the decode scheduler) take one turn.
+
+        Called between prefill chunks with the lock held; it is released completely
+        (whatever the recursion depth) for a moment, then taken back.
+        """
+        self._lock_handoff.wait(timeout=0.0005)
+
     def close(self) -> None:
+        # Sessions first, without the model lock: closing one waits for its running call.
+        for s in list(self._sessions.values()):
+            s.close()
+        if self._helper is not None:
+            self._helper.close()
         with self.lock:
-            for s in list(self._sessions.values()):
-                s.close()
-            if self._helper is not None:
-                self._helper.close()
             if self.tiers is not None:
                 self.tiers.close()
                 self.tiers = None

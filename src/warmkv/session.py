@@ -21,6 +21,7 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -64,7 +65,11 @@ class Session:
         self.id = secrets.token_hex(8)
         self._rt = runtime
         self._backend = runtime.backend
-        self._lock = runtime.lock
+        # Two locks, always taken in this order: the session's own (one operation on
+        # this session at a time) and the model's (every backend call). A prefill
+        # lets go of the second between chunks, never of the first.
+        self._op = threading.RLock()
+        self._model_lock = runtime.lock
         self._seq = seq
         self._num_ctx: int = runtime.config.num_ctx  # type: ignore[assignment]
         self._tokens: list[int] = []
@@ -90,6 +95,11 @@ class Session:
         if self._fatal:
             raise SessionFatal(f"session {self.id} must be evicted: {self._fatal}")
 
+    @contextmanager
+    def _lock(self) -> Iterator[None]:
+        with self._op, self._model_lock:
+            yield
+
     @property
     def _live(self) -> int:
         return len(self._tokens) if self._detached is None else self._detached
@@ -108,20 +118,33 @@ class Session:
         self._tail = []
 
     def _eval(self, tokens: Sequence[int]) -> None:
-        """Append tokens to the KV; on failure roll back to where we were."""
+        """Append tokens to the KV; on failure roll back to where we were.
+
+        A long prefill goes in chunks of prefill_chunk tokens and lets go of the
+        model lock between them, so other sessions' decode steps are not stalled
+        by it; this session's own lock stays held, so its state is never seen half-done.
+        """
         if not tokens:
             return
         start = len(self._tokens)
+        step = self._rt.config.prefill_chunk
         try:
-            (logits,) = self._backend.forward([ForwardRow(self._seq, tokens, start)])
+            for at in range(0, len(tokens), step):
+                piece = tokens[at : at + step]
+                last = at + step >= len(tokens)
+                (logits,) = self._backend.forward([ForwardRow(self._seq, piece, len(self._tokens), want_logits=last)])
+                self._tokens.extend(piece)
+                self._logits = logits
+                if not last:
+                    self._rt.yield_model_lock()
         except SessionFatal as e:
             self._fatal = str(e)
             raise
         except BaseException:
             self._backend.truncate(self._seq, start)
+            del self._tokens[start:]
+            self._logits = None
             raise
-        self._tokens.extend(tokens)
-        self._logits = logits
 
     def _ensure_logits(self) -> np.ndarray:
         """Logits after the last resident token, recomputing that one token if needed."""
@@ -152,7 +175,7 @@ class Session:
             raise ManifestMismatch(
                 f"prefix expects manifest {inp.expect_manifest[:16]} but this runtime is {manifest.digest[:16]}"
             )
-        with self._lock:
+        with self._lock():
             self._check_usable()
             tokens = self._backend.tokenize(text, add_bos=add_bos, parse_special=inp.parse_special)
             if not tokens:
@@ -190,7 +213,7 @@ class Session:
                 if boundary > len(self._tokens) and not tiers.covered(keys):
                     self._eval(tokens[len(self._tokens) : boundary])
                     blob = self._backend.export_seq(self._seq)
-                    tiers.remember(manifest.digest, keys, CachedKV(tuple(tokens[:boundary]), blob))
+                    tiers.remember(keys, CachedKV(tuple(tokens[:boundary]), blob, manifest.digest))
             self._eval(tokens[len(self._tokens) :])
             self._prefix_len = self._suffix_end = len(tokens)
             self._byte_hash = sha256_bytes(raw)
@@ -240,7 +263,7 @@ class Session:
         """Prefill the volatile part after the prefix; the prefix KV is never touched."""
         inp = SuffixInput.coerce(suffix)
         text = as_text(inp.text, "suffix text")
-        with self._lock:
+        with self._lock():
             self._check_usable()
             if self._manifest is None or self._prefix_len == 0:
                 raise NoPrefix("prefill_suffix needs a prefix: call ensure_prefix first")
@@ -291,7 +314,7 @@ class Session:
         for t in cfg.stop_token_ids:
             if t >= n_vocab:
                 raise InvalidInput(f"stop token id {t} out of range [0, {n_vocab})")
-        with self._lock:
+        with self._lock():
             self._check_usable()
             if self._prefix_len == 0:
                 raise NoPrefix("decode needs a prefix: call ensure_prefix first")
@@ -319,7 +342,7 @@ class Session:
                 if self._cancel.is_set():
                     finish = "cancelled"
                     break
-                with self._lock:
+                with self._lock():
                     self._check_usable()
                     logits = self._ensure_logits()
                     token = sampler.sample(logits, self._tokens)
@@ -375,8 +398,11 @@ class Session:
         self._fatal = reason
 
     def token_ids(self) -> tuple[int, ...]:
-        """The resident token ids (evaluated KV), for routing requests by shared prefix."""
-        with self._lock:
+        """The resident token ids (evaluated KV), for routing requests by shared prefix.
+
+        Only the model lock: a router must not wait for this session's running prefill.
+        """
+        with self._model_lock:
             return tuple(self._tokens)
 
     def fork(self) -> Session:
@@ -385,7 +411,7 @@ class Session:
         The child gets its own sequence (SessionLimit when none is free) and a copy
         of the parent's KV, so either may prefill or decode without touching the other.
         """
-        with self._lock:
+        with self._lock():
             self._check_usable()
             self._settle()
             child = self._rt.session()
@@ -404,7 +430,7 @@ class Session:
         """
         if not isinstance(name, str) or not SNAPSHOT_NAME.fullmatch(name):
             raise InvalidInput(f"snapshot name must match {SNAPSHOT_NAME.pattern}, got {name!r}")
-        with self._lock:
+        with self._lock():
             self._check_usable()
             tiers = self._rt.tiers
             if tiers is None or tiers.store is None:
@@ -419,7 +445,7 @@ class Session:
 
     def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
         """Load a snapshot's KV into this (fresh) session."""
-        with self._lock:
+        with self._lock():
             self._backend.import_seq(self._seq, blob)
             self._tokens, self._tail, self._logits = list(tokens), [], None
             self._manifest = manifest
@@ -439,7 +465,7 @@ class Session:
         self._cancel.set()
 
     def explain(self) -> ContextReport:
-        with self._lock:
+        with self._lock():
             m = self._manifest
             return ContextReport(
                 session_id=self.id,
@@ -457,6 +483,7 @@ class Session:
                 manifest=m.to_dict() if m else None,
                 segments=tuple(m.to_dict()["segments"]) if m else (),  # type: ignore[arg-type]
                 last_prefix=self._last_prefix,
+                cache=self._rt.tiers.stats() if self._rt.tiers is not None else None,
             )
 
     @property
@@ -466,7 +493,7 @@ class Session:
     def close(self) -> None:
         """Free the session's KV and slot. Idempotent."""
         self._cancel.set()
-        with self._lock:
+        with self._lock():
             if self._closed:
                 return
             self._closed = True

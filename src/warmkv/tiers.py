@@ -24,10 +24,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CachedKV:
-    """A cached prefix: its token ids and the backend blob holding their KV."""
+    """A cached prefix: its token ids, the backend blob holding their KV, and their manifest."""
 
     tokens: tuple[int, ...]
     blob: bytes
+    manifest_digest: str
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,6 @@ class KVTiers:
             PrefixCache(PrefixCacheConfig(capacity_bytes=memory_mb << 20), on_evict=self._spill) if memory_mb else None
         )
         self.store = KVStore(store_dir, StoreConfig(capacity_bytes=store_mb << 20)) if store_mb else None
-        self._manifests: dict[str, str] = {}  # entry key -> manifest digest, for spilling
 
     def keys(self, manifest_digest: str, tokens: Sequence[int]) -> list[str]:
         return block_keys(manifest_digest, tokens, self.block_tokens)
@@ -69,37 +69,37 @@ class KVTiers:
                 log.warning("kv store lookup failed: %s", e)
                 return None
             if s is not None and s.n_tokens > beat:
-                return WarmHit("disk", s.n_tokens, CachedKV(tuple(s.entry.tokens), s.entry.blob))
+                kv = CachedKV(tuple(s.entry.tokens), s.entry.blob, manifest_digest)
+                return WarmHit("disk", s.n_tokens, kv)
         return None
 
     def covered(self, keys: Sequence[str]) -> bool:
         """Whether the memory tier already holds every block of `keys`."""
         return self.memory is not None and self.memory.match(keys).n_blocks == len(keys)
 
-    def remember(self, manifest_digest: str, keys: Sequence[str], kv: CachedKV) -> None:
+    def remember(self, keys: Sequence[str], kv: CachedKV) -> None:
         """Keep a just-computed prefix (exactly len(keys) blocks) in memory, or on disk without one."""
         if not keys:
             return
-        if self.memory is not None:
-            self._manifests[keys[-1]] = manifest_digest
-            try:
-                self.memory.insert(keys, kv, len(kv.blob))
-            except WarmkvError as e:  # too big for the budget: keep it on disk only
-                log.info("prefix not cached in memory: %s", e)
-                self._put(manifest_digest, keys, kv)
-        else:
-            self._put(manifest_digest, keys, kv)
+        if self.memory is None:
+            self._put(keys, kv)
+            return
+        try:
+            self.memory.insert(keys, kv, len(kv.blob))
+        except WarmkvError as e:  # too big for the budget: keep it on disk only
+            log.info("prefix not cached in memory: %s", e)
+            self._put(keys, kv)
 
     def _spill(self, evicted: EvictedEntry) -> None:
-        digest = self._manifests.pop(evicted.keys[-1], None)
-        if digest is not None and evicted.reason != "superseded":
-            self._put(digest, evicted.keys, evicted.payload)  # type: ignore[arg-type]
+        # A superseded entry's blocks live on in the longer entry that replaced it.
+        if evicted.reason != "superseded":
+            self._put(evicted.keys, evicted.payload)  # type: ignore[arg-type]
 
-    def _put(self, manifest_digest: str, keys: Sequence[str], kv: CachedKV) -> None:
+    def _put(self, keys: Sequence[str], kv: CachedKV) -> None:
         if self.store is None:
             return
         try:
-            self.store.put(keys[-1], manifest_digest, kv.tokens, kv.blob, block_keys=keys)
+            self.store.put(keys[-1], kv.manifest_digest, kv.tokens, kv.blob, block_keys=keys)
         except WarmkvError as e:
             log.warning("kv store write failed: %s", e)
 

@@ -145,6 +145,7 @@ class ContextReport:
     manifest: dict[str, Any] | None
     segments: tuple[dict[str, Any], ...] = field(default=())
     last_prefix: PrefixStatus | None = None
+    cache: dict[str, Any] | None = None  # the model's shared memory and disk tiers: hits, misses, bytes...
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -164,4 +165,12 @@ class ContextReport:
             lines.append(f"  segment {s['name']}: bytes [{s['start']}, {s['end']})")
         if self.last_prefix:
             lines.append(f"  last turn: {self.last_prefix.reason}")
+        for tier in ("memory", "disk"):
+            st = (self.cache or {}).get(tier)
+            if st:
+                size = st.get("bytes", st.get("entry_bytes", 0))
+                lines.append(
+                    f"  {tier} tier: {st['entries']} entries, {size / 2**20:.1f} MiB, "
+                    f"{st['hits']} hits, {st['misses']} misses, {st['evictions']} evictions"
+                )
         return "\n".join(lines)

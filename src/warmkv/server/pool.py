@@ -14,7 +14,8 @@ import time
 from starlette.concurrency import run_in_threadpool
 
 from ..runtime import Runtime
-from ..session import Session, common_prefix_len
+from ..session import Session
+from ..tokens import common_prefix_len
 from .admission import Admission
 from .errors import ApiError
 

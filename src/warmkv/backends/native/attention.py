@@ -37,22 +37,40 @@ def plan_row(offset: int, n: int, start: int, slots: torch.Tensor, first_slot: i
     return RowPlan(offset, n, start, slots, mask, False, first_slot)
 
 
+def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode row: q [1, H, D] over k, v [L, KVH, D]. Two small matmuls beat SDPA's setup for one query."""
+    kvh, d = k.shape[1], q.shape[-1]
+    qg = q.reshape(kvh, -1, d) * scale  # query heads grouped by the kv head they share
+    p = torch.softmax(torch.matmul(qg, k.permute(1, 2, 0)), dim=-1)
+    return torch.matmul(p, v.transpose(0, 1)).view(1, -1, d)
+
+
+def _attend(q: torch.Tensor, cache: PagedKVCache, layer: int, r: RowPlan, scale: float) -> torch.Tensor:
+    """q: this row's [n, n_heads, head_dim] -> the same shape."""
+    if r.n == 1:
+        # float32 whatever the compute dtype: CPU bmm in bfloat16 is several times slower for these shapes.
+        k, v = cache.gather(layer, r.slots, torch.float32, r.first_slot)
+        return _one_query(q.float(), k, v, scale).to(q.dtype)
+    k, v = cache.gather(layer, r.slots, q.dtype, r.first_slot)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=r.mask,
+        is_causal=r.causal,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
+
+
 def paged_attention(
     q: torch.Tensor, cache: PagedKVCache, layer: int, rows: list[RowPlan], scale: float
 ) -> torch.Tensor:
     """q: [T, n_heads, head_dim] -> [T, n_heads, head_dim]; K/V already written to the cache."""
+    if len(rows) == 1:
+        return _attend(q, cache, layer, rows[0], scale)
     out = torch.empty_like(q)
     for r in rows:
-        k, v = cache.gather(layer, r.slots, q.dtype, r.first_slot)
-        qr = q[r.offset : r.offset + r.n].transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(
-            qr,
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=r.mask,
-            is_causal=r.causal,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[r.offset : r.offset + r.n] = o[0].transpose(0, 1)
+        out[r.offset : r.offset + r.n] = _attend(q[r.offset : r.offset + r.n], cache, layer, r, scale)
     return out

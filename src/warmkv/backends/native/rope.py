@@ -35,17 +35,18 @@ class Rope:
         pos = torch.arange(max_pos, dtype=torch.float32)
         freqs = pos[:, None] * inv_freq(args)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        half = emb.shape[-1] // 2
+        sin = emb.sin()
         self.cos = emb.cos()
-        self.sin = emb.sin()
+        # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: one roll replaces two slices, a neg and a cat.
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         self.max_pos = max_pos
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin as [T, 1, head_dim], broadcast over heads."""
+        """cos and signed sin as [T, 1, head_dim], broadcast over heads."""
         return self.cos[positions, None, :].to(dtype), self.sin[positions, None, :].to(dtype)
 
 
 def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """x: [T, heads, head_dim]; cos, sin from Rope.tables."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin)
