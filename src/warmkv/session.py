@@ -208,9 +208,10 @@ class Session:
                         else f"cold: the {hit.source} tier's KV was rejected; prefilled {len(tokens)} tokens"
                     )
                 # Two passes: stop at the last full block so the cached blob holds
-                # exactly the prefix, keep it, then prefill the partial block.
+                # exactly the prefix, keep it, then prefill the partial block. (A memory
+                # entry covering every block would have been the hit above.)
                 boundary = len(keys) * tiers.block_tokens
-                if boundary > len(self._tokens) and not tiers.covered(keys):
+                if boundary > len(self._tokens):
                     self._eval(tokens[len(self._tokens) : boundary])
                     blob = self._backend.export_seq(self._seq)
                     tiers.remember(keys, CachedKV(tuple(tokens[:boundary]), blob, manifest.digest))
@@ -367,7 +368,14 @@ class Session:
         except WarmkvError as e:
             finish, error = "error", e
         # Text held back as a possible stop-string start is real output unless a stop matched.
-        rest = "" if stop_hit else stops.push(utf8.flush())[0] + stops.flush()
+        rest = ""
+        if not stop_hit:
+            rest, stop_hit = stops.push(utf8.flush())
+            if not stop_hit:
+                tail, stop_hit = stops.flush()
+                rest += tail
+            if stop_hit and finish == "length":
+                finish = "stop"
         usage = Usage(prompt_tokens, len(produced), self._cached_since_decode)
         self._cached_since_decode = 0
         yield StreamChunk(text=rest, token_ids=tuple(pending), finish_reason=finish, usage=usage, error=error)

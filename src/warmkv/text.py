@@ -59,14 +59,17 @@ class StopMatcher:
         if not self._stops:
             return text, False
         self._buf += text
-        hits = [i for i in (self._buf.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            out = self._buf[: min(hits)]
-            self._buf = ""
+        first = self._first_hit()
+        partial = len(self._buf) - self._partial_len()  # where a stop may still be starting
+        if first is not None and first <= partial:  # no stop can complete earlier than this one
+            out, self._buf = self._buf[:first], ""
             return out, True
-        keep = self._partial_len()
-        out, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+        out, self._buf = self._buf[:partial], self._buf[partial:]
         return out, False
+
+    def _first_hit(self) -> int | None:
+        hits = [i for i in (self._buf.find(s) for s in self._stops) if i >= 0]
+        return min(hits) if hits else None
 
     def _partial_len(self) -> int:
         """Length of the longest buffer suffix that is a proper prefix of a stop string."""
@@ -77,6 +80,8 @@ class StopMatcher:
                 return n
         return 0
 
-    def flush(self) -> str:
-        out, self._buf = self._buf, ""
-        return out
+    def flush(self) -> tuple[str, bool]:
+        """End of stream: the held-back text, cut at a stop string if one lies in it."""
+        first, buf = self._first_hit(), self._buf
+        self._buf = ""
+        return (buf, False) if first is None else (buf[:first], True)
