@@ -21,6 +21,7 @@ from warmkv.backends.base import ForwardRow
 from warmkv.backends.native import NativeBackend
 from warmkv.backends.native.gguf_loader import load_gguf
 from warmkv.backends.native.tokenizer import _unicode_to_byte
+from warmkv.bench.hf_reference import transformers_llama
 
 TOL = 1e-3
 PARITY_CFG = warmkv.RuntimeConfig(num_ctx=256, num_batch=16, num_ubatch=16, n_seq_max=3, kv_cache_type="f32")
@@ -79,26 +80,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     if request.param == "gguf":
         path = warmkv.default_model_path()
         backend = NativeBackend(str(path), PARITY_CFG)
-        ckpt = load_gguf(path)
-        args, weights = ckpt.args, ckpt.weights
-        cfg = transformers.LlamaConfig(
-            vocab_size=args.vocab_size,
-            hidden_size=args.dim,
-            intermediate_size=args.hidden_dim,
-            num_hidden_layers=args.n_layers,
-            num_attention_heads=args.n_heads,
-            num_key_value_heads=args.n_kv_heads,
-            head_dim=args.head_dim,
-            rms_norm_eps=args.norm_eps,
-            rope_theta=args.rope_theta,
-            max_position_embeddings=args.max_seq_len,
-            tie_word_embeddings=args.tie_embeddings,
-        )
-        model = transformers.LlamaForCausalLM(cfg)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        assert not unexpected and set(missing) <= {"lm_head.weight"}
-        model.tie_weights()
-        model.eval()
+        model = transformers_llama(load_gguf(path))  # raises unless every weight maps
     else:
         path = tmp_path_factory.mktemp(request.param)
         model = tiny_model(request.param, path)

@@ -73,12 +73,11 @@ class KVTiers:
                 return WarmHit("disk", s.n_tokens, kv)
         return None
 
-    def covered(self, keys: Sequence[str]) -> bool:
-        """Whether the memory tier already holds every block of `keys`."""
-        return self.memory is not None and self.memory.match(keys).n_blocks == len(keys)
-
     def remember(self, keys: Sequence[str], kv: CachedKV) -> None:
-        """Keep a just-computed prefix (exactly len(keys) blocks) in memory, or on disk without one."""
+        """Keep a just-computed prefix (exactly len(keys) blocks) in memory, or on disk without one.
+
+        An entry that already covers `keys` wins; the cache then drops this one.
+        """
         if not keys:
             return
         if self.memory is None:

@@ -26,7 +26,7 @@ from ..manifest import file_digest
 from .base import ForwardRow, ModelInfo, ModelState
 from .slots import SeqSlots
 
-_KV_TYPES = {
+KV_TYPES = {
     "f16": lc.GGML_TYPE_F16,
     "q8_0": lc.GGML_TYPE_Q8_0,
     "q4_0": lc.GGML_TYPE_Q4_0,
@@ -213,8 +213,8 @@ class LlamaCppBackend:
         p.n_threads = c.num_threads
         p.n_threads_batch = c.num_threads
         p.flash_attn_type = _FLASH[c.flash_attn]
-        p.type_k = _KV_TYPES[c.kv_cache_type]
-        p.type_v = _KV_TYPES[c.kv_cache_type]
+        p.type_k = KV_TYPES[c.kv_cache_type]
+        p.type_v = KV_TYPES[c.kv_cache_type]
         p.kv_unified = False  # one KV stream per sequence: see the module docstring
         p.no_perf = True
         ctx = lc.llama_init_from_model(self._model, p)

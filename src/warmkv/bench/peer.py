@@ -13,11 +13,11 @@ from typing import Any
 
 from ..runtime import Runtime
 
-_KV = {"f32": 0, "f16": 1, "q8_0": 8, "q4_0": 2, "bf16": 30}
-
 
 def peer_llama(rt: Runtime, **extra: Any) -> Any:
     from llama_cpp import Llama
+
+    from ..backends.llamacpp import KV_TYPES
 
     c = rt.config
     return Llama(
@@ -29,8 +29,8 @@ def peer_llama(rt: Runtime, **extra: Any) -> Any:
         n_threads_batch=c.num_threads,
         n_gpu_layers=c.n_gpu_layers,
         flash_attn=c.flash_attn == "on",
-        type_k=_KV[c.kv_cache_type],
-        type_v=_KV[c.kv_cache_type],
+        type_k=KV_TYPES[c.kv_cache_type],
+        type_v=KV_TYPES[c.kv_cache_type],
         verbose=False,
         **extra,
     )

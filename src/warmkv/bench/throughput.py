@@ -83,32 +83,13 @@ def _time_backend(label: str, backend: Backend, ids: list[int], decode: int) -> 
 
 def _time_transformers(path: str, ids: list[int], decode: int, threads: int) -> EngineResult:
     import torch
-    import transformers
 
     from ..backends.native.gguf_loader import load_gguf
+    from .hf_reference import transformers_llama
 
     torch.set_num_threads(threads)
     ckpt = load_gguf(resolve_model(path))
-    a = ckpt.args
-    if a.arch != "llama":
-        raise Unsupported("transformers comparison", f"architecture {a.arch}")
-    cfg = transformers.LlamaConfig(
-        vocab_size=a.vocab_size,
-        hidden_size=a.dim,
-        intermediate_size=a.hidden_dim,
-        num_hidden_layers=a.n_layers,
-        num_attention_heads=a.n_heads,
-        num_key_value_heads=a.n_kv_heads,
-        head_dim=a.head_dim,
-        rms_norm_eps=a.norm_eps,
-        rope_theta=a.rope_theta,
-        max_position_embeddings=a.max_seq_len,
-        tie_word_embeddings=a.tie_embeddings,
-    )
-    model = transformers.LlamaForCausalLM(cfg)
-    model.load_state_dict(ckpt.weights, strict=False)
-    model.tie_weights()
-    model.eval()
+    model = transformers_llama(ckpt)
     with torch.inference_mode():
         model(torch.tensor([ids[:16]]))
         t0 = time.perf_counter()
