@@ -107,6 +107,35 @@ def test_cache_full_is_typed_and_changes_nothing() -> None:
     c.check_integrity()
 
 
+def test_pin_shares_blocks_and_reclaim_gives_them_back() -> None:
+    c = make(num_blocks=4)
+    put(c, 0, list(range(6)))
+    pin = c.pin(0)
+    assert pin < 0 and c.table(pin) == c.table(0) and c.free_blocks == 2  # zero copy
+    c.free(0)
+    assert read(c, pin) == list(range(6)) and c.free_blocks == 2  # the pin keeps them alive
+    c.copy_prefix(pin, 1, 5)
+    put(c, 1, [9])  # copy-on-write of the shared partial block, the pin's data untouched
+    assert read(c, 1) == [0, 1, 2, 3, 4, 9] and read(c, pin) == list(range(6))
+    with pytest.raises(warmkv.KVCacheFull):  # no reclaimer: the pool is short by 2 blocks
+        put(c, 2, list(range(12)))
+    asked: list[int] = []
+
+    def reclaim() -> bool:
+        asked.append(c.free_blocks)
+        if not c.length(pin):
+            return False
+        c.free(pin)
+        return True
+
+    c.reclaim = reclaim
+    put(c, 1, list(range(10)))  # grows seq 1 into a block the pin gave back
+    assert asked and c.length(pin) == 0 and read(c, 1)[:6] == [0, 1, 2, 3, 4, 9]
+    with pytest.raises(warmkv.KVCacheFull):  # the reclaimer has nothing left: typed, nothing changed
+        put(c, 2, list(range(8)))
+    c.check_integrity()
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "int8"])
 def test_storage_dtypes_round_trip(dtype: str) -> None:
     c = make(dtype=dtype)
@@ -125,6 +154,8 @@ OPS = st.one_of(
     st.tuples(st.just("copy"), SEQS, SEQS, st.integers(0, 12)),
     st.tuples(st.just("remove"), SEQS, st.integers(0, 12), st.integers(0, 12)),
     st.tuples(st.just("free"), SEQS),
+    st.tuples(st.just("pin"), SEQS),
+    st.tuples(st.just("unpin"), st.integers(0, 3)),
 )
 
 
@@ -133,11 +164,28 @@ OPS = st.one_of(
 def test_random_operations_keep_integrity(ops: list[tuple]) -> None:
     c = make(num_blocks=10)
     ref: dict[int, list[float]] = {}
+    pins: dict[int, list[float]] = {}  # oldest first; the pool gives the oldest back when short
+
+    def reclaim() -> bool:
+        if not pins:
+            return False
+        c.free(next(iter(pins)))
+        del pins[next(iter(pins))]
+        return True
+
+    c.reclaim = reclaim
     counter = 0.0
     for op in ops:
         kind, seq = op[0], op[1]
         have = ref.get(seq, [])
-        if kind == "put":
+        if kind == "pin":
+            pins[c.pin(seq)] = list(have)
+        elif kind == "unpin":
+            if pins:
+                pid = list(pins)[seq % len(pins)]
+                c.free(pid)
+                del pins[pid]
+        elif kind == "put":
             counter += 1
             values = [counter * 100 + i for i in range(op[2])]
             try:
@@ -163,5 +211,5 @@ def test_random_operations_keep_integrity(ops: list[tuple]) -> None:
             c.free(seq)
             ref.pop(seq, None)
         c.check_integrity()
-        for s, values in ref.items():
+        for s, values in (ref | pins).items():
             assert read(c, s) == values, (op, s)

@@ -47,17 +47,20 @@ class Runtime:
         self._template: ChatTemplate | None = None
         self.default_add_bos = backend.info.add_bos and not self.config.disable_bos
         c = self.config
-        # Warm tiers need a backend that can export and import a sequence's KV.
+        # Warm tiers need a backend that can keep, export and import a sequence's KV.
         self.tiers = (
             KVTiers(
+                backend,
                 block_tokens=c.cache_block_tokens,
                 memory_mb=c.prefix_cache_mb,
                 store_dir=c.kv_store_dir,
                 store_mb=c.kv_store_mb,
             )
-            if callable(getattr(backend, "export_seq", None)) and (c.prefix_cache_mb or c.kv_store_mb)
+            if callable(getattr(backend, "keep_seq", None)) and (c.prefix_cache_mb or c.kv_store_mb)
             else None
         )
+        if self.tiers is not None:
+            backend.set_reclaimer(self.tiers.reclaim)
         self._manifests = {
             bos: ContextManifest.build(
                 model_digest=backend.info.file_digest,
@@ -259,6 +262,7 @@ class Runtime:
             self._helper.close()
         with self.lock:
             if self.tiers is not None:
+                self.backend.set_reclaimer(None)
                 self.tiers.close()
                 self.tiers = None
             self.backend.close()

@@ -39,15 +39,14 @@ from .errors import (
     WarmkvError,
 )
 from .manifest import ContextManifest, hash_token_ids, sha256_bytes, validate_segments
-from .sampling import Sampler
 from .text import StopMatcher, Utf8Stream, as_text
-from .tiers import CachedKV
 from .tokens import common_prefix_len
 from .types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus, Usage
 
 if TYPE_CHECKING:
     from .cache import SnapshotInfo
     from .runtime import Runtime
+    from .tiers import WarmHit
 
 SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NO_STORE = "the disk store is disabled (kv_store_mb=0) or the backend cannot move KV"
@@ -200,7 +199,7 @@ class Session:
                 keys = tiers.keys(manifest.digest, tokens)
                 hit = tiers.lookup(manifest.digest, tokens, keys, reused)
                 if hit is not None:
-                    loaded = self._load_cached(hit.kv, hit.n_tokens)
+                    loaded = self._load_cached(hit)
                     reused, source = len(self._tokens), hit.source if loaded else "none"
                     reason = (
                         f"warm: {reused} of {len(tokens)} prefix tokens restored from the {hit.source} tier"
@@ -213,8 +212,7 @@ class Session:
                 boundary = len(keys) * tiers.block_tokens
                 if boundary > len(self._tokens):
                     self._eval(tokens[len(self._tokens) : boundary])
-                    blob = self._backend.export_seq(self._seq)
-                    tiers.remember(keys, CachedKV(tuple(tokens[:boundary]), blob, manifest.digest))
+                    tiers.remember(self._seq, keys, tokens[:boundary], manifest.digest)
             self._eval(tokens[len(self._tokens) :])
             self._prefix_len = self._suffix_end = len(tokens)
             self._byte_hash = sha256_bytes(raw)
@@ -237,16 +235,16 @@ class Session:
             self._last_prefix = status
             return status
 
-    def _load_cached(self, kv: CachedKV, n: int) -> bool:
-        """Replace our KV with a cached blob, keeping its first n tokens; False if the backend refused it."""
+    def _load_cached(self, hit: WarmHit) -> bool:
+        """Replace our KV with a cached prefix's, keeping its matching tokens; False if the backend refused it."""
         try:
-            self._backend.import_seq(self._seq, kv.blob)
+            self._rt.tiers.load(hit, self._seq)  # type: ignore[union-attr]
         except WarmkvError:
             self._backend.truncate(self._seq, 0)
             self._tokens, self._tail, self._logits = [], [], None
             return False
-        self._tokens, self._tail, self._logits = list(kv.tokens), [], None
-        self._truncate(n)
+        self._tokens, self._tail, self._logits = list(hit.kv.tokens), [], None
+        self._truncate(hit.n_tokens)
         return True
 
     def _prefix_reason(self, same: bool, manifest: ContextManifest, reused: int, n: int) -> str:
@@ -329,7 +327,7 @@ class Session:
         return self._generate(cfg, budget, prompt_tokens)
 
     def _generate(self, cfg: DecodeConfig, budget: int, prompt_tokens: int) -> Iterator[StreamChunk]:
-        sampler = Sampler(cfg)
+        sampler = self._backend.make_sampler(cfg)
         utf8 = Utf8Stream()
         stops = StopMatcher(cfg.stop)
         stop_ids = set(cfg.stop_token_ids)

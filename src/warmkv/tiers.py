@@ -1,11 +1,13 @@
 """Warm tiers below a session's own resident KV: the shared memory cache and the disk store.
 
-A prefix computed once is kept as a blob (the backend's `export_seq` bytes)
-keyed by chained block hashes that start from the manifest digest, so equal
-keys mean equal KV. Lookup order, fastest first: the session's own resident
-tokens, the in-memory PrefixCache (shared by every session of the model),
-the on-disk KVStore (shared across processes and restarts). An entry evicted
-from memory is spilled to disk; closing the runtime spills everything.
+A prefix computed once is kept (the backend's `keep_seq`: pinned pool blocks on
+the native engine, state bytes on llama.cpp) keyed by chained block hashes that
+start from the manifest digest, so equal keys mean equal KV. Lookup order,
+fastest first: the session's own resident tokens, the in-memory PrefixCache
+(shared by every session of the model), the on-disk KVStore (shared across
+processes and restarts). An entry evicted from memory is spilled to disk as an
+`export_seq` blob; closing the runtime spills everything. When the native KV
+pool runs short it asks for pinned blocks back (`reclaim`): LRU entries spill.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .backends.base import Backend, BlobKV, KeptKV
 from .cache import EvictedEntry, KVStore, PrefixCache, PrefixCacheConfig, StoreConfig, block_keys
 from .errors import WarmkvError
 from .tokens import common_prefix_len
@@ -24,10 +27,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CachedKV:
-    """A cached prefix: its token ids, the backend blob holding their KV, and their manifest."""
+    """A cached prefix: its token ids, their KV as the backend keeps it, and their manifest."""
 
     tokens: tuple[int, ...]
-    blob: bytes
+    kv: KeptKV
     manifest_digest: str
 
 
@@ -41,7 +44,10 @@ class WarmHit:
 class KVTiers:
     """Owner of the memory cache and the disk store of one loaded model."""
 
-    def __init__(self, *, block_tokens: int, memory_mb: int, store_dir: str | None, store_mb: int) -> None:
+    def __init__(
+        self, backend: Backend, *, block_tokens: int, memory_mb: int, store_dir: str | None, store_mb: int
+    ) -> None:
+        self._backend = backend
         self.block_tokens = block_tokens
         self.memory = (
             PrefixCache(PrefixCacheConfig(capacity_bytes=memory_mb << 20), on_evict=self._spill) if memory_mb else None
@@ -69,36 +75,54 @@ class KVTiers:
                 log.warning("kv store lookup failed: %s", e)
                 return None
             if s is not None and s.n_tokens > beat:
-                kv = CachedKV(tuple(s.entry.tokens), s.entry.blob, manifest_digest)
+                kv = CachedKV(tuple(s.entry.tokens), BlobKV(self._backend, s.entry.blob), manifest_digest)
                 return WarmHit("disk", s.n_tokens, kv)
         return None
 
-    def remember(self, keys: Sequence[str], kv: CachedKV) -> None:
-        """Keep a just-computed prefix (exactly len(keys) blocks) in memory, or on disk without one.
+    def load(self, hit: WarmHit, seq: int) -> None:
+        """Replace seq's KV with the hit's (all of its tokens; the caller trims to hit.n_tokens)."""
+        hit.kv.kv.load_into(seq)
 
-        An entry that already covers `keys` wins; the cache then drops this one.
+    def remember(self, seq: int, keys: Sequence[str], tokens: Sequence[int], manifest_digest: str) -> None:
+        """Keep seq's KV, which holds exactly `tokens` (len(keys) blocks), in memory, or on disk without one.
+
+        An entry that already covers `keys` wins; nothing new is kept then.
         """
         if not keys:
             return
+        cached = CachedKV(tuple(tokens), self._backend.keep_seq(seq), manifest_digest)
         if self.memory is None:
-            self._put(keys, kv)
+            self._put(keys, cached)
+            cached.kv.release()
             return
         try:
-            self.memory.insert(keys, kv, len(kv.blob))
+            result = self.memory.insert(keys, cached, cached.kv.nbytes)
         except WarmkvError as e:  # too big for the budget: keep it on disk only
             log.info("prefix not cached in memory: %s", e)
-            self._put(keys, kv)
+            self._put(keys, cached)
+            cached.kv.release()
+            return
+        if not result.inserted:
+            cached.kv.release()
+
+    def reclaim(self) -> bool:
+        """Spill the least recently used memory entry (the backend's KV pool is short)."""
+        return self.memory is not None and bool(self.memory.evict(1))
 
     def _spill(self, evicted: EvictedEntry) -> None:
-        # A superseded entry's blocks live on in the longer entry that replaced it.
-        if evicted.reason != "superseded":
-            self._put(evicted.keys, evicted.payload)  # type: ignore[arg-type]
+        cached: CachedKV = evicted.payload  # type: ignore[assignment]
+        try:
+            # A superseded entry's tokens live on in the longer entry that replaced it.
+            if evicted.reason != "superseded":
+                self._put(evicted.keys, cached)
+        finally:
+            cached.kv.release()
 
     def _put(self, keys: Sequence[str], kv: CachedKV) -> None:
         if self.store is None:
             return
         try:
-            self.store.put(keys[-1], kv.manifest_digest, kv.tokens, kv.blob, block_keys=keys)
+            self.store.put(keys[-1], kv.manifest_digest, kv.tokens, kv.kv.to_bytes(), block_keys=keys)
         except WarmkvError as e:
             log.warning("kv store write failed: %s", e)
 

@@ -8,14 +8,14 @@ backend owns KV cells and their positions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..config import RuntimeConfig
+from ..config import DecodeConfig, RuntimeConfig
 
 
 class ModelState(StrEnum):
@@ -59,6 +59,54 @@ class ForwardRow:
     want_logits: bool = True
 
 
+class TokenSampler(Protocol):
+    """Chooses the next token from one row of logits (warmkv.sampling.Sampler's chain)."""
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int: ...
+
+
+@runtime_checkable
+class KeptKV(Protocol):
+    """A sequence's KV kept apart from the sequence: the shared memory tier's payload.
+
+    The native engine keeps the blocks themselves (refcount, zero copy); llama.cpp keeps
+    the exported state bytes. Either way it can be loaded into a sequence, written to
+    disk, and let go.
+    """
+
+    nbytes: int
+
+    def load_into(self, seq: int) -> None:
+        """Replace seq's KV with this one (KVCacheFull / InvalidInput leave seq unchanged)."""
+        ...
+
+    def to_bytes(self) -> bytes:
+        """The export_seq blob of this KV (for the disk tier)."""
+        ...
+
+    def release(self) -> None:
+        """Let go of the KV; idempotent."""
+        ...
+
+
+class BlobKV:
+    """KV held as an export_seq blob; loading it is an import_seq."""
+
+    def __init__(self, backend: Backend, blob: bytes) -> None:
+        self._backend = backend
+        self.blob = blob
+        self.nbytes = len(blob)
+
+    def load_into(self, seq: int) -> None:
+        self._backend.import_seq(seq, self.blob)
+
+    def to_bytes(self) -> bytes:
+        return self.blob
+
+    def release(self) -> None:
+        pass
+
+
 @runtime_checkable
 class Backend(Protocol):
     """One loaded model. All methods are called under the runtime's model lock."""
@@ -85,6 +133,10 @@ class Backend(Protocol):
         ...
 
     def is_eog(self, token: int) -> bool: ...
+
+    def make_sampler(self, config: DecodeConfig) -> TokenSampler:
+        """A sampler for one decode, working where this engine keeps its logits."""
+        ...
 
     def acquire_seq(self) -> int:
         """Reserve a sequence slot (creates the context on first use); SessionLimit when full."""
@@ -116,6 +168,17 @@ class Backend(Protocol):
 
     def import_seq(self, seq: int, blob: bytes) -> None:
         """Replace the sequence's KV with a blob from export_seq of the same manifest."""
+        ...
+
+    def keep_seq(self, seq: int) -> KeptKV:
+        """The sequence's whole KV as it is now, kept apart from it (the memory tier)."""
+        ...
+
+    def set_reclaimer(self, reclaim: Callable[[], bool] | None) -> None:
+        """A callback to free KV memory held by caches when the engine runs short.
+
+        It returns False when it had nothing left to free.
+        """
         ...
 
     def close(self) -> None: ...

@@ -14,16 +14,17 @@ import ctypes
 import hashlib
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import llama_cpp as lc
 import numpy as np
 
-from ..config import RuntimeConfig
+from ..config import DecodeConfig, RuntimeConfig
 from ..errors import InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal
 from ..manifest import file_digest
-from .base import ForwardRow, ModelInfo, ModelState
+from ..sampling import Sampler
+from .base import BlobKV, ForwardRow, ModelInfo, ModelState
 from .slots import SeqSlots
 
 KV_TYPES = {
@@ -274,6 +275,18 @@ class LlamaCppBackend:
         if lc.llama_state_seq_set_data(self._ctx, buf, len(blob), seq) == 0:
             lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
             raise InvalidInput(f"llama.cpp rejected {len(blob)} bytes of sequence state")
+
+    def make_sampler(self, config: DecodeConfig) -> Sampler:
+        return Sampler(config)  # logits are host numpy arrays already
+
+    def keep_seq(self, seq: int) -> BlobKV:
+        # Cached prefixes stay state bytes in RAM: with one KV stream per sequence an
+        # idle cache sequence would hold a whole num_ctx stream, and seq_cp across
+        # streams copies the whole buffer anyway.
+        return BlobKV(self, self.export_seq(seq))
+
+    def set_reclaimer(self, reclaim: Callable[[], bool] | None) -> None:
+        """Unused: the KV streams are preallocated per sequence, never short."""
 
     # -- evaluation ----------------------------------------------------------
 

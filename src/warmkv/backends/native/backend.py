@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ...config import RuntimeConfig
+from ...config import DecodeConfig, RuntimeConfig
 from ...errors import (
     ContextOverflow,
     InvalidConfig,
@@ -28,8 +28,10 @@ from .checkpoint import Checkpoint
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf
 from .kv_blob import export_seq, import_seq
+from .kv_pin import PinnedKV
 from .model import Transformer
 from .paged_kv import KVLayout, PagedKVCache
+from .sampler import TorchSampler
 
 # RuntimeConfig.kv_cache_type (llama.cpp names) -> the native KV storage dtype.
 KV_STORAGE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "q8_0": "int8"}
@@ -115,6 +117,7 @@ class NativeBackend:
             metadata=ckpt.metadata,
         )
         self._kv_mb = kv_cache_mb
+        self._reclaim: Callable[[], bool] | None = None
         self._cache: PagedKVCache | None = None
         self._planner: BatchPlanner | None = None
         # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
@@ -171,6 +174,7 @@ class NativeBackend:
                 self._cache = PagedKVCache(layout)
             except RuntimeError as e:
                 raise SessionFatal(f"cannot allocate the KV pool of {blocks} blocks x {bs} tokens: {e}") from None
+            self._cache.reclaim = self._reclaim
             self._planner = BatchPlanner(self._cache, self.config.num_batch)
             self._state = ModelState.ACTIVE
         return self._cache
@@ -212,6 +216,19 @@ class NativeBackend:
         cache = self._activate()
         self._check_seq(seq)
         import_seq(cache, seq, blob, self.config.num_ctx or 0)
+
+    def make_sampler(self, config: DecodeConfig) -> TorchSampler:
+        return TorchSampler(config)
+
+    def keep_seq(self, seq: int) -> PinnedKV:
+        cache = self._activate()
+        self._check_seq(seq)
+        return PinnedKV(cache, seq)
+
+    def set_reclaimer(self, reclaim: Callable[[], bool] | None) -> None:
+        self._reclaim = reclaim
+        if self._cache is not None:
+            self._cache.reclaim = reclaim
 
     # -- evaluation ------------------------------------------------------------------
 

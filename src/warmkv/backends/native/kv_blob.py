@@ -11,7 +11,7 @@ import struct
 
 import torch
 
-from ...errors import InvalidInput, KVCacheFull
+from ...errors import InvalidInput
 from .paged_kv import KV_DTYPES, PagedKVCache
 
 MAGIC = b"WKV1"
@@ -58,9 +58,7 @@ def import_seq(cache: PagedKVCache, seq: int, blob: bytes, max_len: int) -> None
         raise InvalidInput(f"KV blob body is {len(body)} bytes, expected {sum(sizes)} for {length} tokens")
     bs = lay.block_size
     own = sum(1 for b in cache.table(seq) if cache.refcount(b) == 1)  # blocks free(seq) gives back
-    need = -(-length // bs)
-    if need > cache.free_blocks + own:
-        raise KVCacheFull(need - own, cache.free_blocks, lay.num_blocks, bs)
+    cache.ensure_free(max(0, -(-length // bs) - own))
     cache.free(seq)
     slots = cache.append(seq, length)
     offset = 0

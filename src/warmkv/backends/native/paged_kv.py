@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,9 @@ class PagedKVCache:
         self._tables: dict[int, list[int]] = {}
         self._len: dict[int, int] = {}
         self._offsets = torch.arange(bs, dtype=torch.long)
+        self._last_pin = 0  # pins are negative ids, never a sequence slot
+        # Called when the pool is short: a prefix cache lets go of pinned blocks; False = nothing left.
+        self.reclaim: Callable[[], bool] | None = None
 
     # -- bookkeeping ---------------------------------------------------------------
 
@@ -135,14 +139,17 @@ class PagedKVCache:
         cow = 1 if cur % bs and self._ref[table[-1]] > 1 else 0
         return _blocks(new_len, bs) - len(table) + cow
 
-    def _full(self, needed: int) -> KVCacheFull:
-        return KVCacheFull(needed, len(self._free), self.layout.num_blocks, self.layout.block_size)
+    def ensure_free(self, need: int) -> None:
+        """Make `need` blocks free, asking `reclaim` for pinned ones; KVCacheFull when it cannot."""
+        while need > len(self._free) and self.reclaim is not None and self.reclaim():
+            pass
+        if need > len(self._free):
+            raise KVCacheFull(need, len(self._free), self.layout.num_blocks, self.layout.block_size)
 
     def can_append(self, grow: dict[int, int]) -> int:
         """Blocks needed to append grow[seq] tokens to each seq; KVCacheFull when the pool is short."""
         need = sum(self._need(s, self.length(s) + n) for s, n in grow.items())
-        if need > len(self._free):
-            raise self._full(need)
+        self.ensure_free(need)
         return need
 
     def append(self, seq: int, n: int) -> torch.Tensor:
@@ -153,9 +160,7 @@ class PagedKVCache:
         bs, cur = self.layout.block_size, self.length(seq)
         if n < 0:
             raise InvalidInput(f"cannot append {n} tokens")
-        need = self._need(seq, cur + n)
-        if need > len(self._free):
-            raise self._full(need)
+        self.ensure_free(self._need(seq, cur + n))
         table = self._tables.setdefault(seq, [])
         if cur % bs and n and self._ref[table[-1]] > 1:
             table[-1] = self._cow(table[-1])
@@ -221,6 +226,12 @@ class PagedKVCache:
         self._tables[dst] = list(shared)
         self._len[dst] = n
 
+    def pin(self, seq: int) -> int:
+        """A new holder sharing all of seq's blocks (zero copy); `free(pin)` lets go of them."""
+        self._last_pin -= 1
+        self.copy_prefix(seq, self._last_pin, self.length(seq))
+        return self._last_pin
+
     def remove(self, seq: int, begin: int, end: int) -> None:
         """Drop positions [begin, end) of seq; later positions move down (their data is copied).
 
@@ -238,8 +249,7 @@ class PagedKVCache:
         released = sum(1 for b in table[_blocks(begin, bs) :] if self._ref[b] == 1)
         cow = 1 if begin % bs and self._ref[table[_blocks(begin, bs) - 1]] > 1 else 0
         need = _blocks(length - (end - begin), bs) - _blocks(begin, bs) + cow
-        if need > len(self._free) + released:
-            raise self._full(need - released)
+        self.ensure_free(max(0, need - released))
         src = self.slots(seq)[end:]
         saved = [t[:, src].clone() for t in self.storage()]
         self.truncate(seq, begin)

@@ -1,0 +1,48 @@
+"""A cached prefix held as pool blocks: the native memory tier's zero-copy payload.
+
+Pinning shares a sequence's blocks with a pin id (refcount + 1, nothing copied);
+loading shares them again into a session's sequence, which copies on write only the
+partial last block it appends to. The blocks leave the pool only when the pin and
+every sequence sharing them let go, or the pool runs short and the prefix cache
+gives pins back (`PagedKVCache.reclaim`).
+"""
+
+from __future__ import annotations
+
+from .kv_blob import export_seq
+from .paged_kv import PagedKVCache
+
+
+class PinnedKV:
+    """The KV of a sequence at the time it was pinned, kept by refcount."""
+
+    def __init__(self, cache: PagedKVCache, seq: int) -> None:
+        self._cache = cache
+        self._pin: int | None = cache.pin(seq)
+        blocks = len(cache.table(self._pin))
+        self.nbytes = blocks * cache.layout.block_size * cache.layout.bytes_per_token()
+
+    def _id(self) -> int:
+        if self._pin is None:
+            raise RuntimeError("pinned KV was released")
+        return self._pin
+
+    @property
+    def n_tokens(self) -> int:
+        return self._cache.length(self._id())
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return self._cache.table(self._id())
+
+    def load_into(self, seq: int) -> None:
+        pin = self._id()
+        self._cache.copy_prefix(pin, seq, self._cache.length(pin))
+
+    def to_bytes(self) -> bytes:
+        return export_seq(self._cache, self._id())
+
+    def release(self) -> None:
+        if self._pin is not None:
+            self._cache.free(self._pin)
+            self._pin = None
