@@ -96,13 +96,14 @@ def perplexity(backend: Backend, text: str) -> float:
 
 
 def test_int8_perplexity() -> None:
-    """int8 KV stays within 1% of float32 KV; int8 weights (a speed option) within 5%."""
+    """int8 KV and int4 weights stay within 1% of float32; int8 weights (a speed option) within 5%."""
     path = str(warmkv.default_model_path())
     ppl = {}
     for label, kv, compute in (
         ("f32", "f32", "float32"),
         ("int8 KV", "q8_0", "float32"),
         ("int8 weights", "f16", "int8"),
+        ("int4 weights", "f16", "int4"),
     ):
         cfg = warmkv.RuntimeConfig(num_ctx=256, n_seq_max=1, kv_cache_type=kv)
         b = load_backend("native", path, cfg, compute_dtype=compute)
@@ -113,6 +114,10 @@ def test_int8_perplexity() -> None:
     kv_change = ppl["int8 KV"] / ppl["f32"] - 1
     w_change = ppl["int8 weights"] / ppl["f32"] - 1
     print(f"perplexity: f32 {ppl['f32']:.4f}, int8 KV {ppl['int8 KV']:.4f} ({kv_change:+.3%}), ", end="")
-    print(f"int8 weights {ppl['int8 weights']:.4f} ({w_change:+.3%})")
+    print(f"int8 weights {ppl['int8 weights']:.4f} ({w_change:+.3%}), ", end="")
+    # int4 groups of 32 are the default model's own Q4_1 codes (bf16 scales): near-lossless.
+    w4_change = ppl["int4 weights"] / ppl["f32"] - 1
+    print(f"int4 weights {ppl['int4 weights']:.4f} ({w4_change:+.3%})")
     assert abs(kv_change) <= 0.01, ppl
     assert abs(w_change) <= 0.05, ppl
+    assert abs(w4_change) <= 0.01, ppl

@@ -35,11 +35,12 @@ from .sampler import TorchSampler
 
 # RuntimeConfig.kv_cache_type (llama.cpp names) -> the native KV storage dtype.
 KV_STORAGE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "q8_0": "int8"}
-# compute_dtype -> (matmul input dtype, int8 weight-only quantization)
+# compute_dtype -> (matmul input dtype, weight-only quantization)
 COMPUTE_DTYPES = {
-    "float32": (torch.float32, False),
-    "bfloat16": (torch.bfloat16, False),
-    "int8": (torch.bfloat16, True),
+    "float32": (torch.float32, "none"),
+    "bfloat16": (torch.bfloat16, "none"),
+    "int8": (torch.bfloat16, "int8"),
+    "int4": (torch.bfloat16, "int4"),
 }
 GGUF_MAGIC = b"GGUF"
 
@@ -94,8 +95,8 @@ class NativeBackend:
         self.config = config.resolved(n_ctx_train=args.max_seq_len)
         torch.set_num_threads(self.config.num_threads or 1)
         self._compute = compute_dtype
-        dtype, int8 = COMPUTE_DTYPES[compute_dtype]
-        self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx or 1, int8)
+        dtype, quant = COMPUTE_DTYPES[compute_dtype]
+        self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx or 1, quant)
         self._tok = ckpt.tokenizer
         self._state = ModelState.WARM
         self.info = ModelInfo(
@@ -284,7 +285,8 @@ OPTIONS = frozenset({"compute_dtype", "kv_cache_mb"})  # backend_options this ba
 def load(path: str, config: RuntimeConfig, **options: object) -> NativeBackend:
     """Load a GGUF file or HF directory.
 
-    Options: compute_dtype ("float32", "bfloat16", or "int8": int8 weights with bfloat16
-    activations), kv_cache_mb (KV pool budget in MiB).
+    Options: compute_dtype ("float32", "bfloat16", "int8": int8 weights with bfloat16
+    activations, or "int4": 4-bit weights in groups of 32, which are a Q4_0/Q4_1 GGUF's own
+    codes, with an int8 output head), kv_cache_mb (KV pool budget in MiB).
     """
     return NativeBackend(path, config, **options)  # type: ignore[arg-type]
