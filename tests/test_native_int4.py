@@ -1,0 +1,42 @@
+"""int4 weights (compute_dtype="int4"): the numbers of a row never depend on what it is batched with."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import warmkv
+from conftest import SYSTEM, USER_A, USER_B, greedy_tokens
+
+pytestmark = pytest.mark.skipif("native" not in warmkv.available_backends(), reason="torch not installed")
+
+
+def test_int4_linear_rows_are_batch_invariant() -> None:
+    from warmkv.backends.native.model import Linear
+
+    torch.manual_seed(0)
+    lin = Linear.make(torch.randn(256, 96), torch.bfloat16, "int4")
+    assert lin.group == 32 and lin.w.dtype == torch.uint8  # packed, two codes a byte
+    x = torch.randn(40, 96).bfloat16()
+    whole = lin(x)
+    assert torch.equal(whole, torch.cat([lin(x[i : i + 1]) for i in range(40)]))
+    assert torch.equal(whole[:7], lin(x[:7]))
+    odd = Linear.make(torch.randn(8, 40), torch.bfloat16, "int4")  # 40 inputs: no whole groups, int8 instead
+    assert odd.group == 0 and odd.w.dtype == torch.int8
+
+
+def test_int4_warm_turn_equals_cold_turn() -> None:
+    opts = {"prefix_cache_mb": 0, "kv_store_mb": 0, "backend_options": {"compute_dtype": "int4"}}
+    with warmkv.Runtime.load(backend="native", num_ctx=1024, n_seq_max=2, **opts) as rt:
+        assert ("compute_dtype", "int4") in rt.manifest(True).numerics
+        with rt.session() as warm:
+            warm.ensure_prefix(SYSTEM)
+            warm.prefill_suffix(USER_B)
+            greedy_tokens(warm)
+            assert warm.ensure_prefix(SYSTEM).warm
+            warm.prefill_suffix(USER_A)
+            warm_out = greedy_tokens(warm, 24)
+        with rt.session() as cold:
+            cold.ensure_prefix(SYSTEM)
+            cold.prefill_suffix(USER_A)
+            assert greedy_tokens(cold, 24) == warm_out
