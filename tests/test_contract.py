@@ -261,3 +261,26 @@ def test_explain_reports_segments_and_reason(rt: warmkv.Runtime) -> None:
     assert report.last_prefix is not None and report.last_prefix.reason.startswith("warm")
     assert report.suffix_tokens > 0 and report.manifest_digest == rt.manifest().digest
     assert "segment files" in str(report)
+
+
+def test_logprobs_follow_the_tokens(rt: warmkv.Runtime) -> None:
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM)
+        s.prefill_suffix(USER_A)
+        for cfg in (
+            warmkv.DecodeConfig(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True),
+            warmkv.DecodeConfig(max_tokens=6, temperature=1.0, top_k=0, top_p=1, min_p=0, seed=7, logprobs=0),
+        ):
+            chunks = list(s.decode(cfg))
+            ids = [t for c in chunks for t in c.token_ids]
+            lps = [lp for c in chunks for lp in c.logprobs]
+            assert [lp.token for lp in lps] == ids and len(ids) == 6
+            for lp in lps:
+                assert lp.logprob <= 0 and len(lp.top) == cfg.logprobs
+                if cfg.greedy:  # the pick is the most likely token, and the top list is sorted
+                    assert lp.top[0] == (lp.token, lp.logprob)
+                    assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+            s.prefill_suffix(USER_A)
+        assert all(c.logprobs is None for c in s.decode(warmkv.DecodeConfig(max_tokens=2)))
+    with pytest.raises(warmkv.InvalidConfig, match="logprobs"):
+        warmkv.DecodeConfig(logprobs=21)

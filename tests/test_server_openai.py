@@ -94,11 +94,41 @@ def test_streaming_completion(client: openai.OpenAI, model: str) -> None:
 def test_unsupported_parameters_are_400(client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError, match="n=1"):
         _chat(client, model, "hi", max_tokens=2, n=2)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        _chat(client, model, "hi", max_tokens=2, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        _chat(client, model, "hi", max_tokens=2, top_logprobs=2)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     with pytest.raises(openai.APIStatusError) as e:
         client.embeddings.create(model=model, input="hello")
     assert e.value.status_code == 501 and "embeddings" in str(e.value)
     assert _chat(client, model, "hi", max_tokens=2).choices[0].message.content is not None
+
+
+def test_chat_logprobs_streamed_and_not(client: openai.OpenAI, model: str) -> None:
+    kw = {"max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 3, "extra_body": {"ignore_eos": True}}
+    r = _chat(client, model, "Name a sorting algorithm.", **kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and sum(2.718281828**t for t in tops) <= 1.0001
+        assert e.top_logprobs[0].token == e.token and e.logprob == tops[0] <= 0  # greedy takes the most likely
+        assert bytes(e.bytes).decode() == e.token
+    stream = _chat(client, model, "Name a sorting algorithm.", stream=True, **kw)
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+
+
+def test_completion_logprobs(client: openai.OpenAI, model: str) -> None:
+    kw = {"max_tokens": 6, "temperature": 0, "logprobs": 2, "extra_body": {"ignore_eos": True}}
+    r = client.completions.create(model=model, prompt="def add(a, b):", **kw)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 2 and max(top.values()) == value and top[token] == value
+    chunks = list(client.completions.create(model=model, prompt="def add(a, b):", stream=True, **kw))
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset

@@ -30,7 +30,16 @@ from .manifest import ContextManifest, Segment, hash_token_ids
 from .models import default_model_path
 from .runtime import Completion, Runtime
 from .session import Session
-from .types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus, Usage
+from .types import (
+    ContextReport,
+    PrefixInput,
+    PrefixStatus,
+    StreamChunk,
+    SuffixInput,
+    SuffixStatus,
+    TokenLogprob,
+    Usage,
+)
 
 __version__ = "0.1.0"
 
@@ -68,6 +77,7 @@ __all__ = [
     "StreamChunk",
     "SuffixInput",
     "SuffixStatus",
+    "TokenLogprob",
     "Unsupported",
     "Usage",
     "WarmkvError",

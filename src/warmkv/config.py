@@ -110,6 +110,9 @@ class RuntimeConfig:
         return replace(self, num_ctx=num_ctx, num_threads=threads, flash_attn=flash)
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """How tokens are chosen and when generation stops.
@@ -128,6 +131,7 @@ class DecodeConfig:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; n: each token's logprob and the n most likely (n <= 20)
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string for convenience; store tuples (hashable, frozen).
@@ -152,6 +156,8 @@ class DecodeConfig:
         _int("repeat_last_n", self.repeat_last_n, minimum=0)
         if self.seed is not None:
             _int("seed", self.seed, minimum=0, maximum=2**32 - 1)
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise InvalidConfig(f"stop strings must be non-empty str, got {s!r}")

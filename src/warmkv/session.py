@@ -39,9 +39,19 @@ from .errors import (
     WarmkvError,
 )
 from .manifest import ContextManifest, hash_token_ids, sha256_bytes, validate_segments
+from .sampling import logprobs_of
 from .text import StopMatcher, Utf8Stream, as_text
 from .tokens import common_prefix_len
-from .types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus, Usage
+from .types import (
+    ContextReport,
+    PrefixInput,
+    PrefixStatus,
+    StreamChunk,
+    SuffixInput,
+    SuffixStatus,
+    TokenLogprob,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from .cache import SnapshotInfo
@@ -333,6 +343,21 @@ class Session:
         stop_ids = set(cfg.stop_token_ids)
         produced: list[int] = []
         pending: list[int] = []
+        logprobs: list[TokenLogprob] | None = None if cfg.logprobs is None else []
+
+        def chunk(text: str, **end: object) -> StreamChunk:
+            """A chunk carrying the pending tokens (and their logprobs), which it then clears."""
+            out = StreamChunk(
+                text=text,
+                token_ids=tuple(pending),
+                logprobs=None if logprobs is None else tuple(logprobs),
+                **end,  # type: ignore[arg-type]
+            )
+            pending.clear()
+            if logprobs is not None:
+                logprobs.clear()
+            return out
+
         finish = None
         stop_hit = False
         error: WarmkvError | None = None
@@ -346,6 +371,9 @@ class Session:
                     logits = self._ensure_logits()
                     token = sampler.sample(logits, self._tokens)
                     self._tail = [token]
+                if logprobs is not None:  # the model's distribution, before penalties and filters
+                    lp, top = logprobs_of(logits, token, cfg.logprobs or 0)
+                    logprobs.append(TokenLogprob(token, lp, tuple(top)))
                 produced.append(token)
                 pending.append(token)
                 if token in stop_ids or (self._backend.is_eog(token) and not cfg.ignore_eos):
@@ -355,12 +383,10 @@ class Session:
                 if hit:
                     finish, stop_hit = "stop", True
                     if text:
-                        yield StreamChunk(text=text, token_ids=tuple(pending))
-                        pending = []
+                        yield chunk(text)
                     break
                 if text:
-                    yield StreamChunk(text=text, token_ids=tuple(pending))
-                    pending = []
+                    yield chunk(text)
                 if len(produced) >= budget:
                     finish = "length"
         except WarmkvError as e:
@@ -376,7 +402,7 @@ class Session:
                 finish = "stop"
         usage = Usage(prompt_tokens, len(produced), self._cached_since_decode)
         self._cached_since_decode = 0
-        yield StreamChunk(text=rest, token_ids=tuple(pending), finish_reason=finish, usage=usage, error=error)
+        yield chunk(rest, finish_reason=finish, usage=usage, error=error)
 
     # -- batched decoding (warmkv.scheduler) -----------------------------------
     # A running decode() generator evaluates its sampled token lazily (_tail) at

@@ -111,6 +111,15 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The model's log-probability of a generated token (before sampling filters), and the top alternatives."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StreamChunk:
     """A text delta. The last chunk of a stream has finish_reason (and usage) set."""
 
@@ -119,7 +128,7 @@ class StreamChunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: WarmkvError | None = None
-    logprobs: tuple[float, ...] | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when DecodeConfig.logprobs is set
 
     @property
     def done(self) -> bool:

@@ -10,9 +10,10 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from ..types import StreamChunk, Usage
+from ..types import StreamChunk, TokenLogprob, Usage
 from .errors import ApiError, from_warmkv
 from .generation import Generation, generate
+from .logprobs import chat_logprobs, completion_logprobs
 from .schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -74,8 +75,9 @@ def _finish(chunk: StreamChunk) -> str:
     return "length" if chunk.finish_reason == "length" else "stop"
 
 
-async def _collect(st: ServerState, gen: Generation) -> tuple[str, StreamChunk]:
+async def _collect(st: ServerState, gen: Generation) -> tuple[str, StreamChunk, list[TokenLogprob]]:
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     first = True
     try:
         async for chunk in gen.stream:
@@ -83,10 +85,11 @@ async def _collect(st: ServerState, gen: Generation) -> tuple[str, StreamChunk]:
                 st.metrics.ttft.observe(time.perf_counter() - gen.t0)
                 first = False
             parts.append(chunk.text)
+            logprobs.extend(chunk.logprobs or ())
             if chunk.done:
                 if chunk.error is not None:
                     raise from_warmkv(chunk.error)
-                return "".join(parts), chunk
+                return "".join(parts), chunk, logprobs
     except BaseException:
         gen.stream.cancel()  # the client left (or a bug): stop decoding for nobody
         raise
@@ -96,11 +99,11 @@ async def _collect(st: ServerState, gen: Generation) -> tuple[str, StreamChunk]:
 def _stream(
     st: ServerState,
     gen: Generation,
-    frame: Callable[[dict[str, Any] | None, str | None, dict[str, Any] | None], dict[str, Any]],
+    frame: Callable[..., dict[str, Any]],
     first: dict[str, Any] | None,
     include_usage: bool,
 ) -> SSEResponse:
-    """SSE of frames: frame(delta, finish_reason, usage) builds one OpenAI chunk object."""
+    """SSE of frames: frame(delta, finish_reason, usage, chunk) builds one OpenAI chunk object."""
 
     async def body() -> AsyncIterator[bytes]:
         if first is not None:
@@ -111,14 +114,15 @@ def _stream(
                 st.metrics.ttft.observe(time.perf_counter() - gen.t0)
                 got_first = True
             if chunk.text:
-                yield sse(frame({"content": chunk.text}, None, None))
+                yield sse(frame({"content": chunk.text}, None, None, chunk))
             if chunk.done:
                 if chunk.error is not None:
                     err = from_warmkv(chunk.error)
                     st.metrics.errors.labels(err.code or "error").inc()
                     yield sse(err.body())
                 else:
-                    yield sse(frame({}, _finish(chunk), None))
+                    # the chunk's logprobs went out with its text, if it had any
+                    yield sse(frame({}, _finish(chunk), None, None if chunk.text else chunk))
                     if include_usage:
                         yield sse(frame(None, None, _usage(chunk.usage)))
         yield SSE_DONE
@@ -149,8 +153,10 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
     """Chat through the model's template; prompts sharing a prefix with a pooled session reuse its KV."""
     st.check_model(req.model)
     sampling = _sampling(req)
-    if req.logprobs or req.top_logprobs:
-        raise _unsupported("logprobs", "logprobs unsupported by this server")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", code="invalid_value", param="top_logprobs")
+    sampling["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+    backend = st.runtime.backend
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     prompt = st.runtime.render_chat(messages, add_generation_prompt=True, tools=req.tools)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -158,14 +164,17 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
 
-        def frame(delta: dict[str, Any] | None, finish: str | None, usage: dict[str, Any] | None) -> dict[str, Any]:
-            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        def frame(
+            delta: dict[str, Any] | None, finish: str | None, usage: dict[str, Any] | None, chunk: Any = None
+        ) -> dict[str, Any]:
+            lp = chat_logprobs(backend, chunk.logprobs) if chunk is not None and chunk.logprobs else None
+            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]
             out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_id}
             return {**out, "choices": choices, **({"usage": usage} if usage else {})}
 
         opts = req.stream_options
         return _stream(st, gen, frame, {"role": "assistant", "content": ""}, bool(opts and opts.include_usage))
-    text, last = await _collect(st, gen)
+    text, last, logprobs = await _collect(st, gen)
     return {
         "id": rid,
         "object": "chat.completion",
@@ -176,7 +185,7 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
                 "finish_reason": _finish(last),
-                "logprobs": None,
+                "logprobs": None if sampling["logprobs"] is None else chat_logprobs(backend, logprobs),
             }
         ],
         "usage": _usage(last.usage),
@@ -194,8 +203,8 @@ async def completions(req: CompletionRequest, st: State) -> Any:
         raise _unsupported("suffix", "suffix (fill-in-the-middle) is not supported")
     if req.best_of not in (None, 1):
         raise _unsupported("best_of", "only best_of=1 is supported")
-    if req.logprobs:
-        raise _unsupported("logprobs", "logprobs unsupported by this server")
+    sampling["logprobs"] = req.logprobs
+    backend = st.runtime.backend
     if isinstance(req.prompt, list):
         if len(req.prompt) != 1:
             raise _unsupported("prompt", f"exactly one prompt per request, got {len(req.prompt)}")
@@ -207,22 +216,29 @@ async def completions(req: CompletionRequest, st: State) -> Any:
     gen = await generate(st, prompt, req.max_tokens, sampling)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
+        sent = 0  # completion characters streamed so far: text_offset counts from the start
 
-        def frame(delta: dict[str, Any] | None, finish: str | None, usage: dict[str, Any] | None) -> dict[str, Any]:
+        def frame(
+            delta: dict[str, Any] | None, finish: str | None, usage: dict[str, Any] | None, chunk: Any = None
+        ) -> dict[str, Any]:
+            nonlocal sent
             text = "" if delta is None else delta.get("content", "")
-            choices = [] if delta is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+            lp = completion_logprobs(backend, chunk.logprobs, sent) if chunk is not None and chunk.logprobs else None
+            sent += len(text)
+            choices = [] if delta is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}]
             out = {"id": rid, "object": "text_completion", "created": created, "model": st.model_id}
             return {**out, "choices": choices, **({"usage": usage} if usage else {})}
 
         opts = req.stream_options
         return _stream(st, gen, frame, None, bool(opts and opts.include_usage))
-    text, last = await _collect(st, gen)
+    text, last, logprobs = await _collect(st, gen)
+    lp = None if req.logprobs is None else completion_logprobs(backend, logprobs)
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": st.model_id,
-        "choices": [{"index": 0, "text": text, "finish_reason": _finish(last), "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": _finish(last), "logprobs": lp}],
         "usage": _usage(last.usage),
     }
 

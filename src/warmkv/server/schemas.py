@@ -158,7 +158,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatChoiceMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -174,7 +174,7 @@ class TextChoice(BaseModel):
     index: int
     text: str
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class TextCompletion(BaseModel):
