@@ -284,3 +284,21 @@ def test_logprobs_follow_the_tokens(rt: warmkv.Runtime) -> None:
         assert all(c.logprobs is None for c in s.decode(warmkv.DecodeConfig(max_tokens=2)))
     with pytest.raises(warmkv.InvalidConfig, match="logprobs"):
         warmkv.DecodeConfig(logprobs=21)
+
+
+def test_embeddings_are_unit_vectors_and_leave_sessions_alone(rt: warmkv.Runtime) -> None:
+    import numpy as np
+
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM)
+        before = s.explain().resident_tokens
+        e = rt.embed(["def add(a, b):\n    return a + b", "def sum_two(x, y):\n    return x + y", "Paris in spring."])
+        assert e.shape == (3, rt.info.n_embd) and np.allclose(np.linalg.norm(e, axis=1), 1.0, atol=1e-5)
+        assert e[0] @ e[1] > e[0] @ e[2]  # two small adders are closer than an adder and a city
+        assert np.array_equal(rt.embed("Paris in spring."), e[2:])  # deterministic
+        assert s.explain().resident_tokens == before and s.ensure_prefix(SYSTEM).reused_tokens == before
+    for bad in ("", [], ["ok", 3.5], b"bytes"):
+        with pytest.raises(warmkv.InvalidInput):
+            rt.embed(bad)  # type: ignore[arg-type]
+    with pytest.raises(warmkv.ContextOverflow):
+        rt.embed([1] * (rt.config.num_ctx + 1))

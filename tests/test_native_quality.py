@@ -121,3 +121,15 @@ def test_int8_perplexity() -> None:
     assert abs(kv_change) <= 0.01, ppl
     assert abs(w_change) <= 0.05, ppl
     assert abs(w4_change) <= 0.01, ppl
+
+
+@pytest.mark.skipif("llamacpp" not in available_backends(), reason="llama.cpp backend not installed")
+def test_embeddings_agree_across_backends() -> None:
+    texts = [PROMPTS[1], TEXT, "x = 1"]
+    vecs = {}
+    for name in ("native", "llamacpp"):
+        with warmkv.Runtime.load(backend=name, num_ctx=256, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0) as rt:
+            vecs[name] = rt.embed(texts)
+    cos = (vecs["native"] * vecs["llamacpp"]).sum(axis=1)
+    print(f"embedding cosine native vs llama.cpp: {np.round(cos, 5).tolist()}")
+    assert (cos > 0.999).all(), cos

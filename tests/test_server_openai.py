@@ -98,9 +98,10 @@ def test_unsupported_parameters_are_400(client: openai.OpenAI, model: str) -> No
         _chat(client, model, "hi", max_tokens=2, top_logprobs=2)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    with pytest.raises(openai.APIStatusError) as e:
-        client.embeddings.create(model=model, input="hello")
-    assert e.value.status_code == 501 and "embeddings" in str(e.value)
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        client.embeddings.create(model=model, input="hello", dimensions=8)
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        client.embeddings.create(model=model, input=["hello", ""])
     assert _chat(client, model, "hi", max_tokens=2).choices[0].message.content is not None
 
 
@@ -132,3 +133,24 @@ def test_completion_logprobs(client: openai.OpenAI, model: str) -> None:
     chunks = list(client.completions.create(model=model, prompt="def add(a, b):", stream=True, **kw))
     offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert offsets == lp.text_offset
+
+
+def test_embeddings_match_the_runtime(client: openai.OpenAI, model: str) -> None:
+    import base64
+
+    import numpy as np
+
+    texts = ["def add(a, b):\n    return a + b", "The capital of France is Paris."]
+    r = client.embeddings.create(model=model, input=texts)
+    got = np.array([d.embedding for d in r.data], dtype=np.float32)
+    assert got.shape == (2, 576) and [d.index for d in r.data] == [0, 1]
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    with warmkv.Runtime.load(num_ctx=512, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0) as rt:
+        assert np.allclose(got, rt.embed(texts), atol=1e-5)  # the same numbers as the API
+        ids, other = (rt.tokenize(t, parse_special=False) for t in texts)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == len(ids) + len(other)
+    by_ids = client.embeddings.create(model=model, input=ids)  # token ids embed like their text
+    assert np.allclose(by_ids.data[0].embedding, got[0], atol=1e-6)
+    raw = client.embeddings.with_raw_response.create(model=model, input=texts[1], encoding_format="base64")
+    b64 = raw.http_response.json()["data"][0]["embedding"]
+    assert np.allclose(np.frombuffer(base64.b64decode(b64), dtype="<f4"), got[1], atol=1e-6)

@@ -9,9 +9,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .backends import Backend, ModelInfo, ModelState, load_backend
 from .chat import ChatTemplate, resolve_template
 from .config import DecodeConfig, RuntimeConfig
+from .embeddings import EmbedInput, l2_normalize, split_inputs
 from .errors import ContextOverflow, InvalidInput, ManifestMismatch, ModelUnloaded, Unsupported
 from .manifest import ContextManifest
 from .models import resolve_model
@@ -185,6 +188,26 @@ class Runtime:
         with self.lock:
             self._check_loaded()
             return b"".join(self.backend.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    # -- embeddings -------------------------------------------------------------
+
+    def embedding_tokens(self, inputs: EmbedInput) -> list[list[int]]:
+        """Token ids of each embedding input: texts get the BOS policy, id lists are taken as given."""
+        return [self.tokenize(x, parse_special=False) if isinstance(x, str) else x for x in split_inputs(inputs)]
+
+    def embed(self, inputs: EmbedInput, *, normalize: bool = True) -> np.ndarray:
+        """One row per input ([n, n_embd] float32): the mean of the model's final-norm hidden
+        states over the input's tokens, L2-normalized unless normalize=False. Sessions are untouched."""
+        return self.embed_tokens(self.embedding_tokens(inputs), normalize=normalize)
+
+    def embed_tokens(self, token_lists: Sequence[Sequence[int]], *, normalize: bool = True) -> np.ndarray:
+        rows = []
+        for tokens in token_lists:
+            with self.lock:  # one input at a time: decode steps of other sessions go in between
+                self._check_loaded()
+                v = self.backend.embed(list(tokens))
+            rows.append(l2_normalize(v) if normalize else v)
+        return np.stack(rows).astype(np.float32)
 
     # -- completion helpers -----------------------------------------------------
 

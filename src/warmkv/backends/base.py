@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ..config import DecodeConfig, RuntimeConfig
+from ..errors import ContextOverflow, InvalidInput
 
 
 class ModelState(StrEnum):
@@ -57,6 +58,14 @@ class ForwardRow:
     tokens: Sequence[int]
     start: int
     want_logits: bool = True
+
+
+def check_embed_tokens(tokens: Sequence[int], num_ctx: int) -> None:
+    """Embedding input is 1..num_ctx tokens evaluated at once (ids are each backend's to check)."""
+    if not tokens:
+        raise InvalidInput("cannot embed an empty input (0 tokens)")
+    if len(tokens) > num_ctx:
+        raise ContextOverflow("embed", 0, len(tokens), num_ctx)
 
 
 class TokenSampler(Protocol):
@@ -168,6 +177,10 @@ class Backend(Protocol):
 
     def import_seq(self, seq: int, blob: bytes) -> None:
         """Replace the sequence's KV with a blob from export_seq of the same manifest."""
+        ...
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        """Mean over tokens of the final-norm hidden state (float32 [n_embd]); no session KV is touched."""
         ...
 
     def keep_seq(self, seq: int) -> KeptKV:

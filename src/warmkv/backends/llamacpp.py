@@ -24,7 +24,8 @@ from ..config import DecodeConfig, RuntimeConfig
 from ..errors import InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal
 from ..manifest import file_digest
 from ..sampling import Sampler
-from .base import BlobKV, ForwardRow, ModelInfo, ModelState
+from .base import BlobKV, ForwardRow, ModelInfo, ModelState, check_embed_tokens
+from .llamacpp_embed import EmbeddingContext
 from .slots import SeqSlots
 
 KV_TYPES = {
@@ -114,6 +115,7 @@ class LlamaCppBackend:
             metadata=meta,
         )
         self._pieces: dict[int, bytes] = {}
+        self._embedder: EmbeddingContext | None = None
         self._ctx = None
         self._mem = None
         self._batch = None
@@ -276,6 +278,17 @@ class LlamaCppBackend:
             lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
             raise InvalidInput(f"llama.cpp rejected {len(blob)} bytes of sequence state")
 
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        if self._state is ModelState.UNLOADED:
+            raise SessionFatal("the model was unloaded")
+        check_embed_tokens(tokens, self.config.num_ctx)
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._n_vocab:
+                raise InvalidInput(f"token id {t!r} out of range [0, {self._n_vocab})")
+        if self._embedder is None:
+            self._embedder = EmbeddingContext(self._model, self.config, self.info.n_embd)
+        return self._embedder.embed(tokens)
+
     def make_sampler(self, config: DecodeConfig) -> Sampler:
         return Sampler(config)  # logits are host numpy arrays already
 
@@ -332,6 +345,9 @@ class LlamaCppBackend:
     def close(self) -> None:
         if self._state is ModelState.UNLOADED:
             return
+        if self._embedder is not None:
+            self._embedder.close()
+            self._embedder = None
         if self._batch is not None:
             lc.llama_batch_free(self._batch)
             self._batch = None

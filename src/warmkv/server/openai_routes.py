@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 
 from ..types import StreamChunk, TokenLogprob, Usage
 from .errors import ApiError, from_warmkv
@@ -18,6 +19,7 @@ from .schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingList,
     EmbeddingRequest,
     ErrorBody,
     ModelList,
@@ -243,11 +245,24 @@ async def completions(req: CompletionRequest, st: State) -> Any:
     }
 
 
-@router.post("/embeddings", status_code=501, response_class=JSONResponse)
+@router.post("/embeddings", response_model=EmbeddingList)
 async def embeddings(req: EmbeddingRequest, st: State) -> Any:
+    """Mean-pooled, L2-normalized final hidden states, one per input (texts or token-id lists)."""
     st.check_model(req.model)
-    raise ApiError(
-        501,
-        f"embeddings are not available: the {st.runtime.backend.name} backend has no embedding output yet",
-        code="embeddings_unsupported",
-    )
+    rt = st.runtime
+    if req.dimensions not in (None, rt.info.n_embd):
+        raise _unsupported("dimensions", f"this model's embeddings have {rt.info.n_embd} dimensions")
+    token_lists = await run_in_threadpool(rt.embedding_tokens, req.input)  # typed errors map to 400
+    vectors = await run_in_threadpool(rt.embed_tokens, token_lists)
+    data = [
+        {
+            "object": "embedding",
+            "index": i,
+            "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode()
+            if req.encoding_format == "base64"
+            else v.tolist(),
+        }
+        for i, v in enumerate(vectors)
+    ]
+    n = sum(len(t) for t in token_lists)
+    return {"object": "list", "data": data, "model": st.model_id, "usage": {"prompt_tokens": n, "total_tokens": n}}

@@ -21,7 +21,7 @@ from ...errors import (
     WarmkvError,
 )
 from ...manifest import file_digest
-from ..base import ForwardRow, ModelInfo, ModelState
+from ..base import ForwardRow, ModelInfo, ModelState, check_embed_tokens
 from ..slots import SeqSlots
 from .batch import BatchPlanner
 from .checkpoint import Checkpoint
@@ -269,6 +269,29 @@ class NativeBackend:
                 cache.truncate(r.seq, r.start)
             raise SessionFatal(f"native forward failed on {sum(len(r.tokens) for r in rows)} tokens: {e}") from None
         return out
+
+    def embed(self, tokens: Sequence[int]) -> np.ndarray:
+        cache = self._activate()
+        check_embed_tokens(tokens, self.config.num_ctx or 0)
+        for t in tokens:
+            self._tok.check(t)
+        holder = cache.new_holder()  # scratch KV, gone when done
+        cache.can_append({holder: len(tokens)})
+        total = torch.zeros(self._model.args.dim, dtype=torch.float64)
+        assert self._planner is not None
+        try:
+            for step in self._planner.chunks([ForwardRow(holder, tokens, 0, want_logits=False)]):
+                h = self._model.forward(
+                    step.tokens, step.positions, step.plans, step.write_slots, step.logit_index, cache, hidden=True
+                )
+                total += h.sum(dim=0, dtype=torch.float64)
+        except WarmkvError:
+            raise
+        except Exception as e:
+            raise SessionFatal(f"native embedding forward failed on {len(tokens)} tokens: {e}") from None
+        finally:
+            cache.free(holder)
+        return (total / len(tokens)).float().numpy()
 
     def close(self) -> None:
         if self._state is ModelState.UNLOADED:

@@ -180,8 +180,12 @@ class Transformer:
         write_slots: torch.Tensor,
         logit_index: torch.Tensor,
         cache: PagedKVCache,
+        hidden: bool = False,
     ) -> torch.Tensor:
-        """tokens, positions, write_slots: [T]; returns float32 logits [len(logit_index), vocab]."""
+        """tokens, positions, write_slots: [T]; returns float32 logits [len(logit_index), vocab].
+
+        hidden=True returns the final-norm hidden state of every token instead, [T, dim] float32.
+        """
         a, dt = self.args, self.dtype
         t, n_qk = tokens.shape[0], a.n_heads + a.n_kv_heads
         x = self.embed[tokens]
@@ -199,5 +203,7 @@ class Transformer:
             x = layer.o.add_to(x, o.reshape(t, -1))
             gate, up = layer.gate_up(self._norm(x, layer.ffn_norm).to(dt)).chunk(2, dim=-1)
             x = layer.down.add_to(x, F.silu(gate) * up)
+        if hidden:
+            return F.rms_norm(x, (a.dim,), self.norm, a.norm_eps)
         h = F.rms_norm(x[logit_index], (a.dim,), self.norm, a.norm_eps).to(dt)
         return self.lm_head(h).float()

@@ -72,7 +72,7 @@ class PagedKVCache:
         self._tables: dict[int, list[int]] = {}
         self._len: dict[int, int] = {}
         self._offsets = torch.arange(bs, dtype=torch.long)
-        self._last_pin = 0  # pins are negative ids, never a sequence slot
+        self._last_pin = 0  # holders (pins, scratch) are negative ids, never a sequence slot
         # Called when the pool is short: a prefix cache lets go of pinned blocks; False = nothing left.
         self.reclaim: Callable[[], bool] | None = None
 
@@ -226,11 +226,16 @@ class PagedKVCache:
         self._tables[dst] = list(shared)
         self._len[dst] = n
 
+    def new_holder(self) -> int:
+        """A fresh negative id that holds blocks like a sequence (pins, scratch work); never a slot."""
+        self._last_pin -= 1
+        return self._last_pin
+
     def pin(self, seq: int) -> int:
         """A new holder sharing all of seq's blocks (zero copy); `free(pin)` lets go of them."""
-        self._last_pin -= 1
-        self.copy_prefix(seq, self._last_pin, self.length(seq))
-        return self._last_pin
+        holder = self.new_holder()
+        self.copy_prefix(seq, holder, self.length(seq))
+        return holder
 
     def remove(self, seq: int, begin: int, end: int) -> None:
         """Drop positions [begin, end) of seq; later positions move down (their data is copied).
