@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -94,3 +95,14 @@ def test_bench_coding_loop_small(tmp_path: Path) -> None:
     assert all(t["tokens_equal"] for t in data["turns"])
     assert data["turns"][0]["reused_tokens"] == 0 and data["turns"][1]["reused_tokens"] >= 350
     assert set(data["summary"]) >= {"warm_over_cold", "warm_over_peer"}
+
+
+def test_run_with_a_regex_constraint(tmp_path: Path) -> None:
+    prefix = tmp_path / "prefix.txt"
+    prefix.write_text("<|im_start|>user\nWhen was Python 3.0 released?<|im_end|>\n<|im_start|>assistant\n")
+    args = ["run", "--prefix-file", str(prefix), "-n", "20", "--num-ctx", "256"]
+    r = runner.invoke(app, [*args, "--regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"])
+    assert r.exit_code == 0, r.output
+    assert re.search(r"(^|\n)[0-9]{4}-[0-9]{2}-[0-9]{2}\n", r.output) and "finish: stop" in r.output
+    r = runner.invoke(app, [*args, "--regex", "(unclosed"])
+    assert r.exit_code == 2 and "regex" in r.output and "Traceback" not in r.output

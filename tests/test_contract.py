@@ -302,3 +302,40 @@ def test_embeddings_are_unit_vectors_and_leave_sessions_alone(rt: warmkv.Runtime
             rt.embed(bad)  # type: ignore[arg-type]
     with pytest.raises(warmkv.ContextOverflow):
         rt.embed([1] * (rt.config.num_ctx + 1))
+
+
+def test_constrained_decoding_matches_schema_regex_and_grammar(rt: warmkv.Runtime) -> None:
+    import json
+    import re
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM)
+        s.prefill_suffix("<|im_start|>user\nA JSON record for Ada, 36.<|im_end|>\n<|im_start|>assistant\n")
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 5}):
+            cfg = warmkv.DecodeConfig(max_tokens=80, constraint=warmkv.Constraint.json_schema(schema), **sampling)
+            chunks = list(s.decode(cfg))
+            assert chunks[-1].finish_reason == "stop", chunks[-1]
+            record = json.loads("".join(c.text for c in chunks))
+            assert set(record) == {"name", "age"} and isinstance(record["name"], str) and type(record["age"]) is int
+            s.prefill_suffix("<|im_start|>user\nA JSON record for Ada, 36.<|im_end|>\n<|im_start|>assistant\n")
+        phone = warmkv.Constraint.regex(r"[0-9]{3}-[0-9]{4}")
+        for seed in (1, 2, 3):
+            cfg = warmkv.DecodeConfig(max_tokens=20, temperature=1.0, seed=seed, constraint=phone)
+            assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", "".join(c.text for c in s.decode(cfg)))
+        yes_no = warmkv.Constraint.lark('start: "yes" | "no"')
+        assert "".join(c.text for c in s.decode(warmkv.DecodeConfig(max_tokens=8, constraint=yes_no))) in ("yes", "no")
+        before = s.explain().resident_tokens
+        for bad in (warmkv.Constraint.regex("(unclosed"), warmkv.Constraint.json_schema("{not json")):
+            with pytest.raises(warmkv.InvalidInput):
+                s.decode(warmkv.DecodeConfig(max_tokens=4, constraint=bad))
+        assert s.explain().resident_tokens == before
+    with pytest.raises(warmkv.InvalidInput):
+        warmkv.Constraint("yaml", "x")  # type: ignore[arg-type]
+    with pytest.raises(warmkv.InvalidConfig):
+        warmkv.DecodeConfig(constraint="json")  # type: ignore[arg-type]

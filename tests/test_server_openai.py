@@ -154,3 +154,27 @@ def test_embeddings_match_the_runtime(client: openai.OpenAI, model: str) -> None
     raw = client.embeddings.with_raw_response.create(model=model, input=texts[1], encoding_format="base64")
     b64 = raw.http_response.json()["data"][0]["embedding"]
     assert np.allclose(np.frombuffer(base64.b64decode(b64), dtype="<f4"), got[1], atol=1e-6)
+
+
+def test_structured_output(client: openai.OpenAI, model: str) -> None:
+    import json
+    import re
+
+    schema = {
+        "type": "object",
+        "properties": {"tool": {"type": "string", "enum": ["grep", "pytest"]}, "args": {"type": "string"}},
+        "required": ["tool", "args"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}
+    r = _chat(client, model, "Which tool runs the tests? Answer as JSON.", max_tokens=60, response_format=fmt)
+    call = json.loads(r.choices[0].message.content)
+    assert call["tool"] in ("grep", "pytest") and isinstance(call["args"], str)
+    r = _chat(client, model, "Any JSON.", max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "length" or isinstance(json.loads(r.choices[0].message.content), dict)
+    stream = _chat(client, model, "A date?", max_tokens=16, stream=True, extra_body={"regex": r"20[0-9]{2}-[01][0-9]"})
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]", "".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        _chat(client, model, "x", max_tokens=4, extra_body={"regex": "(unclosed"})
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        _chat(client, model, "x", max_tokens=4, response_format={"type": "yaml"})

@@ -2,6 +2,7 @@
 
 from .backends import available_backends, registered_backends
 from .config import DecodeConfig, RuntimeConfig
+from .constraint import Constraint
 from .errors import (
     BackendUnavailable,
     CacheCorrupt,
@@ -49,6 +50,7 @@ __all__ = [
     "CacheEntryGone",
     "CacheFull",
     "Completion",
+    "Constraint",
     "ContextManifest",
     "ContextOverflow",
     "ContextReport",

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import DecodeConfig, Runtime, WarmkvError, available_backends, registered_backends
+from . import Constraint, DecodeConfig, InvalidInput, Runtime, WarmkvError, available_backends, registered_backends
 
 app = typer.Typer(help="warmkv: keep the KV cache of a stable prefix warm across agent turns.", no_args_is_help=True)
 bench_app = typer.Typer(help="Reproducible benchmarks.", no_args_is_help=True)
@@ -39,8 +39,20 @@ def _fail(e: Exception) -> None:
     raise typer.Exit(2)
 
 
-def _decode_cfg(max_tokens: int, temperature: float, seed: int | None, stop: list[str] | None) -> DecodeConfig:
-    return DecodeConfig(max_tokens=max_tokens, temperature=temperature, seed=seed, stop=tuple(stop or ()))
+def _decode_cfg(
+    max_tokens: int, temperature: float, seed: int | None, stop: list[str] | None, constraint: Constraint | None = None
+) -> DecodeConfig:
+    return DecodeConfig(
+        max_tokens=max_tokens, temperature=temperature, seed=seed, stop=tuple(stop or ()), constraint=constraint
+    )
+
+
+def _constraint(json_schema: Path | None, regex: str | None) -> Constraint | None:
+    if json_schema is not None and regex is not None:
+        raise InvalidInput("use one of --json-schema and --regex")
+    if json_schema is not None:
+        return Constraint.json_schema(json_schema.read_text())
+    return Constraint.regex(regex) if regex is not None else None
 
 
 def _stream(session: Any, cfg: DecodeConfig, t0: float) -> tuple[float | None, Any]:
@@ -102,6 +114,10 @@ def run(
     temperature: float = 0.0,
     seed: int | None = None,
     stop: Annotated[list[str] | None, typer.Option("--stop")] = None,
+    json_schema: Annotated[
+        Path | None, typer.Option("--json-schema", help="output must match this JSON schema file")
+    ] = None,
+    regex: Annotated[str | None, typer.Option("--regex", help="output must match this regex")] = None,
     model: ModelOpt = None,
     backend: BackendOpt = "llamacpp",
     num_ctx: CtxOpt = None,
@@ -111,7 +127,7 @@ def run(
     """One shot: prefill a prefix file and a suffix, stream the continuation."""
     try:
         prefix = prefix_file.read_bytes()
-        cfg = _decode_cfg(max_tokens, temperature, seed, stop)
+        cfg = _decode_cfg(max_tokens, temperature, seed, stop, _constraint(json_schema, regex))
         rt = _load(model, backend, num_ctx, kv_cache_type, threads)
     except OSError as e:
         _fail(e)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields, replace
 
+from .constraint import Constraint
 from .errors import InvalidConfig
 
 # llama.cpp names; the native engine also takes f32 and bf16 (each backend rejects what it can't store).
@@ -132,6 +133,7 @@ class DecodeConfig:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n: each token's logprob and the n most likely (n <= 20)
+    constraint: Constraint | None = None  # output must match a JSON schema, regex or grammar
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string for convenience; store tuples (hashable, frozen).
@@ -158,6 +160,8 @@ class DecodeConfig:
             _int("seed", self.seed, minimum=0, maximum=2**32 - 1)
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
+        if self.constraint is not None and not isinstance(self.constraint, Constraint):
+            raise InvalidConfig(f"constraint must be a warmkv.Constraint, got {type(self.constraint).__name__}")
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise InvalidConfig(f"stop strings must be non-empty str, got {s!r}")

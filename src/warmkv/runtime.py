@@ -14,6 +14,7 @@ import numpy as np
 from .backends import Backend, ModelInfo, ModelState, load_backend
 from .chat import ChatTemplate, resolve_template
 from .config import DecodeConfig, RuntimeConfig
+from .constraint import Constraint, Guide, build_tokenizer
 from .embeddings import EmbedInput, l2_normalize, split_inputs
 from .errors import ContextOverflow, InvalidInput, ManifestMismatch, ModelUnloaded, Unsupported
 from .manifest import ContextManifest
@@ -44,6 +45,7 @@ class Runtime:
         self._lock_handoff = threading.Condition(self.lock)
         self._sessions: dict[str, Session] = {}
         self._helper: Session | None = None
+        self._llg_tokenizer: Any = None  # llguidance's vocabulary, built on the first constrained decode
         self._helper_lock = threading.Lock()
         template = resolve_template(self.config.prompt_format, backend.info.chat_template)
         self._template_source = template
@@ -188,6 +190,16 @@ class Runtime:
         with self.lock:
             self._check_loaded()
             return b"".join(self.backend.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    # -- constrained decoding ---------------------------------------------------
+
+    def guide(self, constraint: Constraint) -> Guide:
+        """A fresh constraint state for one decode; the model's vocabulary for it is built once."""
+        with self.lock:
+            self._check_loaded()
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = build_tokenizer(self.backend)
+        return Guide(self._llg_tokenizer, constraint)
 
     # -- embeddings -------------------------------------------------------------
 

@@ -55,6 +55,7 @@ from .types import (
 
 if TYPE_CHECKING:
     from .cache import SnapshotInfo
+    from .constraint import Guide
     from .runtime import Runtime
     from .tiers import WarmHit
 
@@ -332,11 +333,14 @@ class Session:
             budget = cfg.max_tokens if cfg.max_tokens is not None else self._num_ctx - used
             if budget < 1 or used + budget > self._num_ctx:
                 raise ContextOverflow("decode", used, max(budget, 1), self._num_ctx)
+            guide = self._rt.guide(cfg.constraint) if cfg.constraint is not None else None  # InvalidInput now
             self._cancel.clear()
             prompt_tokens = used
-        return self._generate(cfg, budget, prompt_tokens)
+        return self._generate(cfg, budget, prompt_tokens, guide)
 
-    def _generate(self, cfg: DecodeConfig, budget: int, prompt_tokens: int) -> Iterator[StreamChunk]:
+    def _generate(
+        self, cfg: DecodeConfig, budget: int, prompt_tokens: int, guide: Guide | None
+    ) -> Iterator[StreamChunk]:
         sampler = self._backend.make_sampler(cfg)
         utf8 = Utf8Stream()
         stops = StopMatcher(cfg.stop)
@@ -369,8 +373,10 @@ class Session:
                 with self._lock():
                     self._check_usable()
                     logits = self._ensure_logits()
-                    token = sampler.sample(logits, self._tokens)
+                    token = sampler.sample(logits if guide is None else guide.mask(logits), self._tokens)
                     self._tail = [token]
+                if guide is not None:
+                    guide.advance(token)
                 if logprobs is not None:  # the model's distribution, before penalties and filters
                     lp, top = logprobs_of(logits, token, cfg.logprobs or 0)
                     logprobs.append(TokenLogprob(token, lp, tuple(top)))
@@ -387,7 +393,9 @@ class Session:
                     break
                 if text:
                     yield chunk(text)
-                if len(produced) >= budget:
+                if guide is not None and guide.finished:
+                    finish = "stop"  # the constraint is complete: nothing may follow
+                elif len(produced) >= budget:
                     finish = "length"
         except WarmkvError as e:
             finish, error = "error", e

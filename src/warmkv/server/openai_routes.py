@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
+from ..constraint import Constraint
+from ..errors import WarmkvError
 from ..types import StreamChunk, TokenLogprob, Usage
 from .errors import ApiError, from_warmkv
 from .generation import Generation, generate
@@ -51,6 +53,7 @@ def _sampling(req: _Sampling) -> dict[str, Any]:
     if len(stop) > 16:
         raise _unsupported("stop", f"at most 16 stop strings, got {len(stop)}")
     return {
+        "constraint": _constraint(req),
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k,
@@ -60,6 +63,33 @@ def _sampling(req: _Sampling) -> dict[str, Any]:
         "stop": tuple(stop),
         "ignore_eos": req.ignore_eos,
     }
+
+
+def _constraint(req: _Sampling) -> Constraint | None:
+    """response_format (json_object, json_schema) or the regex / grammar extensions; at most one."""
+    fmt = req.response_format or {"type": "text"}
+    kind = fmt.get("type")
+    given = [c for c in (kind not in (None, "text"), req.regex, req.grammar) if c]
+    if len(given) > 1:
+        raise _unsupported("response_format", "use one of response_format, regex and grammar")
+    try:
+        if req.regex:
+            return Constraint.regex(req.regex)
+        if req.grammar:
+            return Constraint.lark(req.grammar)
+        if kind == "json_object":
+            return Constraint.json()
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                why = "json_schema.schema must be an object"
+                raise ApiError(400, why, code="invalid_value", param="response_format")
+            return Constraint.json_schema(spec["schema"])
+    except WarmkvError as e:
+        raise from_warmkv(e) from None
+    if kind not in (None, "text"):
+        raise _unsupported("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+    return None
 
 
 def _usage(u: Usage | None) -> dict[str, Any] | None:

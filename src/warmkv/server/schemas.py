@@ -42,6 +42,9 @@ class _Sampling(_Request):
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    regex: str | None = Field(default=None, min_length=1)  # extension: output must match this regex
+    grammar: str | None = Field(default=None, min_length=1)  # extension: a Lark grammar
     user: str | None = None
 
 
