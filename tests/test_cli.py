@@ -106,3 +106,13 @@ def test_run_with_a_regex_constraint(tmp_path: Path) -> None:
     assert re.search(r"(^|\n)[0-9]{4}-[0-9]{2}-[0-9]{2}\n", r.output) and "finish: stop" in r.output
     r = runner.invoke(app, [*args, "--regex", "(unclosed"])
     assert r.exit_code == 2 and "regex" in r.output and "Traceback" not in r.output
+
+
+def test_bench_speculative_reports_drafts(tmp_path: Path) -> None:
+    out = tmp_path / "spec.json"
+    r = runner.invoke(app, ["bench", "speculative", "--drafts", "3", "--max-tokens", "24", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["draft"] for row in rows] == [0, 3] and rows[1]["drafted"] >= rows[1]["accepted"] > 0
+    r = runner.invoke(app, ["bench", "speculative", "--drafts", "0"])
+    assert r.exit_code == 2 and "--drafts" in r.output

@@ -339,3 +339,59 @@ def test_constrained_decoding_matches_schema_regex_and_grammar(rt: warmkv.Runtim
         warmkv.Constraint("yaml", "x")  # type: ignore[arg-type]
     with pytest.raises(warmkv.InvalidConfig):
         warmkv.DecodeConfig(constraint="json")  # type: ignore[arg-type]
+
+
+COPY_PROMPT = (
+    "<|im_start|>user\nRepeat this function exactly.\n```python\n"
+    "def merge_intervals(intervals):\n    intervals.sort(key=lambda pair: pair[0])\n    merged = []\n"
+    "    for start, end in intervals:\n        if merged and start <= merged[-1][1]:\n"
+    "            merged[-1][1] = max(merged[-1][1], end)\n        else:\n            merged.append([start, end])\n"
+    "    return merged\n```<|im_end|>\n<|im_start|>assistant\n```python\n"
+)
+
+
+def test_speculative_decoding_drafts_from_the_context(rt: warmkv.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs: list[tuple[int, list[int]]] = []  # (absolute position of its first token, tokens) per verified run
+    speculate = warmkv.Session._speculate
+
+    def spy(self: warmkv.Session, k: int, room: int) -> tuple[list[int], int]:
+        at = len(self._tokens) + 1  # after the pending token
+        new, n = speculate(self, k, room)
+        runs.append((at, new))
+        return new, n
+
+    monkeypatch.setattr(warmkv.Session, "_speculate", spy)
+
+    def run(s: warmkv.Session, **kw: object) -> tuple[list[int], warmkv.Usage, str]:
+        s.ensure_prefix(COPY_PROMPT)
+        chunks = list(s.decode(warmkv.DecodeConfig(max_tokens=40, temperature=0, **kw)))  # type: ignore[arg-type]
+        assert chunks[-1].usage is not None
+        return [t for c in chunks for t in c.token_ids], chunks[-1].usage, chunks[-1].finish_reason or ""
+
+    with rt.session() as s:
+        plain, _, _ = run(s)
+        spec, usage, _ = run(s, speculative=4)
+        assert usage.completion_tokens == len(spec) == 40
+        assert 0 < usage.accepted_tokens <= usage.draft_tokens  # the copy was drafted from the prompt
+        assert run(s, speculative=4)[0] == spec  # rejected drafts were rolled back: the rerun is the same
+        text = rt.detokenize(spec)
+        stop = text[len(text) // 2 : len(text) // 2 + 3]  # ends a verified run somewhere in the middle
+        cut, _, finish = run(s, speculative=4, stop=[stop])
+        assert finish == "stop" and len(cut) < 40 and cut == spec[: len(cut)]
+        # An end-of-generation token in the middle of a verified run: the rest of the run is dropped.
+        runs.clear()
+        run(s, speculative=4)
+        n_prompt = rt.count_tokens(COPY_PROMPT)
+        # a run of >= 2 tokens whose first token does not occur earlier in the output
+        at = next(a - n_prompt for a, r in runs if len(r) > 1 and r[0] not in spec[: a - n_prompt])
+        cut, _, finish = run(s, speculative=4, stop_token_ids=[spec[at]])
+        assert finish == "stop" and cut == spec[: at + 1]
+        s.prefill_suffix(warmkv.SuffixInput(text="", append=True))
+        assert s.explain().resident_tokens == rt.count_tokens(COPY_PROMPT) + len(cut)
+        s.prefill_suffix(warmkv.SuffixInput(text="", append=True))  # the KV holds exactly what was emitted
+        assert s.explain().resident_tokens == rt.count_tokens(COPY_PROMPT) + len(cut)
+    if rt.backend.name == "native":
+        # The native engine computes a row the same alone or verified in a batch: the very same tokens.
+        assert spec == plain
+    with pytest.raises(warmkv.InvalidConfig, match="greedy"):
+        warmkv.DecodeConfig(speculative=4, temperature=0.7)

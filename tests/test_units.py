@@ -111,3 +111,13 @@ def test_seq_slots_reserve_one_for_the_runtime() -> None:
     slots.release(b)
     with pytest.raises(warmkv.InvalidInput, match="not acquired"):
         slots.check(b)
+
+
+def test_lookup_draft_follows_the_latest_earlier_occurrence() -> None:
+    from warmkv.tokens import lookup_draft
+
+    assert lookup_draft([1, 2, 3, 4, 5, 6, 1, 2, 3], 3) == [4, 5, 6]
+    assert lookup_draft([1, 2, 3, 4, 5, 6, 1, 2, 3], 10) == [4, 5, 6, 1, 2, 3]  # runs up to the end
+    assert lookup_draft([9, 1, 2, 7, 1, 2, 8, 1, 2], 2) == [8, 1]  # the latest occurrence wins
+    assert lookup_draft([5, 6, 7, 1, 2, 3, 4, 2, 3, 4], 2) == [2, 3]  # longest n-gram first: 2,3,4 -> 2,3
+    assert lookup_draft([1, 2, 3], 4) == [] and lookup_draft([5], 3) == [] and lookup_draft([], 3) == []

@@ -448,6 +448,49 @@ def bench_throughput(
         err.print(f"wrote {json_out}")
 
 
+@bench_app.command("speculative")
+def bench_speculative(
+    drafts: Annotated[str, typer.Option("--drafts", help="comma-separated draft sizes")] = "3,5,8",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=4096)] = 160,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
+    model: ModelOpt = None,
+    backend: BackendOpt = "llamacpp",
+    threads: ThreadsOpt = None,
+) -> None:
+    """Speculative decoding with drafts looked up in the context, on a copy task, vs plain greedy."""
+    from .bench.speculative import run_speculative
+
+    try:
+        sizes = tuple(int(x) for x in drafts.split(",") if x.strip())
+        if not sizes or min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        _fail(ValueError(f"--drafts must be positive integers like 3,5,8; got {drafts!r}"))
+    try:
+        rt = _load(model, backend, 2048, threads=threads, prefix_cache_mb=0, kv_store_mb=0)
+        with rt, err.status("measuring..."):
+            report = run_speculative(rt, sizes, max_tokens=max_tokens)
+    except WarmkvError as e:
+        _fail(e)
+    title = f"speculative decoding on a copy task ({report['backend']}, {report['prompt_tokens']}-token prompt)"
+    t = Table(title=title)
+    for col in ("draft", "tokens/s", "x plain", "drafted", "accepted", "same as greedy"):
+        t.add_column(col, justify="right")
+    for r in report["rows"]:
+        t.add_row(
+            str(r["draft"]) if r["draft"] else "off",
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}",
+            str(r["drafted"]),
+            str(r["accepted"]),
+            "yes" if r["same_as_greedy"] else "no",
+        )
+    console.print(t)
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2))
+
+
 @bench_app.command("serve")
 def bench_serve(
     streams: Annotated[str, typer.Option("--streams", help="comma-separated concurrency levels")] = "1,4,8",

@@ -112,6 +112,7 @@ class RuntimeConfig:
 
 
 MAX_TOP_LOGPROBS = 20
+MAX_DRAFT = 32
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class DecodeConfig:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; n: each token's logprob and the n most likely (n <= 20)
     constraint: Constraint | None = None  # output must match a JSON schema, regex or grammar
+    speculative: int = 0  # greedy only: verify up to n tokens drafted from the context per step (0: off)
 
     def __post_init__(self) -> None:
         # Accept lists and a bare string for convenience; store tuples (hashable, frozen).
@@ -162,6 +164,17 @@ class DecodeConfig:
             _int("logprobs", self.logprobs, minimum=0, maximum=MAX_TOP_LOGPROBS)
         if self.constraint is not None and not isinstance(self.constraint, Constraint):
             raise InvalidConfig(f"constraint must be a warmkv.Constraint, got {type(self.constraint).__name__}")
+        _int("speculative", self.speculative, minimum=0, maximum=MAX_DRAFT)
+        if self.speculative:
+            others = {
+                "temperature 0 (greedy)": not self.greedy,
+                "repeat_penalty 1": self.repeat_penalty != 1.0,
+                "no constraint": self.constraint is not None,
+                "no logprobs": self.logprobs is not None,
+            }
+            missing = [need for need, bad in others.items() if bad]
+            if missing:
+                raise InvalidConfig(f"speculative decoding needs {', '.join(missing)}")
         for s in stop:
             if not isinstance(s, str) or not s:
                 raise InvalidConfig(f"stop strings must be non-empty str, got {s!r}")

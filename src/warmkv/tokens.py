@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
@@ -12,3 +14,21 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def lookup_draft(tokens: Sequence[int], k: int, *, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
+    """Prompt-lookup drafting: the up-to-k tokens that followed the latest earlier occurrence
+    of the context's last n tokens (n from max_ngram down to min_ngram); [] when none recurs.
+
+    Coding turns copy a lot (a file being edited, a test name, an import list), so the
+    context itself is a free draft model.
+    """
+    arr = np.asarray(tokens, dtype=np.int64)
+    size = arr.shape[0]
+    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: size - 1], n)  # never the tail itself
+        hits = np.flatnonzero((windows == arr[size - n :]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return arr[start : start + k].tolist()
+    return []

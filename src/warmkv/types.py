@@ -101,6 +101,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    draft_tokens: int = 0  # speculative decoding: tokens drafted from the context and verified
+    accepted_tokens: int = 0  # of them, the ones the model agreed with
 
     @property
     def total_tokens(self) -> int:

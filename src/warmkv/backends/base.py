@@ -58,6 +58,7 @@ class ForwardRow:
     tokens: Sequence[int]
     start: int
     want_logits: bool = True
+    all_logits: bool = False  # logits after every token ([len(tokens), vocab]), e.g. to verify a draft
 
 
 def check_embed_tokens(tokens: Sequence[int], num_ctx: int) -> None:
@@ -156,7 +157,8 @@ class Backend(Protocol):
         ...
 
     def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:
-        """Evaluate rows (one per sequence) in one step; last-token logits per row (float32 copy).
+        """Evaluate rows (one per sequence) in one step; last-token logits per row (float32 copy),
+        or [len(tokens), vocab] for a row with all_logits.
 
         Raises ContextOverflow when the KV memory has no room (nothing changed),
         SessionFatal when the engine failed and the KV state is unknown.

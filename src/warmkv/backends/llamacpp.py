@@ -306,7 +306,9 @@ class LlamaCppBackend:
     def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:
         """Pack rows into batches of at most num_batch tokens; one llama_decode each."""
         self._activate()
-        out: list[np.ndarray | None] = [None] * len(rows)
+        out: list[np.ndarray | None] = [
+            np.empty((len(r.tokens), self._n_vocab), dtype=np.float32) if r.all_logits else None for r in rows
+        ]
         cap = self.config.num_batch
         pending: list[tuple[int, int, int]] = []  # (row index, token offset, batch index)
         fill = 0
@@ -314,15 +316,15 @@ class LlamaCppBackend:
             toks = row.tokens
             for i, tok in enumerate(toks):
                 if fill == cap:
-                    self._decode(fill, pending, out)
+                    self._decode(fill, pending, rows, out)
                     pending, fill = [], 0
-                last = i == len(toks) - 1 and row.want_logits
-                self._put(fill, tok, row.start + i, row.seq, last)
-                if last:
+                wanted = row.all_logits or (i == len(toks) - 1 and row.want_logits)
+                self._put(fill, tok, row.start + i, row.seq, wanted)
+                if wanted:
                     pending.append((r, i, fill))
                 fill += 1
         if fill:
-            self._decode(fill, pending, out)
+            self._decode(fill, pending, rows, out)
         return out
 
     def _put(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
@@ -333,14 +335,17 @@ class LlamaCppBackend:
         b.seq_id[i][0] = seq
         b.logits[i] = logits
 
-    def _decode(self, n: int, pending: list[tuple[int, int, int]], out: list) -> None:
+    def _decode(self, n: int, pending: list[tuple[int, int, int]], rows: Sequence[ForwardRow], out: list) -> None:
         self._batch.n_tokens = n
         rc = lc.llama_decode(self._ctx, self._batch)
         if rc != 0:
             raise SessionFatal(f"llama_decode failed with code {rc} on a batch of {n} tokens")
-        for r, _, idx in pending:
-            ptr = lc.llama_get_logits_ith(self._ctx, idx)
-            out[r] = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+        for r, i, idx in pending:
+            vec = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, idx), shape=(self._n_vocab,))
+            if rows[r].all_logits:
+                out[r][i] = vec
+            else:
+                out[r] = vec.copy()
 
     def close(self) -> None:
         if self._state is ModelState.UNLOADED:

@@ -255,15 +255,21 @@ class NativeBackend:
         cache = self._activate()
         self._validate(rows, cache)
         cache.can_append({r.seq: len(r.tokens) for r in rows})  # KVCacheFull here changes nothing
-        out: list[np.ndarray | None] = [None] * len(rows)
+        n_vocab = self.info.n_vocab
+        out: list[np.ndarray | None] = [
+            np.empty((len(r.tokens), n_vocab), dtype=np.float32) if r.all_logits else None for r in rows
+        ]
         assert self._planner is not None
         try:
             for step in self._planner.chunks(rows):
                 logits = self._model.forward(
                     step.tokens, step.positions, step.plans, step.write_slots, step.logit_index, cache
                 )
-                for i, r in enumerate(step.logit_rows):
-                    out[r] = logits[i].numpy().copy()
+                for i, (r, at) in enumerate(zip(step.logit_rows, step.logit_offsets, strict=True)):
+                    if rows[r].all_logits:
+                        out[r][at] = logits[i].numpy()  # type: ignore[index]
+                    else:
+                        out[r] = logits[i].numpy().copy()
         except Exception as e:
             for r in rows:
                 cache.truncate(r.seq, r.start)

@@ -24,6 +24,7 @@ class Step:
     write_slots: torch.Tensor
     logit_index: torch.Tensor
     logit_rows: list[int]  # which input row each logits row answers
+    logit_offsets: list[int]  # and after which of that row's tokens
 
 
 class BatchPlanner:
@@ -54,6 +55,7 @@ class BatchPlanner:
         plans: list[RowPlan] = []
         logit_index: list[int] = []
         logit_rows: list[int] = []
+        logit_offsets: list[int] = []
         for r, b, e in parts:
             row = rows[r]
             start = row.start + b
@@ -61,10 +63,16 @@ class BatchPlanner:
             plans.append(plan_row(len(tokens), e - b, start, slots, self._cache.first_slot_if_contiguous(row.seq)))
             writes.append(slots[start:])
             positions.append(torch.arange(start, row.start + e))
+            first = len(tokens)
             tokens.extend(row.tokens[b:e])
-            if e == len(row.tokens) and row.want_logits:
+            if row.all_logits:
+                logit_index.extend(range(first, len(tokens)))
+                logit_rows.extend([r] * (e - b))
+                logit_offsets.extend(range(b, e))
+            elif e == len(row.tokens) and row.want_logits:
                 logit_index.append(len(tokens) - 1)
                 logit_rows.append(r)
+                logit_offsets.append(e - 1)
         return Step(
             tokens=torch.tensor(tokens, dtype=torch.long),
             positions=torch.cat(positions),
@@ -72,4 +80,5 @@ class BatchPlanner:
             write_slots=torch.cat(writes),
             logit_index=torch.tensor(logit_index, dtype=torch.long),
             logit_rows=logit_rows,
+            logit_offsets=logit_offsets,
         )
