@@ -1,0 +1,31 @@
+"""What the `warmkv` commands share: consoles, option types, loading, failing cleanly."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from . import Runtime
+
+console = Console()
+err = Console(stderr=True)
+
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="GGUF path (default: bundled SmolLM2-135M)")]
+BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="backend name")]
+CtxOpt = Annotated[int | None, typer.Option("--num-ctx", help="context window per session")]
+KvOpt = Annotated[str, typer.Option("--kv-cache-type", help="f16, q8_0 or q4_0")]
+ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")]
+
+
+def load_runtime(
+    model: str | None, backend: str, num_ctx: int | None, kv: str = "f16", threads: int | None = None, **more: Any
+) -> Runtime:
+    with err.status(f"loading {model or 'default model'} on {backend}..."):
+        return Runtime.load(model, backend=backend, num_ctx=num_ctx, kv_cache_type=kv, num_threads=threads, **more)
+
+
+def fail(e: Exception) -> None:
+    err.print(f"[bold red]error:[/] {e}")
+    raise typer.Exit(2)
