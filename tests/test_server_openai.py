@@ -178,3 +178,23 @@ def test_structured_output(client: openai.OpenAI, model: str) -> None:
         _chat(client, model, "x", max_tokens=4, extra_body={"regex": "(unclosed"})
     with pytest.raises(openai.BadRequestError, match="response_format"):
         _chat(client, model, "x", max_tokens=4, response_format={"type": "yaml"})
+
+
+def test_speculative_decoding_through_the_scheduler(client: openai.OpenAI, model: str) -> None:
+    import httpx
+
+    base = str(client.base_url).removesuffix("/v1/").removesuffix("/v1")
+
+    def accepted() -> float:
+        text = httpx.get(f"{base}/metrics").text
+        line = next(x for x in text.splitlines() if x.startswith('warmkv_draft_tokens_total{outcome="accepted"}'))
+        return float(line.split()[-1])
+
+    code = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+    ask = f"Repeat this code exactly:\n```python\n{code}```"
+    before = accepted()
+    r = _chat(client, model, ask, max_tokens=40, temperature=0, extra_body={"speculative": 4})
+    assert r.choices[0].message.content and r.usage.completion_tokens > 0
+    assert accepted() > before  # drafts from the prompt were verified in the scheduler's batched steps
+    with pytest.raises(openai.BadRequestError, match="greedy"):
+        _chat(client, model, ask, max_tokens=4, temperature=0.7, extra_body={"speculative": 4})

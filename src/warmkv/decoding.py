@@ -43,6 +43,8 @@ class Decoding:
     _prefix_len: int
     _cached_since_decode: int
     _cancel: threading.Event
+    _spec: tuple[int, int] | None  # (draft size, room) while a speculative decode waits for its next step
+    _verified: tuple[list[int], int] | None  # a run a scheduler verified: (new tokens, draft size)
 
     def decode(self, config: DecodeConfig | None = None) -> Iterator[StreamChunk]:
         """Stream text deltas; the last chunk carries finish_reason and usage.
@@ -66,6 +68,7 @@ class Decoding:
             if budget < 1 or used + budget > self._num_ctx:
                 raise ContextOverflow("decode", used, max(budget, 1), self._num_ctx)
             guide = self._rt.guide(cfg.constraint) if cfg.constraint is not None else None  # InvalidInput now
+            self._spec = self._verified = None  # nothing left over from an abandoned decode
             self._cancel.clear()
             prompt_tokens = used
         return self._generate(cfg, budget, prompt_tokens, guide)
@@ -119,7 +122,8 @@ class Decoding:
                         if logprobs is not None:  # the model's distribution, before penalties and filters
                             lp, top = logprobs_of(logits, token, cfg.logprobs or 0)
                             logprobs.append(TokenLogprob(token, lp, tuple(top)))
-                used = 0
+                # A verified run goes out as one chunk, so nothing (a scheduler step) comes in between.
+                text, used = "", 0
                 for token in new:
                     used += 1
                     produced.append(token)
@@ -127,15 +131,11 @@ class Decoding:
                     if token in stop_ids or (self._backend.is_eog(token) and not cfg.ignore_eos):
                         finish = "stop"
                         break
-                    text, hit = stops.push(utf8.push(self._backend.token_bytes(token)))
+                    piece, hit = stops.push(utf8.push(self._backend.token_bytes(token)))
+                    text += piece
                     if hit:
                         finish, stop_hit = "stop", True
-                        if text:
-                            yield chunk(text)
-                        break
-                    if text:
-                        yield chunk(text)
-                    if guide is not None and guide.finished:
+                    elif guide is not None and guide.finished:
                         finish = "stop"  # the constraint is complete: nothing may follow
                     elif len(produced) >= budget:
                         finish = "length"
@@ -144,6 +144,9 @@ class Decoding:
                 if used < len(new):  # a stop came before the end of a verified run
                     with self._lock():
                         self._drop_unused(len(new) - used)
+                if text:
+                    self._spec = (cfg.speculative, budget - len(produced)) if cfg.speculative else None
+                    yield chunk(text)
         except WarmkvError as e:
             finish, error = "error", e
         # Text held back as a possible stop-string start is real output unless a stop matched.
@@ -155,6 +158,7 @@ class Decoding:
                 rest += tail
             if stop_hit and finish == "length":
                 finish = "stop"
+        self._spec = self._verified = None
         usage = Usage(prompt_tokens, len(produced), self._cached_since_decode, drafted, accepted)
         self._cached_since_decode = 0
         yield chunk(rest, finish_reason=finish, usage=usage, error=error)
@@ -168,25 +172,40 @@ class Decoding:
         go through the model in one forward with logits after each; the draft is kept as
         long as it equals the model's own argmax, and the argmax after the last kept token
         comes free. Rejected positions are rolled back. The last new token becomes the
-        pending tail, as after a normal step.
+        pending tail, as after a normal step. A scheduler may have verified the run already
+        (pending_row / accept_row); then it is only taken.
         """
+        if self._verified is not None:
+            done, self._verified = self._verified, None
+            return done
+        row = self._draft_row(k, room)
+        if row is None:
+            return [], 0
+        (logits,) = self._backend.forward([row])
+        return self._take_verified(row, logits), len(row.tokens) - 1
+
+    def _draft_row(self, k: int, room: int) -> ForwardRow | None:
+        """The pending token plus up to k drafted tokens, as a row wanting logits after each; None if no draft."""
         k = min(k, room - 1, self._num_ctx - len(self._tokens) - 1)
         if len(self._tail) != 1 or k < 1:
-            return [], 0
+            return None
         draft = lookup_draft(self._tokens + self._tail, k)
         if not draft:
-            return [], 0
-        base, row = len(self._tokens), self._tail + draft
-        (logits,) = self._backend.forward([ForwardRow(self._seq, row, base, all_logits=True)])
+            return None
+        return ForwardRow(self._seq, self._tail + draft, len(self._tokens), all_logits=True)
+
+    def _take_verified(self, row: ForwardRow, logits: np.ndarray) -> list[int]:
+        """Keep the evaluated row up to where the draft and the model agree; the new tokens."""
+        draft = list(row.tokens[1:])
         picks = logits.argmax(axis=1)
         kept = 0
         while kept < len(draft) and draft[kept] == int(picks[kept]):
             kept += 1
-        self._backend.truncate(self._seq, base + 1 + kept)
-        self._tokens.extend(row[: 1 + kept])
+        self._backend.truncate(self._seq, row.start + 1 + kept)
+        self._tokens.extend(row.tokens[: 1 + kept])
         self._logits = logits[kept]
         self._tail = [int(picks[kept])]
-        return draft[:kept] + self._tail, len(draft)
+        return draft[:kept] + self._tail
 
     def _drop_unused(self, unused: int) -> None:
         """Forget the last `unused` tokens of a verified run that a stop cut short (all but one are resident)."""

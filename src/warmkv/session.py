@@ -89,6 +89,8 @@ class Session(Decoding):
         self._last_prefix: PrefixStatus | None = None
         self._cached_since_decode = 0
         self._cancel = threading.Event()
+        self._spec: tuple[int, int] | None = None
+        self._verified: tuple[list[int], int] | None = None
         self._closed = False
         self._fatal: str | None = None
 
@@ -315,15 +317,23 @@ class Session(Decoding):
     # no release in between, so the row still matches the session state.
 
     def pending_row(self) -> ForwardRow | None:
-        """The row this session's decode needs evaluated before its next sample, or None."""
-        if self._closed or self._fatal or not self._tail or self._cancel.is_set():
+        """The row this session's decode needs evaluated before its next sample, or None.
+
+        A speculative decode asks for its pending token plus a draft, with logits after each.
+        """
+        if self._closed or self._fatal or not self._tail or self._cancel.is_set() or self._verified:
             return None
-        return ForwardRow(self._seq, tuple(self._tail), len(self._tokens))
+        row = self._draft_row(*self._spec) if self._spec is not None else None
+        return row or ForwardRow(self._seq, tuple(self._tail), len(self._tokens))
 
     def accept_row(self, row: ForwardRow, logits: np.ndarray | None) -> None:
-        """Record that `row` (from pending_row) was evaluated and its last-token logits."""
-        if row.start != len(self._tokens) or tuple(row.tokens) != tuple(self._tail):
+        """Record that `row` (from pending_row) was evaluated, and its logits."""
+        if row.start != len(self._tokens) or tuple(row.tokens[: len(self._tail)]) != tuple(self._tail):
             raise InvalidInput(f"row at {row.start} does not match session {self.id}'s pending tokens")
+        if row.all_logits:
+            assert logits is not None
+            self._verified = (self._take_verified(row, logits), len(row.tokens) - 1)
+            return
         self._tokens.extend(self._tail)
         self._tail = []
         self._logits = logits

@@ -24,6 +24,11 @@ class ServerMetrics:
             registry=r,
         )
         self.completion_tokens = Counter("warmkv_completion_tokens", "Generated tokens", registry=r)
+        self.draft_tokens = Counter(
+            "warmkv_draft_tokens", "Speculative decoding: drafted tokens by outcome", ["outcome"], registry=r
+        )
+        for outcome in ("accepted", "rejected"):
+            self.draft_tokens.labels(outcome)  # exported as 0 before the first speculative decode
         self.ttft = Histogram("warmkv_ttft_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r)
         self.errors = Counter("warmkv_errors", "Error responses by code", ["code"], registry=r)
         self._reused = 0
@@ -45,6 +50,8 @@ class ServerMetrics:
     def observe_usage(self, usage: Usage | None) -> None:
         if usage is not None:
             self.completion_tokens.inc(usage.completion_tokens)
+            self.draft_tokens.labels("accepted").inc(usage.accepted_tokens)
+            self.draft_tokens.labels("rejected").inc(usage.draft_tokens - usage.accepted_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -62,6 +62,7 @@ def _sampling(req: _Sampling) -> dict[str, Any]:
         "seed": None if req.seed is None else req.seed % 2**32,
         "stop": tuple(stop),
         "ignore_eos": req.ignore_eos,
+        "speculative": req.speculative,
     }
 
 

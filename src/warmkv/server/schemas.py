@@ -45,6 +45,7 @@ class _Sampling(_Request):
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     regex: str | None = Field(default=None, min_length=1)  # extension: output must match this regex
     grammar: str | None = Field(default=None, min_length=1)  # extension: a Lark grammar
+    speculative: int = Field(default=0, ge=0, le=32)  # extension: greedy drafts from the context per step
     user: str | None = None
 
 
