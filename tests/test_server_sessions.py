@@ -195,3 +195,29 @@ def test_non_loopback_needs_an_api_key() -> None:
         ServerSettings(host="0.0.0.0")
     assert ServerSettings(host="0.0.0.0", api_key="long-enough-key").host == "0.0.0.0"
     assert ServerSettings(host="::1").api_key is None
+
+
+def test_session_decode_takes_constraints_logprobs_and_drafts(http: httpx.Client) -> None:
+    sid = http.post("/v1/sessions").json()["id"]
+    http.post(f"/v1/sessions/{sid}/prefix", json={"text": PREFIX})
+    http.post(f"/v1/sessions/{sid}/suffix", json={"text": TURN})
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    body = {"max_tokens": 24, "temperature": 0, "json_schema": schema, "logprobs": 2, "stream": False}
+    out = http.post(f"/v1/sessions/{sid}/decode", json=body).json()
+    assert out["finish_reason"] == "stop" and isinstance(json.loads(out["text"])["ok"], bool)
+    assert [lp["token"] for lp in out["logprobs"]] == out["token_ids"][: len(out["logprobs"])]
+    http.post(f"/v1/sessions/{sid}/suffix", json={"text": TURN})
+    spec = {"max_tokens": 16, "temperature": 0, "speculative": 4, "stream": False}
+    usage = http.post(f"/v1/sessions/{sid}/decode", json=spec).json()["usage"]
+    assert usage["accepted_tokens"] <= usage["draft_tokens"]
+    both = {"max_tokens": 4, "regex": "a+", "grammar": 'start: "a"', "stream": False}
+    r = http.post(f"/v1/sessions/{sid}/decode", json=both)
+    assert r.status_code == 400 and "one of" in r.json()["error"]["message"]
+    r = http.post(f"/v1/sessions/{sid}/decode", json={"max_tokens": 4, "regex": "(", "stream": False})
+    assert r.status_code == 400 and "regex" in r.json()["error"]["message"]
+    http.delete(f"/v1/sessions/{sid}")

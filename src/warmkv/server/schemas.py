@@ -140,6 +140,11 @@ class DecodeRequest(_Request):
     stop: Stop = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    json_schema: dict[str, Any] | None = None  # at most one of json_schema, regex, grammar
+    regex: str | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+    speculative: int = Field(default=0, ge=0, le=32)
     stream: bool = True
 
 

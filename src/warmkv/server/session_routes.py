@@ -11,11 +11,12 @@ from fastapi import APIRouter, Body
 from starlette.concurrency import run_in_threadpool
 
 from ..config import DecodeConfig
+from ..constraint import Constraint
 from ..errors import SessionFatal
 from ..manifest import Segment
 from ..session import Session
 from ..types import PrefixInput, StreamChunk, SuffixInput
-from .errors import from_warmkv, not_implemented
+from .errors import ApiError, from_warmkv, not_implemented
 from .openai_routes import ERRORS
 from .registry import Entry
 from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
@@ -27,6 +28,8 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERRORS)
 
 def _chunk(c: StreamChunk) -> dict[str, Any]:
     out: dict[str, Any] = {"text": c.text, "token_ids": list(c.token_ids)}
+    if c.logprobs is not None:
+        out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in c.logprobs]
     if c.done:
         out["finish_reason"] = c.finish_reason
         if c.usage is not None:
@@ -36,8 +39,21 @@ def _chunk(c: StreamChunk) -> dict[str, Any]:
                 "completion_tokens": u.completion_tokens,
                 "total_tokens": u.total_tokens,
                 "cached_tokens": u.cached_tokens,
+                "draft_tokens": u.draft_tokens,
+                "accepted_tokens": u.accepted_tokens,
             }
     return out
+
+
+def _constraint(req: DecodeRequest) -> Constraint | None:
+    given = [c for c in (req.json_schema, req.regex, req.grammar) if c is not None]
+    if len(given) > 1:
+        raise ApiError(400, "use one of json_schema, regex and grammar", code="invalid_value", param="json_schema")
+    if req.json_schema is not None:
+        return Constraint.json_schema(req.json_schema)
+    if req.regex is not None:
+        return Constraint.regex(req.regex)
+    return Constraint.lark(req.grammar) if req.grammar is not None else None
 
 
 async def _call(st: ServerState, sid: str, fn: Any, *args: Any) -> Any:
@@ -110,6 +126,9 @@ async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
         stop=tuple(stop),
         stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
+        logprobs=req.logprobs,
+        constraint=_constraint(req),
+        speculative=req.speculative,
     )
     t0 = time.perf_counter()
     entry = await st.registry.lock(sid)
