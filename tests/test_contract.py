@@ -60,6 +60,11 @@ def test_suffix_never_alters_prefix(rt: warmkv.Runtime) -> None:
 
 
 def test_warm_equals_cold(rt: warmkv.Runtime) -> None:
+    check_warm_equals_cold(rt)
+
+
+def check_warm_equals_cold(rt: warmkv.Runtime) -> None:
+    """A turn after another turn on the same prefix gives the tokens of the same turn run cold."""
     with rt.session() as warm:
         warm.ensure_prefix(SYSTEM)
         warm.prefill_suffix(USER_B)

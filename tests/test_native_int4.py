@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import warmkv
-from conftest import SYSTEM, USER_A, USER_B, greedy_tokens
+from test_contract import check_warm_equals_cold
 
 pytestmark = pytest.mark.skipif("native" not in warmkv.available_backends(), reason="torch not installed")
 
@@ -29,14 +29,4 @@ def test_int4_warm_turn_equals_cold_turn() -> None:
     opts = {"prefix_cache_mb": 0, "kv_store_mb": 0, "backend_options": {"compute_dtype": "int4"}}
     with warmkv.Runtime.load(backend="native", num_ctx=1024, n_seq_max=2, **opts) as rt:
         assert ("compute_dtype", "int4") in rt.manifest(True).numerics
-        with rt.session() as warm:
-            warm.ensure_prefix(SYSTEM)
-            warm.prefill_suffix(USER_B)
-            greedy_tokens(warm)
-            assert warm.ensure_prefix(SYSTEM).warm
-            warm.prefill_suffix(USER_A)
-            warm_out = greedy_tokens(warm, 24)
-        with rt.session() as cold:
-            cold.ensure_prefix(SYSTEM)
-            cold.prefill_suffix(USER_A)
-            assert greedy_tokens(cold, 24) == warm_out
+        check_warm_equals_cold(rt)

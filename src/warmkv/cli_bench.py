@@ -81,9 +81,7 @@ def bench_coding_loop(
         report["workspaces"] = ws
         report["summary"]["prefilled_over_unique"] = ws["prefilled_over_unique"]
     _print_coding_loop(report)
-    if json_out:
-        json_out.write_text(json.dumps(report, indent=2))
-        err.print(f"wrote {json_out}")
+    _write_report(json_out, report)
     if plot_out:
         plot(report, str(plot_out))
         err.print(f"wrote {plot_out}")
@@ -134,9 +132,7 @@ def bench_throughput(
         else:
             t.add_row(r["engine"], f"{r['prefill_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.1f}", "")
     console.print(t)
-    if json_out:
-        json_out.write_text(json.dumps(report, indent=2))
-        err.print(f"wrote {json_out}")
+    _write_report(json_out, report)
 
 
 @bench_app.command("speculative")
@@ -151,12 +147,7 @@ def bench_speculative(
     """Speculative decoding with drafts looked up in the context, on a copy task, vs plain greedy."""
     from .bench.speculative import run_speculative
 
-    try:
-        sizes = tuple(int(x) for x in drafts.split(",") if x.strip())
-        if not sizes or min(sizes) < 1:
-            raise ValueError
-    except ValueError:
-        fail(ValueError(f"--drafts must be positive integers like 3,5,8; got {drafts!r}"))
+    sizes = tuple(_positive_ints("--drafts", drafts, "3,5,8"))
     try:
         rt = load_runtime(model, backend, 2048, threads=threads, prefix_cache_mb=0, kv_store_mb=0)
         with rt, err.status("measuring..."):
@@ -177,9 +168,7 @@ def bench_speculative(
             "yes" if r["same_as_greedy"] else "no",
         )
     console.print(t)
-    if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2))
+    _write_report(json_out, report)
 
 
 @bench_app.command("serve")
@@ -194,12 +183,7 @@ def bench_serve(
     """Aggregate decode tokens/s of `warmkv serve` at several concurrent stream counts, in one run."""
     from .bench.serve import run_serve_bench
 
-    try:
-        levels = [int(x) for x in streams.split(",") if x.strip()]
-        if not levels or min(levels) < 1:
-            raise ValueError
-    except ValueError:
-        fail(ValueError(f"--streams must be positive integers like 1,4,8; got {streams!r}"))
+    levels = _positive_ints("--streams", streams, "1,4,8")
     args = (
         ["--num-ctx", str(num_ctx)]
         + (["--model", model] if model else [])
@@ -221,9 +205,25 @@ def bench_serve(
             x,
         )
     console.print(t)
-    if json_out:
-        json_out.write_text(json.dumps(report, indent=2))
-        err.print(f"wrote {json_out}")
+    _write_report(json_out, report)
+
+
+def _positive_ints(option: str, value: str, example: str) -> list[int]:
+    """A comma-separated list of integers >= 1, or a clean exit naming the option."""
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        fail(ValueError(f"{option} must be positive integers like {example}; got {value!r}"))
+    return out
+
+
+def _write_report(path: Path | None, report: dict[str, Any]) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        err.print(f"wrote {path}")
 
 
 def _print_coding_loop(report: dict[str, Any]) -> None:

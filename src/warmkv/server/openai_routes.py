@@ -12,8 +12,8 @@ from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
 from ..constraint import Constraint
-from ..errors import WarmkvError
 from ..types import StreamChunk, TokenLogprob, Usage
+from .constraints import one_constraint
 from .errors import ApiError, from_warmkv
 from .generation import Generation, generate
 from .logprobs import chat_logprobs, completion_logprobs
@@ -68,29 +68,25 @@ def _sampling(req: _Sampling) -> dict[str, Any]:
 
 def _constraint(req: _Sampling) -> Constraint | None:
     """response_format (json_object, json_schema) or the regex / grammar extensions; at most one."""
-    fmt = req.response_format or {"type": "text"}
-    kind = fmt.get("type")
-    given = [c for c in (kind not in (None, "text"), req.regex, req.grammar) if c]
-    if len(given) > 1:
-        raise _unsupported("response_format", "use one of response_format, regex and grammar")
-    try:
-        if req.regex:
-            return Constraint.regex(req.regex)
-        if req.grammar:
-            return Constraint.lark(req.grammar)
-        if kind == "json_object":
-            return Constraint.json()
-        if kind == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                why = "json_schema.schema must be an object"
-                raise ApiError(400, why, code="invalid_value", param="response_format")
-            return Constraint.json_schema(spec["schema"])
-    except WarmkvError as e:
-        raise from_warmkv(e) from None
-    if kind not in (None, "text"):
-        raise _unsupported("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
-    return None
+    return one_constraint(
+        response_format=_format_constraint(req.response_format),
+        regex=Constraint.regex(req.regex) if req.regex else None,
+        grammar=Constraint.lark(req.grammar) if req.grammar else None,
+    )
+
+
+def _format_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
+    kind = (fmt or {}).get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint.json()
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")  # type: ignore[union-attr]
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError(400, "json_schema.schema must be an object", code="invalid_value", param="response_format")
+        return Constraint.json_schema(spec["schema"])
+    raise _unsupported("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
 
 
 def _usage(u: Usage | None) -> dict[str, Any] | None:

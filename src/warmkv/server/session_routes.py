@@ -16,7 +16,8 @@ from ..errors import SessionFatal
 from ..manifest import Segment
 from ..session import Session
 from ..types import PrefixInput, StreamChunk, SuffixInput
-from .errors import ApiError, from_warmkv, not_implemented
+from .constraints import one_constraint
+from .errors import from_warmkv, not_implemented
 from .openai_routes import ERRORS
 from .registry import Entry
 from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
@@ -43,17 +44,6 @@ def _chunk(c: StreamChunk) -> dict[str, Any]:
                 "accepted_tokens": u.accepted_tokens,
             }
     return out
-
-
-def _constraint(req: DecodeRequest) -> Constraint | None:
-    given = [c for c in (req.json_schema, req.regex, req.grammar) if c is not None]
-    if len(given) > 1:
-        raise ApiError(400, "use one of json_schema, regex and grammar", code="invalid_value", param="json_schema")
-    if req.json_schema is not None:
-        return Constraint.json_schema(req.json_schema)
-    if req.regex is not None:
-        return Constraint.regex(req.regex)
-    return Constraint.lark(req.grammar) if req.grammar is not None else None
 
 
 async def _call(st: ServerState, sid: str, fn: Any, *args: Any) -> Any:
@@ -127,7 +117,11 @@ async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
         stop_token_ids=tuple(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
         logprobs=req.logprobs,
-        constraint=_constraint(req),
+        constraint=one_constraint(
+            json_schema=Constraint.json_schema(req.json_schema) if req.json_schema is not None else None,
+            regex=Constraint.regex(req.regex) if req.regex is not None else None,
+            grammar=Constraint.lark(req.grammar) if req.grammar is not None else None,
+        ),
         speculative=req.speculative,
     )
     t0 = time.perf_counter()

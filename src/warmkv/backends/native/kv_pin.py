@@ -28,10 +28,6 @@ class PinnedKV:
         return self._pin
 
     @property
-    def n_tokens(self) -> int:
-        return self._cache.length(self._id())
-
-    @property
     def blocks(self) -> tuple[int, ...]:
         return self._cache.table(self._id())
 
