@@ -25,8 +25,9 @@ def test_int4_linear_rows_are_batch_invariant() -> None:
     assert odd.group == 0 and odd.w.dtype == torch.int8
 
 
-def test_int4_warm_turn_equals_cold_turn() -> None:
+@pytest.mark.parametrize("kv", ["f16", "bf16"])  # bf16: decode rows read K/V through SDPA as stored
+def test_int4_warm_turn_equals_cold_turn(kv: str) -> None:
     opts = {"prefix_cache_mb": 0, "kv_store_mb": 0, "backend_options": {"compute_dtype": "int4"}}
-    with warmkv.Runtime.load(backend="native", num_ctx=1024, n_seq_max=2, **opts) as rt:
+    with warmkv.Runtime.load(backend="native", num_ctx=1024, n_seq_max=2, kv_cache_type=kv, **opts) as rt:
         assert ("compute_dtype", "int4") in rt.manifest(True).numerics
         check_warm_equals_cold(rt)

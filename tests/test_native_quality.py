@@ -96,7 +96,7 @@ def perplexity(backend: Backend, text: str) -> float:
 
 
 def test_int8_perplexity() -> None:
-    """int8 KV and int4 weights stay within 1% of float32; int8 weights (a speed option) within 5%."""
+    """int8 KV and int4 weights (f16 or bf16 KV) stay within 1% of float32; int8 weights (a speed option) within 5%."""
     path = str(warmkv.default_model_path())
     ppl = {}
     for label, kv, compute in (
@@ -104,6 +104,7 @@ def test_int8_perplexity() -> None:
         ("int8 KV", "q8_0", "float32"),
         ("int8 weights", "f16", "int8"),
         ("int4 weights", "f16", "int4"),
+        ("int4 weights, bf16 KV", "bf16", "int4"),
     ):
         cfg = warmkv.RuntimeConfig(num_ctx=256, n_seq_max=1, kv_cache_type=kv)
         b = load_backend("native", path, cfg, compute_dtype=compute)
@@ -117,10 +118,12 @@ def test_int8_perplexity() -> None:
     print(f"int8 weights {ppl['int8 weights']:.4f} ({w_change:+.3%}), ", end="")
     # int4 groups of 32 are the default model's own Q4_1 codes (bf16 scales): near-lossless.
     w4_change = ppl["int4 weights"] / ppl["f32"] - 1
-    print(f"int4 weights {ppl['int4 weights']:.4f} ({w4_change:+.3%})")
+    bf16_change = ppl["int4 weights, bf16 KV"] / ppl["f32"] - 1
+    print(f"int4 weights {ppl['int4 weights']:.4f} ({w4_change:+.3%}), with bf16 KV ({bf16_change:+.3%})")
     assert abs(kv_change) <= 0.01, ppl
     assert abs(w_change) <= 0.05, ppl
     assert abs(w4_change) <= 0.01, ppl
+    assert abs(bf16_change) <= 0.01, ppl
 
 
 @pytest.mark.skipif("llamacpp" not in available_backends(), reason="llama.cpp backend not installed")

@@ -13,7 +13,19 @@ from rich.table import Table
 
 from . import Constraint, DecodeConfig, InvalidInput, Runtime, WarmkvError, available_backends, registered_backends
 from .cli_bench import bench_app
-from .cli_common import BackendOpt, CtxOpt, KvOpt, ModelOpt, ThreadsOpt, console, err, fail, load_runtime
+from .cli_common import (
+    BackendOpt,
+    ComputeOpt,
+    CtxOpt,
+    KvOpt,
+    ModelOpt,
+    ThreadsOpt,
+    backend_options,
+    console,
+    err,
+    fail,
+    load_runtime,
+)
 
 app = typer.Typer(help="warmkv: keep the KV cache of a stable prefix warm across agent turns.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -102,13 +114,14 @@ def run(
     backend: BackendOpt = "llamacpp",
     num_ctx: CtxOpt = None,
     kv_cache_type: KvOpt = "f16",
+    compute_dtype: ComputeOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """One shot: prefill a prefix file and a suffix, stream the continuation."""
     try:
         prefix = prefix_file.read_bytes()
         cfg = _decode_cfg(max_tokens, temperature, seed, stop, _constraint(json_schema, regex))
-        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads)
+        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype)
     except OSError as e:
         fail(e)
     except WarmkvError as e:
@@ -171,6 +184,7 @@ def chat(
     backend: BackendOpt = "llamacpp",
     num_ctx: CtxOpt = None,
     kv_cache_type: KvOpt = "f16",
+    compute_dtype: ComputeOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Interactive chat, warm across turns. /explain shows the context, /exit leaves."""
@@ -179,7 +193,7 @@ def chat(
             "\n\n" + prefix_file.read_text() if prefix_file else ""
         )
         cfg = _decode_cfg(max_tokens, temperature, seed, None)
-        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads)
+        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype)
     except (OSError, WarmkvError) as e:
         fail(e)
     history: list[dict[str, str]] = [{"role": "system", "content": sys_text}]
@@ -242,6 +256,7 @@ def serve(
     cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="allow this browser origin")] = None,
     model_id: Annotated[str | None, typer.Option("--model-id", help="model name clients use")] = None,
     kv_cache_type: KvOpt = "f16",
+    compute_dtype: ComputeOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with persistent sessions."""
@@ -268,6 +283,7 @@ def serve(
                 n_seq_max=n_seq_max,
                 kv_cache_type=kv_cache_type,
                 num_threads=threads,
+                **backend_options(compute_dtype),
             )
         app_ = create_app(rt, settings)
     except WarmkvError as e:

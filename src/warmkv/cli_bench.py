@@ -10,7 +10,19 @@ import typer
 from rich.table import Table
 
 from . import WarmkvError
-from .cli_common import BackendOpt, CtxOpt, KvOpt, ModelOpt, ThreadsOpt, console, err, fail, load_runtime
+from .cli_common import (
+    BackendOpt,
+    ComputeOpt,
+    CtxOpt,
+    KvOpt,
+    ModelOpt,
+    ThreadsOpt,
+    backend_options,
+    console,
+    err,
+    fail,
+    load_runtime,
+)
 
 bench_app = typer.Typer(help="Reproducible benchmarks.", no_args_is_help=True)
 
@@ -31,6 +43,7 @@ def bench_coding_loop(
     backend: BackendOpt = "llamacpp",
     num_ctx: CtxOpt = None,
     kv_cache_type: KvOpt = "f16",
+    compute_dtype: ComputeOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """TTFT per turn of a coding-agent loop: warm session vs cold vs llama-cpp-python."""
@@ -43,7 +56,7 @@ def bench_coding_loop(
     no_tiers = {"prefix_cache_mb": 0, "kv_store_mb": 0}
     try:
         # Tiers off: the cold session of each turn must really be cold.
-        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, **no_tiers)
+        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype, **no_tiers)
     except WarmkvError as e:
         fail(e)
     with rt, Progress(console=err, transient=True) as progress:
@@ -58,13 +71,25 @@ def bench_coding_loop(
         )
         if restart:
             progress.update(task, description="restart")
-            report["restart"] = run_restart(rt, target_tokens=prefix_tokens, max_tokens=max_tokens)
+            report["restart"] = run_restart(
+                rt,
+                target_tokens=prefix_tokens,
+                max_tokens=max_tokens,
+                backend_options=backend_options(compute_dtype).get("backend_options"),
+            )
             report["summary"]["restart_over_cold"] = report["restart"]["restart_over_cold"]
     if workspaces > 1:
         # The shared memory tier on, the disk tier off: this phase measures sharing in one process.
         with (
             load_runtime(
-                model, backend, num_ctx, kv_cache_type, threads, kv_store_mb=0, n_seq_max=max(4, workspaces)
+                model,
+                backend,
+                num_ctx,
+                kv_cache_type,
+                threads,
+                compute_dtype,
+                kv_store_mb=0,
+                n_seq_max=max(4, workspaces),
             ) as wrt,
             Progress(console=err, transient=True) as progress,
         ):

@@ -15,13 +15,28 @@ err = Console(stderr=True)
 ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="GGUF path (default: bundled SmolLM2-135M)")]
 BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="backend name")]
 CtxOpt = Annotated[int | None, typer.Option("--num-ctx", help="context window per session")]
-KvOpt = Annotated[str, typer.Option("--kv-cache-type", help="f16, q8_0 or q4_0")]
+KvOpt = Annotated[str, typer.Option("--kv-cache-type", help="f16, bf16, f32, q8_0 or q4_0 (llama.cpp only)")]
+ComputeOpt = Annotated[
+    str | None, typer.Option("--compute-dtype", help="native engine: float32, bfloat16, int8 or int4 weights")
+]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")]
 
 
+def backend_options(compute: str | None) -> dict[str, Any]:
+    """Runtime.load keywords for the backend-specific options given on the command line."""
+    return {"backend_options": {"compute_dtype": compute}} if compute else {}
+
+
 def load_runtime(
-    model: str | None, backend: str, num_ctx: int | None, kv: str = "f16", threads: int | None = None, **more: Any
+    model: str | None,
+    backend: str,
+    num_ctx: int | None,
+    kv: str = "f16",
+    threads: int | None = None,
+    compute: str | None = None,
+    **more: Any,
 ) -> Runtime:
+    more |= backend_options(compute)
     with err.status(f"loading {model or 'default model'} on {backend}..."):
         return Runtime.load(model, backend=backend, num_ctx=num_ctx, kv_cache_type=kv, num_threads=threads, **more)
 

@@ -31,7 +31,8 @@ def _turn(rt: Runtime, target_tokens: int, max_tokens: int) -> dict[str, Any]:
 
 
 def child(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
-    common = {"backend": opts["backend"], "num_ctx": opts["num_ctx"]}
+    keys = ("backend", "num_ctx", "kv_cache_type", "num_threads", "backend_options")
+    common = {k: opts[k] for k in keys}
     with Runtime.load(opts["model"], kv_store_dir=opts["store"], **common) as rt:
         first = _turn(rt, opts["target_tokens"], opts["max_tokens"])
     if phase == "prime":
@@ -41,13 +42,18 @@ def child(phase: str, opts: dict[str, Any]) -> dict[str, Any]:
     return {"restored": first, "cold": cold}
 
 
-def run_restart(rt: Runtime, *, target_tokens: int = 3000, max_tokens: int = 32) -> dict[str, Any]:
+def run_restart(
+    rt: Runtime, *, target_tokens: int = 3000, max_tokens: int = 32, backend_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Run both processes; rt only names the model and settings (it is not used to generate)."""
     with tempfile.TemporaryDirectory(prefix="warmkv-restart-") as store:
         opts = {
             "model": rt.info.path,
             "backend": rt.backend.name,
             "num_ctx": rt.config.num_ctx,
+            "kv_cache_type": rt.config.kv_cache_type,
+            "num_threads": rt.config.num_threads,
+            "backend_options": backend_options or {},
             "store": store,
             "target_tokens": target_tokens,
             "max_tokens": max_tokens,

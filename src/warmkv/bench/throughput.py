@@ -28,6 +28,7 @@ NATIVE_VARIANTS = (
     ("native bf16", "bf16", "bfloat16"),
     ("native int8-weights", "f16", "int8"),
     ("native int4-weights", "f16", "int4"),
+    ("native int4-weights bf16-kv", "bf16", "int4"),
 )
 TEXT = (
     "def add(a, b):\n    return a + b\n\n# Tests for the utils module of a small Python repository.\n"

@@ -47,8 +47,10 @@ def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 
 def _attend(q: torch.Tensor, cache: PagedKVCache, layer: int, r: RowPlan, scale: float) -> torch.Tensor:
     """q: this row's [n, n_heads, head_dim] -> the same shape."""
-    if r.n == 1:
-        # float32 whatever the compute dtype: CPU bmm in bfloat16 is several times slower for these shapes.
+    if r.n == 1 and not (q.dtype == cache.k.dtype == torch.bfloat16):
+        # float32 matmuls: CPU bmm in bfloat16 is several times slower for these shapes. bfloat16
+        # K/V with bfloat16 queries go to SDPA below instead: its flash kernel reads them as they
+        # are, accumulating in float32, which beats converting the whole context every step.
         k, v = cache.gather(layer, r.slots, torch.float32, r.first_slot)
         return _one_query(q.float(), k, v, scale).to(q.dtype)
     k, v = cache.gather(layer, r.slots, q.dtype, r.first_slot)
