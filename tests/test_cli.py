@@ -118,14 +118,16 @@ def test_bench_speculative_reports_drafts(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "--drafts" in r.output
 
 
-def test_run_on_native_int4_and_a_bad_compute_dtype(tmp_path: Path) -> None:
+def test_run_on_native_int4_and_bad_native_options(tmp_path: Path) -> None:
     prefix = tmp_path / "prefix.txt"
     prefix.write_text("<|im_start|>user\nSay hello.<|im_end|>\n<|im_start|>assistant\n")
     args = ["run", "--prefix-file", str(prefix), "-n", "6", "--num-ctx", "256", "--temperature", "0"]
     native = ["--backend", "native", "--kv-cache-type", "bf16"]
-    r = runner.invoke(app, [*args, *native, "--compute-dtype", "int4"])
+    r = runner.invoke(app, [*args, *native, "--compute-dtype", "int4", "--device", "cpu"])
     assert r.exit_code == 0, r.output
     assert "TTFT" in r.output and "finish" in r.output
+    r = runner.invoke(app, [*args, *native, "--device", "gpu"])
+    assert r.exit_code == 2 and "device must be" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, [*args, *native, "--compute-dtype", "int3"])
     assert r.exit_code == 2 and "compute_dtype" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, [*args, "--compute-dtype", "int4"])  # llama.cpp takes no such option

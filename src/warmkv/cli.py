@@ -17,6 +17,7 @@ from .cli_common import (
     BackendOpt,
     ComputeOpt,
     CtxOpt,
+    DeviceOpt,
     KvOpt,
     ModelOpt,
     ThreadsOpt,
@@ -115,13 +116,14 @@ def run(
     num_ctx: CtxOpt = None,
     kv_cache_type: KvOpt = "f16",
     compute_dtype: ComputeOpt = None,
+    device: DeviceOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """One shot: prefill a prefix file and a suffix, stream the continuation."""
     try:
         prefix = prefix_file.read_bytes()
         cfg = _decode_cfg(max_tokens, temperature, seed, stop, _constraint(json_schema, regex))
-        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype)
+        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype, device)
     except OSError as e:
         fail(e)
     except WarmkvError as e:
@@ -185,6 +187,7 @@ def chat(
     num_ctx: CtxOpt = None,
     kv_cache_type: KvOpt = "f16",
     compute_dtype: ComputeOpt = None,
+    device: DeviceOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Interactive chat, warm across turns. /explain shows the context, /exit leaves."""
@@ -193,7 +196,7 @@ def chat(
             "\n\n" + prefix_file.read_text() if prefix_file else ""
         )
         cfg = _decode_cfg(max_tokens, temperature, seed, None)
-        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype)
+        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype, device)
     except (OSError, WarmkvError) as e:
         fail(e)
     history: list[dict[str, str]] = [{"role": "system", "content": sys_text}]
@@ -257,6 +260,7 @@ def serve(
     model_id: Annotated[str | None, typer.Option("--model-id", help="model name clients use")] = None,
     kv_cache_type: KvOpt = "f16",
     compute_dtype: ComputeOpt = None,
+    device: DeviceOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Serve the model over an OpenAI-compatible HTTP API with persistent sessions."""
@@ -283,7 +287,7 @@ def serve(
                 n_seq_max=n_seq_max,
                 kv_cache_type=kv_cache_type,
                 num_threads=threads,
-                **backend_options(compute_dtype),
+                **backend_options(compute_dtype, device),
             )
         app_ = create_app(rt, settings)
     except WarmkvError as e:

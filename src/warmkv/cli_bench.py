@@ -14,6 +14,7 @@ from .cli_common import (
     BackendOpt,
     ComputeOpt,
     CtxOpt,
+    DeviceOpt,
     KvOpt,
     ModelOpt,
     ThreadsOpt,
@@ -44,6 +45,7 @@ def bench_coding_loop(
     num_ctx: CtxOpt = None,
     kv_cache_type: KvOpt = "f16",
     compute_dtype: ComputeOpt = None,
+    device: DeviceOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """TTFT per turn of a coding-agent loop: warm session vs cold vs llama-cpp-python."""
@@ -56,7 +58,7 @@ def bench_coding_loop(
     no_tiers = {"prefix_cache_mb": 0, "kv_store_mb": 0}
     try:
         # Tiers off: the cold session of each turn must really be cold.
-        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype, **no_tiers)
+        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype, device, **no_tiers)
     except WarmkvError as e:
         fail(e)
     with rt, Progress(console=err, transient=True) as progress:
@@ -75,7 +77,7 @@ def bench_coding_loop(
                 rt,
                 target_tokens=prefix_tokens,
                 max_tokens=max_tokens,
-                backend_options=backend_options(compute_dtype).get("backend_options"),
+                backend_options=backend_options(compute_dtype, device).get("backend_options"),
             )
             report["summary"]["restart_over_cold"] = report["restart"]["restart_over_cold"]
     if workspaces > 1:
@@ -88,6 +90,7 @@ def bench_coding_loop(
                 kv_cache_type,
                 threads,
                 compute_dtype,
+                device,
                 kv_store_mb=0,
                 n_seq_max=max(4, workspaces),
             ) as wrt,

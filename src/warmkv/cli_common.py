@@ -19,12 +19,14 @@ KvOpt = Annotated[str, typer.Option("--kv-cache-type", help="f16, bf16, f32, q8_
 ComputeOpt = Annotated[
     str | None, typer.Option("--compute-dtype", help="native engine: float32, bfloat16, int8 or int4 weights")
 ]
+DeviceOpt = Annotated[str | None, typer.Option("--device", help="native engine: cpu, cuda, cuda:N or auto")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")]
 
 
-def backend_options(compute: str | None) -> dict[str, Any]:
+def backend_options(compute: str | None, device: str | None = None) -> dict[str, Any]:
     """Runtime.load keywords for the backend-specific options given on the command line."""
-    return {"backend_options": {"compute_dtype": compute}} if compute else {}
+    given = {k: v for k, v in (("compute_dtype", compute), ("device", device)) if v is not None}
+    return {"backend_options": given} if given else {}
 
 
 def load_runtime(
@@ -34,9 +36,10 @@ def load_runtime(
     kv: str = "f16",
     threads: int | None = None,
     compute: str | None = None,
+    device: str | None = None,
     **more: Any,
 ) -> Runtime:
-    more |= backend_options(compute)
+    more |= backend_options(compute, device)
     with err.status(f"loading {model or 'default model'} on {backend}..."):
         return Runtime.load(model, backend=backend, num_ctx=num_ctx, kv_cache_type=kv, num_threads=threads, **more)
 

@@ -32,8 +32,8 @@ def plan_row(offset: int, n: int, start: int, slots: torch.Tensor, first_slot: i
         return RowPlan(offset, n, start, slots, None, False, first_slot)
     if start == 0:
         return RowPlan(offset, n, start, slots, None, True, first_slot)
-    keys = torch.arange(start + n)
-    mask = keys[None, :] <= (start + torch.arange(n))[:, None]
+    keys = torch.arange(start + n, device=slots.device)
+    mask = keys[None, :] <= (start + torch.arange(n, device=slots.device))[:, None]
     return RowPlan(offset, n, start, slots, mask, False, first_slot)
 
 
@@ -47,7 +47,7 @@ def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 
 def _attend(q: torch.Tensor, cache: PagedKVCache, layer: int, r: RowPlan, scale: float) -> torch.Tensor:
     """q: this row's [n, n_heads, head_dim] -> the same shape."""
-    if r.n == 1 and not (q.dtype == cache.k.dtype == torch.bfloat16):
+    if r.n == 1 and q.device.type == "cpu" and not (q.dtype == cache.k.dtype == torch.bfloat16):
         # float32 matmuls: CPU bmm in bfloat16 is several times slower for these shapes. bfloat16
         # K/V with bfloat16 queries go to SDPA below instead: its flash kernel reads them as they
         # are, accumulating in float32, which beats converting the whole context every step.

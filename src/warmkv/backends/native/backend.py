@@ -11,6 +11,7 @@ import torch
 
 from ...config import DecodeConfig, RuntimeConfig
 from ...errors import (
+    BackendUnavailable,
     ContextOverflow,
     InvalidConfig,
     InvalidInput,
@@ -43,6 +44,27 @@ COMPUTE_DTYPES = {
     "int4": (torch.bfloat16, "int4"),
 }
 GGUF_MAGIC = b"GGUF"
+
+
+def pick_device(name: object, compute_dtype: str) -> torch.device:
+    """The torch device for the `device` option: "cpu", "cuda", "cuda:N" or "auto" (CUDA when present)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise InvalidConfig(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto'; got {name!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(f"device {name!r}: torch {torch.__version__} sees no CUDA device here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InvalidConfig(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are present")
+        if COMPUTE_DTYPES[compute_dtype][1] != "none":
+            detail = f"{compute_dtype} weights run on CPU kernels; on CUDA use float32 or bfloat16"
+            raise Unsupported("compute_dtype", detail)
+    return dev
 
 
 def _read(path: Path) -> tuple[Checkpoint, str, int]:
@@ -79,6 +101,7 @@ class NativeBackend:
         *,
         compute_dtype: str = "float32",
         kv_cache_mb: int | None = None,
+        device: str = "cpu",
     ) -> None:
         self._state = ModelState.COLD
         if config.kv_cache_type not in KV_STORAGE:
@@ -89,6 +112,7 @@ class NativeBackend:
             raise InvalidConfig(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}; got {compute_dtype!r}")
         if kv_cache_mb is not None and (not isinstance(kv_cache_mb, int) or kv_cache_mb < 1):
             raise InvalidConfig(f"kv_cache_mb must be a positive integer, got {kv_cache_mb!r}")
+        self.device = pick_device(device, compute_dtype)
         p = Path(path)
         ckpt, digest, size = _read(p)
         args = ckpt.args
@@ -96,7 +120,7 @@ class NativeBackend:
         torch.set_num_threads(self.config.num_threads or 1)
         self._compute = compute_dtype
         dtype, quant = COMPUTE_DTYPES[compute_dtype]
-        self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx or 1, quant)
+        self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx or 1, quant, self.device)
         self._tok = ckpt.tokenizer
         self._state = ModelState.WARM
         self.info = ModelInfo(
@@ -139,6 +163,7 @@ class NativeBackend:
             "kv_cache_type": self.config.kv_cache_type,
             "kv_dtype": KV_STORAGE[self.config.kv_cache_type],
             "compute_dtype": self._compute,
+            "device": self.device.type,  # kernels differ: KV made on a GPU is not bitwise the CPU's
             "num_batch": self.config.num_batch,
             "torch": torch.__version__.split("+")[0],
         }
@@ -172,7 +197,7 @@ class NativeBackend:
                 blocks = max(1, self._kv_mb * 2**20 // (layout.bytes_per_token() * bs))
             layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, blocks, bs, layout.dtype)
             try:
-                self._cache = PagedKVCache(layout)
+                self._cache = PagedKVCache(layout, self.device)
             except RuntimeError as e:
                 raise SessionFatal(f"cannot allocate the KV pool of {blocks} blocks x {bs} tokens: {e}") from None
             self._cache.reclaim = self._reclaim
@@ -219,7 +244,7 @@ class NativeBackend:
         import_seq(cache, seq, blob, self.config.num_ctx or 0)
 
     def make_sampler(self, config: DecodeConfig) -> TorchSampler:
-        return TorchSampler(config)
+        return TorchSampler(config)  # logits reach the host as numpy (the Backend contract): sample there
 
     def keep_seq(self, seq: int) -> PinnedKV:
         cache = self._activate()
@@ -264,7 +289,7 @@ class NativeBackend:
             for step in self._planner.chunks(rows):
                 logits = self._model.forward(
                     step.tokens, step.positions, step.plans, step.write_slots, step.logit_index, cache
-                )
+                ).cpu()
                 for i, (r, at) in enumerate(zip(step.logit_rows, step.logit_offsets, strict=True)):
                     if rows[r].all_logits:
                         out[r][at] = logits[i].numpy()  # type: ignore[index]
@@ -283,7 +308,7 @@ class NativeBackend:
             self._tok.check(t)
         holder = cache.new_holder()  # scratch KV, gone when done
         cache.can_append({holder: len(tokens)})
-        total = torch.zeros(self._model.args.dim, dtype=torch.float64)
+        total = torch.zeros(self._model.args.dim, dtype=torch.float64, device=self.device)
         assert self._planner is not None
         try:
             for step in self._planner.chunks([ForwardRow(holder, tokens, 0, want_logits=False)]):
@@ -297,7 +322,7 @@ class NativeBackend:
             raise SessionFatal(f"native embedding forward failed on {len(tokens)} tokens: {e}") from None
         finally:
             cache.free(holder)
-        return (total / len(tokens)).float().numpy()
+        return (total / len(tokens)).float().cpu().numpy()
 
     def close(self) -> None:
         if self._state is ModelState.UNLOADED:
@@ -308,7 +333,7 @@ class NativeBackend:
         self._state = ModelState.UNLOADED
 
 
-OPTIONS = frozenset({"compute_dtype", "kv_cache_mb"})  # backend_options this backend takes
+OPTIONS = frozenset({"compute_dtype", "kv_cache_mb", "device"})  # backend_options this backend takes
 
 
 def load(path: str, config: RuntimeConfig, **options: object) -> NativeBackend:
@@ -316,6 +341,7 @@ def load(path: str, config: RuntimeConfig, **options: object) -> NativeBackend:
 
     Options: compute_dtype ("float32", "bfloat16", "int8": int8 weights with bfloat16
     activations, or "int4": 4-bit weights in groups of 32, which are a Q4_0/Q4_1 GGUF's own
-    codes, with an int8 output head), kv_cache_mb (KV pool budget in MiB).
+    codes, with an int8 output head), kv_cache_mb (KV pool budget in MiB), device ("cpu",
+    "cuda", "cuda:N" or "auto"; int8/int4 weights are CPU only).
     """
     return NativeBackend(path, config, **options)  # type: ignore[arg-type]

@@ -62,7 +62,7 @@ class BatchPlanner:
             slots = self._cache.append(row.seq, e - b)
             plans.append(plan_row(len(tokens), e - b, start, slots, self._cache.first_slot_if_contiguous(row.seq)))
             writes.append(slots[start:])
-            positions.append(torch.arange(start, row.start + e))
+            positions.append(torch.arange(start, row.start + e, device=self._cache.device))
             first = len(tokens)
             tokens.extend(row.tokens[b:e])
             if row.all_logits:
@@ -73,12 +73,13 @@ class BatchPlanner:
                 logit_index.append(len(tokens) - 1)
                 logit_rows.append(r)
                 logit_offsets.append(e - 1)
+        dev = self._cache.device
         return Step(
-            tokens=torch.tensor(tokens, dtype=torch.long),
+            tokens=torch.tensor(tokens, dtype=torch.long, device=dev),
             positions=torch.cat(positions),
             plans=plans,
             write_slots=torch.cat(writes),
-            logit_index=torch.tensor(logit_index, dtype=torch.long),
+            logit_index=torch.tensor(logit_index, dtype=torch.long, device=dev),
             logit_rows=logit_rows,
             logit_offsets=logit_offsets,
         )

@@ -18,7 +18,7 @@ MAGIC = b"WKV1"
 
 
 def _bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
+    return t.cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def export_seq(cache: PagedKVCache, seq: int) -> bytes:
@@ -49,7 +49,7 @@ def import_seq(cache: PagedKVCache, seq: int, blob: bytes, max_len: int) -> None
         raise InvalidInput(f"KV blob was made for {got}, this cache is {want}")
     if not 0 <= length <= max_len:
         raise InvalidInput(f"KV blob holds {length} tokens, more than num_ctx={max_len}")
-    elem = torch.empty((), dtype=KV_DTYPES[lay.dtype]).element_size()
+    elem = KV_DTYPES[lay.dtype].itemsize
     sizes = [lay.n_layers * length * lay.n_kv_heads * lay.head_dim * elem] * 2
     if cache.quantized:
         sizes += [lay.n_layers * length * lay.n_kv_heads * 4] * 2
@@ -65,5 +65,5 @@ def import_seq(cache: PagedKVCache, seq: int, blob: bytes, max_len: int) -> None
     for t, size in zip(cache.storage(), sizes, strict=True):
         shape = (lay.n_layers, length, *t.shape[2:])
         data = torch.frombuffer(bytearray(body[offset : offset + size]), dtype=torch.uint8)
-        t[:, slots] = data.view(t.dtype).reshape(shape)
+        t[:, slots] = data.view(t.dtype).reshape(shape).to(t.device)
         offset += size

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...errors import InvalidModelFile
+from ...errors import InvalidModelFile, Unsupported
 from .args import ModelArgs
 from .attention import RowPlan, paged_attention
 from .paged_kv import PagedKVCache
@@ -37,10 +37,17 @@ class Linear:
     group: int = 0  # int4 group size, 0 otherwise
 
     @staticmethod
-    def make(w: torch.Tensor, dtype: torch.dtype, quant: str = "none", bias: torch.Tensor | None = None) -> Linear:
-        b = None if bias is None else bias.to(dtype)
+    def make(
+        w: torch.Tensor,
+        dtype: torch.dtype,
+        quant: str = "none",
+        bias: torch.Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> Linear:
+        """Quantized weights (int8, int4) run on torch's CPU kernels: `device` is for float weights."""
+        b = None if bias is None else bias.to(device=device, dtype=dtype)
         if quant == "none":
-            return Linear(w.to(dtype).contiguous(), b)
+            return Linear(w.to(device=device, dtype=dtype).contiguous(), b)
         if quant == "int4" and w.shape[1] % INT4_GROUP == 0:
             return Linear._int4(w.float(), dtype, b)
         # Decode is memory-bound: int8 rows read 4x fewer bytes than float32.
@@ -104,18 +111,31 @@ def _take(weights: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -
 
 class Transformer:
     def __init__(
-        self, args: ModelArgs, weights: dict[str, torch.Tensor], dtype: torch.dtype, max_pos: int, quant: str = "none"
+        self,
+        args: ModelArgs,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        max_pos: int,
+        quant: str = "none",
+        device: torch.device | None = None,
     ) -> None:
-        """quant: "none", "int8" or "int4" weights (int4 keeps the output head int8: it is the most sensitive)."""
+        """quant: "none", "int8" or "int4" weights (int4 keeps the output head int8: it is the most sensitive).
+
+        device: where weights and activations live (default CPU); quantized weights are CPU only.
+        """
         a = args
-        self.args, self.dtype = a, dtype
+        device = torch.device("cpu") if device is None else device
+        if quant != "none" and device.type != "cpu":
+            raise Unsupported("quantized weights", f"{quant} runs on torch's CPU kernels, not on {device}")
+        self.args, self.dtype, self.device = a, dtype, device
         q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         self.embed = _take(weights, "model.embed_tokens.weight", (a.vocab_size, a.dim)).float()
         head = self.embed if a.tie_embeddings else _take(weights, "lm_head.weight", (a.vocab_size, a.dim))
-        self.lm_head = Linear.make(head, dtype, "int8" if quant == "int4" else quant)
+        self.lm_head = Linear.make(head, dtype, "int8" if quant == "int4" else quant, device=device)
+        self.embed = self.embed.to(device)
         # Folding g into the columns would change each 4-bit group's values: int4 keeps the norms apart.
         fold = quant != "int4"
-        self.norm = _take(weights, "model.norm.weight", (a.dim,)).float()
+        self.norm = _take(weights, "model.norm.weight", (a.dim,)).float().to(device)
         self.layers: list[Layer] = []
         for i in range(a.n_layers):
             p = f"model.layers.{i}."
@@ -143,16 +163,16 @@ class Transformer:
                 qk_norm = torch.cat((qn.float().expand(a.n_heads, -1), kn.float().expand(a.n_kv_heads, -1)))
             self.layers.append(
                 Layer(
-                    qkv=Linear.make(qkv_w, dtype, quant, bias),
-                    o=Linear.make(w("self_attn.o_proj.weight", (a.dim, q_dim)), dtype, quant),
-                    qk_norm=qk_norm,
-                    gate_up=Linear.make(gate_up_w, dtype, quant),
-                    down=Linear.make(w("mlp.down_proj.weight", (a.dim, a.hidden_dim)), dtype, quant),
-                    attn_norm=None if fold else attn_norm,
-                    ffn_norm=None if fold else ffn_norm,
+                    qkv=Linear.make(qkv_w, dtype, quant, bias, device),
+                    o=Linear.make(w("self_attn.o_proj.weight", (a.dim, q_dim)), dtype, quant, device=device),
+                    qk_norm=None if qk_norm is None else qk_norm.to(device),
+                    gate_up=Linear.make(gate_up_w, dtype, quant, device=device),
+                    down=Linear.make(w("mlp.down_proj.weight", (a.dim, a.hidden_dim)), dtype, quant, device=device),
+                    attn_norm=None if fold else attn_norm.to(device),
+                    ffn_norm=None if fold else ffn_norm.to(device),
                 )
             )
-        self.rope = Rope(a, max_pos)
+        self.rope = Rope(a, max_pos, device)
         self.scale = a.head_dim**-0.5
         self._qk_dim = q_dim + kv_dim
 

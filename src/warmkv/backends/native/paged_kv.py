@@ -42,7 +42,7 @@ class KVLayout:
             raise InvalidInput(f"KV dtype must be one of {', '.join(KV_DTYPES)}; got {self.dtype!r}")
 
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=KV_DTYPES[self.dtype]).element_size()
+        elem = KV_DTYPES[self.dtype].itemsize
         scale = 4 if self.dtype == "int8" else 0
         return 2 * self.n_layers * self.n_kv_heads * (self.head_dim * elem + scale)
 
@@ -54,24 +54,25 @@ def _blocks(n: int, bs: int) -> int:
 class PagedKVCache:
     """Block pool + per-sequence block tables + the K/V storage tensors."""
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, device: str | torch.device = "cpu") -> None:
         self.layout = layout
+        self.device = torch.device(device)
         bs, n = layout.block_size, layout.num_blocks
         shape = (layout.n_layers, n * bs, layout.n_kv_heads, layout.head_dim)
         dtype = KV_DTYPES[layout.dtype]
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.quantized = layout.dtype == "int8"
         if self.quantized:
-            self.k_scale = torch.zeros(shape[:3], dtype=torch.float32)
-            self.v_scale = torch.zeros(shape[:3], dtype=torch.float32)
+            self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
+            self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
         self._ref = [0] * n
         # Free blocks: a set, plus a min-heap with lazy deletion for "lowest free id".
         self._free = set(range(n))
         self._heap = list(range(n))
         self._tables: dict[int, list[int]] = {}
         self._len: dict[int, int] = {}
-        self._offsets = torch.arange(bs, dtype=torch.long)
+        self._offsets = torch.arange(bs, dtype=torch.long, device=self.device)
         self._last_pin = 0  # holders (pins, scratch) are negative ids, never a sequence slot
         # Called when the pool is short: a prefix cache lets go of pinned blocks; False = nothing left.
         self.reclaim: Callable[[], bool] | None = None
@@ -190,7 +191,7 @@ class PagedKVCache:
 
     def slots(self, seq: int) -> torch.Tensor:
         """Slot ids of positions [0, length) of seq."""
-        table = torch.tensor(self._tables.get(seq, []), dtype=torch.long)
+        table = torch.tensor(self._tables.get(seq, []), dtype=torch.long, device=self.device)
         flat = (table[:, None] * self.layout.block_size + self._offsets).reshape(-1)
         return flat[: self.length(seq)]
 

@@ -15,7 +15,7 @@ from .args import ModelArgs
 
 def inv_freq(args: ModelArgs) -> torch.Tensor:
     dim = args.head_dim
-    freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freq = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
     if args.rope_llama3 is None:
         return freq
     factor, low, high, old_ctx = args.rope_llama3
@@ -31,15 +31,16 @@ def inv_freq(args: ModelArgs) -> torch.Tensor:
 class Rope:
     """cos/sin tables for positions [0, max_pos), looked up per token."""
 
-    def __init__(self, args: ModelArgs, max_pos: int) -> None:
-        pos = torch.arange(max_pos, dtype=torch.float32)
+    def __init__(self, args: ModelArgs, max_pos: int, device: torch.device) -> None:
+        pos = torch.arange(max_pos, dtype=torch.float32, device="cpu")
         freqs = pos[:, None] * inv_freq(args)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         half = emb.shape[-1] // 2
         sin = emb.sin()
-        self.cos = emb.cos()
+        # Computed on the CPU whatever the device, so the angles round the same everywhere.
+        self.cos = emb.cos().to(device)
         # rotate_half(x) * sin == roll(x, half) * [-sin | sin]: one roll replaces two slices, a neg and a cat.
-        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device)
         self.max_pos = max_pos
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
