@@ -80,7 +80,7 @@ class Linear:
         """x + self(h) in float32; one addmm when the weight is float32 too (one op fewer per decode step)."""
         if self.w.dtype == torch.float32 and self.bias is None:
             return torch.addmm(x, h, self.w.t())
-        return x + self(h).float()
+        return torch.add(x, self(h))  # type promotion adds in float32: no separate cast
 
     def numel(self) -> int:
         n = self.w.numel() * (2 if self.group else 1)  # int4: two codes per packed byte
