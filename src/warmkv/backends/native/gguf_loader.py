@@ -104,9 +104,26 @@ def _args(meta: dict[str, object], arch: str, tensors: set[str]) -> ModelArgs:
     )
 
 
+class _Reader(gguf.GGUFReader):
+    """GGUFReader over a plain ndarray view of its memmap.
+
+    Reading the metadata takes ~250k small slices (every vocabulary token and merge), and
+    numpy's memmap subclass costs ~1 µs of bookkeeping per slice: about 2 s of a 3 s load.
+    The view reads the same mapped bytes.
+    """
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)
+
+
 def load_gguf(path: Path) -> Checkpoint:
     try:
-        reader = gguf.GGUFReader(str(path))
+        reader = _Reader(str(path))
     except (ValueError, OSError, IndexError, KeyError) as e:
         raise InvalidModelFile(f"cannot read GGUF {path}: {e}") from None
     meta = read_metadata(reader)
