@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import warmkv
-from test_contract import check_warm_equals_cold
+from test_contract import COPY_PROMPT, check_warm_equals_cold
 
 pytestmark = pytest.mark.skipif("native" not in warmkv.available_backends(), reason="torch not installed")
 
@@ -31,3 +31,20 @@ def test_int4_warm_turn_equals_cold_turn(kv: str) -> None:
     with warmkv.Runtime.load(backend="native", num_ctx=1024, n_seq_max=2, kv_cache_type=kv, **opts) as rt:
         assert ("compute_dtype", "int4") in rt.manifest(True).numerics
         check_warm_equals_cold(rt)
+
+
+def test_int4_speculative_output_is_plain_greedy() -> None:
+    """int4 matmuls and the int8 head are batch invariant and verified drafts attend query by
+    query, so speculation changes nothing in the output, bf16 attention included."""
+    opts = {"prefix_cache_mb": 0, "kv_store_mb": 0, "backend_options": {"compute_dtype": "int4"}}
+    with warmkv.Runtime.load(backend="native", num_ctx=1024, n_seq_max=1, kv_cache_type="bf16", **opts) as rt:
+        outs = {}
+        for k in (0, 3, 8):
+            with rt.session() as s:
+                s.ensure_prefix(COPY_PROMPT)
+                cfg = warmkv.DecodeConfig(max_tokens=60, temperature=0, speculative=k)
+                chunks = list(s.decode(cfg))
+                outs[k] = [t for c in chunks for t in c.token_ids]
+                if k:
+                    assert chunks[-1].usage is not None and chunks[-1].usage.accepted_tokens > 0
+        assert outs[3] == outs[0] and outs[8] == outs[0]

@@ -17,7 +17,7 @@ PAIRS = [("float32", torch.float32), ("float16", torch.float32), ("int8", torch.
 
 def filled(dtype: str, n: int, seed: int = 0) -> tuple[PagedKVCache, torch.Tensor, torch.Tensor]:
     """Sequence 0 with n tokens of random K/V in one layer; returns the cache and the K/V written."""
-    cache = PagedKVCache(KVLayout(1, KV_HEADS, DIM, num_blocks=32, block_size=BS, dtype=dtype))
+    cache = PagedKVCache(KVLayout(1, KV_HEADS, DIM, num_blocks=96, block_size=BS, dtype=dtype))
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(n, KV_HEADS, DIM, generator=g), torch.randn(n, KV_HEADS, DIM, generator=g)
     cache.write(0, cache.append(0, n), k, v)
@@ -69,13 +69,18 @@ def test_row_does_not_depend_on_block_layout(kv: str, qdt: torch.dtype) -> None:
     assert torch.equal(attend(cache, 0, q, n - 1), attend(cache, 2, q, n - 1))
 
 
-def test_bfloat16_decode_row_equals_its_row_in_a_batch() -> None:
-    """bfloat16 K/V with bfloat16 queries: decode and multi-token rows share one kernel, so a
-    token's output does not depend on being verified in a batch (speculative == plain greedy)."""
-    n = 40
-    cache, _, _ = filled("bfloat16", n)
-    q = torch.randn(5, HEADS, DIM, generator=torch.Generator().manual_seed(3)).bfloat16()
-    batch = attend(cache, 0, q, n - 5)
-    cache.truncate(0, n - 2)
-    two_before = attend(cache, 0, q[2:3], n - 3)
-    assert torch.equal(batch[2:3], two_before)
+@pytest.mark.parametrize(("kv", "qdt"), PAIRS)
+def test_verified_draft_rows_equal_decode_rows(kv: str, qdt: torch.dtype) -> None:
+    """A draft verified in one forward (per_query) gives each token the attention a decode step
+    gives it, bitwise; a masked multi-query call does not (it rounds over a longer key range)."""
+    n = 300
+    cache, _, _ = filled(kv, n)
+    q = torch.randn(5, HEADS, DIM, generator=torch.Generator().manual_seed(3)).to(qdt)
+    slots, first = cache.slots(0), cache.first_slot_if_contiguous(0)
+    verified = paged_attention(q, cache, 0, [plan_row(0, 5, n - 5, slots, first, per_query=True)], SCALE)
+    masked = paged_attention(q, cache, 0, [plan_row(0, 5, n - 5, slots, first)], SCALE)
+    for i in reversed(range(5)):  # the decode step of token i sees exactly the keys up to it
+        cache.truncate(0, n - 4 + i)
+        decoded = attend(cache, 0, q[i : i + 1], n - 5 + i)
+        assert torch.equal(verified[i : i + 1], decoded)
+        assert torch.allclose(masked[i : i + 1].float(), decoded.float(), atol=1e-2)

@@ -170,6 +170,9 @@ def bench_speculative(
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
     model: ModelOpt = None,
     backend: BackendOpt = "llamacpp",
+    kv_cache_type: KvOpt = "f16",
+    compute_dtype: ComputeOpt = None,
+    device: DeviceOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Speculative decoding with drafts looked up in the context, on a copy task, vs plain greedy."""
@@ -177,7 +180,8 @@ def bench_speculative(
 
     sizes = tuple(_positive_ints("--drafts", drafts, "3,5,8"))
     try:
-        rt = load_runtime(model, backend, 2048, threads=threads, prefix_cache_mb=0, kv_store_mb=0)
+        tiers_off = {"prefix_cache_mb": 0, "kv_store_mb": 0}
+        rt = load_runtime(model, backend, 2048, kv_cache_type, threads, compute_dtype, device, **tiers_off)
         with rt, err.status("measuring..."):
             report = run_speculative(rt, sizes, max_tokens=max_tokens)
     except WarmkvError as e:

@@ -25,11 +25,23 @@ class RowPlan:
     mask: torch.Tensor | None  # [n, start + n] bool, None when plain causal or a single query
     causal: bool
     first_slot: int | None  # set when the slots are one range: K/V are read as a view
+    per_query: bool = False  # each query alone over its own keys, exactly as a decode step
+
+    def query(self, i: int) -> RowPlan:
+        """Query i of this row as a one-token row."""
+        keys = self.slots[: self.start + i + 1]
+        return RowPlan(self.offset + i, 1, self.start + i, keys, None, False, self.first_slot)
 
 
-def plan_row(offset: int, n: int, start: int, slots: torch.Tensor, first_slot: int | None) -> RowPlan:
+def plan_row(
+    offset: int, n: int, start: int, slots: torch.Tensor, first_slot: int | None, per_query: bool = False
+) -> RowPlan:
+    """per_query: attend query by query (a verified draft: its tokens then get the numbers plain
+    decoding would give them, since a masked multi-query kernel rounds differently)."""
     if n == 1:
         return RowPlan(offset, n, start, slots, None, False, first_slot)
+    if per_query:
+        return RowPlan(offset, n, start, slots, None, False, first_slot, per_query=True)
     if start == 0:
         return RowPlan(offset, n, start, slots, None, True, first_slot)
     keys = torch.arange(start + n, device=slots.device)
@@ -47,6 +59,8 @@ def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
 
 def _attend(q: torch.Tensor, cache: PagedKVCache, layer: int, r: RowPlan, scale: float) -> torch.Tensor:
     """q: this row's [n, n_heads, head_dim] -> the same shape."""
+    if r.per_query:
+        return torch.cat([_attend(q[i : i + 1], cache, layer, r.query(i), scale) for i in range(r.n)])
     if r.n == 1 and q.device.type == "cpu" and not (q.dtype == cache.k.dtype == torch.bfloat16):
         # float32 matmuls: CPU bmm in bfloat16 is several times slower for these shapes. bfloat16
         # K/V with bfloat16 queries go to SDPA below instead: its flash kernel reads them as they

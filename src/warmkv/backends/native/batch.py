@@ -60,7 +60,8 @@ class BatchPlanner:
             row = rows[r]
             start = row.start + b
             slots = self._cache.append(row.seq, e - b)
-            plans.append(plan_row(len(tokens), e - b, start, slots, self._cache.first_slot_if_contiguous(row.seq)))
+            first_slot = self._cache.first_slot_if_contiguous(row.seq)
+            plans.append(plan_row(len(tokens), e - b, start, slots, first_slot, per_query=row.all_logits))
             writes.append(slots[start:])
             positions.append(torch.arange(start, row.start + e, device=self._cache.device))
             first = len(tokens)
