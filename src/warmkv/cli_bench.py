@@ -209,19 +209,31 @@ def bench_serve(
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=4096)] = 64,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
     model: ModelOpt = None,
+    backend: BackendOpt = "llamacpp",
     num_ctx: Annotated[int, typer.Option("--num-ctx")] = 1024,
+    kv_cache_type: KvOpt = "f16",
+    compute_dtype: ComputeOpt = None,
+    device: DeviceOpt = None,
     threads: ThreadsOpt = None,
 ) -> None:
     """Aggregate decode tokens/s of `warmkv serve` at several concurrent stream counts, in one run."""
     from .bench.serve import run_serve_bench
 
     levels = _positive_ints("--streams", streams, "1,4,8")
-    args = (
-        ["--num-ctx", str(num_ctx)]
-        + (["--model", model] if model else [])
-        + (["--threads", str(threads)] if threads else [])
-    )
-    report = run_serve_bench(levels, max_tokens=max_tokens, server_args=args)
+    given = {
+        "--model": model,
+        "--backend": backend,
+        "--num-ctx": num_ctx,
+        "--kv-cache-type": kv_cache_type,
+        "--compute-dtype": compute_dtype,
+        "--device": device,
+        "--threads": threads,
+    }
+    args = [str(x) for flag, value in given.items() if value is not None for x in (flag, value)]
+    try:
+        report = run_serve_bench(levels, max_tokens=max_tokens, server_args=args)
+    except RuntimeError as e:  # the server did not come up: its own error output is in the message
+        fail(e)
     t = Table(title=f"warmkv serve: {report['model']}, {max_tokens} greedy tokens per stream")
     for col in ("streams", "tokens", "wall s", "tokens/s", "decode tokens/s", "median TTFT s", "x vs 1 stream"):
         t.add_column(col, justify="right")
