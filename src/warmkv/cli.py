@@ -287,7 +287,7 @@ def serve(
                 n_seq_max=n_seq_max,
                 kv_cache_type=kv_cache_type,
                 num_threads=threads,
-                **backend_options(compute_dtype, device),
+                backend_options=backend_options(compute_dtype, device),
             )
         app_ = create_app(rt, settings)
     except WarmkvError as e:

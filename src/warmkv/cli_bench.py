@@ -77,7 +77,7 @@ def bench_coding_loop(
                 rt,
                 target_tokens=prefix_tokens,
                 max_tokens=max_tokens,
-                backend_options=backend_options(compute_dtype, device).get("backend_options"),
+                backend_options=backend_options(compute_dtype, device),
             )
             report["summary"]["restart_over_cold"] = report["restart"]["restart_over_cold"]
     if workspaces > 1:

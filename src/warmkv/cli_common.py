@@ -23,10 +23,9 @@ DeviceOpt = Annotated[str | None, typer.Option("--device", help="native engine: 
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")]
 
 
-def backend_options(compute: str | None, device: str | None = None) -> dict[str, Any]:
-    """Runtime.load keywords for the backend-specific options given on the command line."""
-    given = {k: v for k, v in (("compute_dtype", compute), ("device", device)) if v is not None}
-    return {"backend_options": given} if given else {}
+def backend_options(compute: str | None, device: str | None = None) -> dict[str, str]:
+    """Runtime.load's backend_options from the backend-specific options given on the command line."""
+    return {k: v for k, v in (("compute_dtype", compute), ("device", device)) if v is not None}
 
 
 def load_runtime(
@@ -39,7 +38,7 @@ def load_runtime(
     device: str | None = None,
     **more: Any,
 ) -> Runtime:
-    more |= backend_options(compute, device)
+    more["backend_options"] = backend_options(compute, device)
     with err.status(f"loading {model or 'default model'} on {backend}..."):
         return Runtime.load(model, backend=backend, num_ctx=num_ctx, kv_cache_type=kv, num_threads=threads, **more)
 

@@ -91,7 +91,7 @@ class Runtime:
         """Load a model (default: the bundled SmolLM2-135M-Instruct GGUF).
 
         Options are RuntimeConfig fields (num_ctx=8192, kv_cache_type="q8_0", ...);
-        backend_options go to the backend itself (native: compute_dtype, kv_cache_mb).
+        backend_options go to the backend itself (native: compute_dtype, kv_cache_mb, device).
         """
         if config is not None and options:
             raise InvalidInput("pass either config= or keyword options, not both")
