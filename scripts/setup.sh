@@ -33,3 +33,7 @@ if [ -n "$EXTRAS" ]; then
 else
     $PIP install -q -e .
 fi
+# Build the native engine's C++ decode loop now rather than in the first request (~30 s, once).
+if .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+    .venv/bin/python -c "from warmkv.backends.native.decode_ext import main; main()"
+fi

@@ -59,13 +59,20 @@ def tiny_model(kind: str, path: Path) -> transformers.PreTrainedModel:
         rope |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
         cfg = transformers.LlamaConfig(**common, rope_scaling=rope, tie_word_embeddings=False)
         model = transformers.LlamaForCausalLM(cfg)
-    else:
+    elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**common, rope_theta=10000.0, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(cfg)
         with torch.no_grad():  # random biases, so a wrong bias path cannot hide
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    else:  # qwen3: per-head q/k RMSNorm, and a head_dim that is not hidden_size / heads
+        cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=10000.0, tie_word_embeddings=True)
+        model = transformers.Qwen3ForCausalLM(cfg)
+        with torch.no_grad():  # norm weights away from 1, so a skipped q/k norm cannot hide
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     model.eval()
     model.save_pretrained(str(path))
     write_byte_tokenizer(path)
@@ -75,7 +82,7 @@ def tiny_model(kind: str, path: Path) -> transformers.PreTrainedModel:
 Pair = tuple[NativeBackend, transformers.PreTrainedModel]
 
 
-@pytest.fixture(scope="module", params=["gguf", "llama", "qwen2"])
+@pytest.fixture(scope="module", params=["gguf", "llama", "qwen2", "qwen3"])
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     if request.param == "gguf":
         path = warmkv.default_model_path()

@@ -20,15 +20,17 @@ from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, Unsupported
 from ..models import resolve_model
 
-# (label, kv_cache_type, compute dtype) of the native configurations measured.
+# (label, kv_cache_type, compute dtype, cpp_decode) of the native configurations measured;
+# one row decodes in the Python layer loop, to show what the C++ loop is worth.
 NATIVE_VARIANTS = (
-    ("native f32", "f32", "float32"),
-    ("native f16-kv", "f16", "float32"),
-    ("native int8-kv", "q8_0", "float32"),
-    ("native bf16", "bf16", "bfloat16"),
-    ("native int8-weights", "f16", "int8"),
-    ("native int4-weights", "f16", "int4"),
-    ("native int4-weights bf16-kv", "bf16", "int4"),
+    ("native f32", "f32", "float32", "auto"),
+    ("native f16-kv", "f16", "float32", "auto"),
+    ("native int8-kv", "q8_0", "float32", "auto"),
+    ("native bf16", "bf16", "bfloat16", "auto"),
+    ("native int8-weights", "f16", "int8", "auto"),
+    ("native int4-weights", "f16", "int4", "auto"),
+    ("native int4-weights bf16-kv, python loop", "bf16", "int4", "off"),
+    ("native int4-weights bf16-kv", "bf16", "int4", "auto"),
 )
 TEXT = (
     "def add(a, b):\n    return a + b\n\n# Tests for the utils module of a small Python repository.\n"
@@ -141,11 +143,10 @@ def run_throughput(
     if "llamacpp" in engines:
         attempt("llama.cpp f16-kv", lambda: backend_run("llama.cpp f16-kv", "llamacpp", cfg))
     if "native" in engines:
-        for label, kv, compute in NATIVE_VARIANTS:
+        for label, kv, compute, cpp in NATIVE_VARIANTS:
             c = RuntimeConfig(**{**asdict(cfg), "kv_cache_type": kv})
-            attempt(
-                label, lambda label=label, c=c, compute=compute: backend_run(label, "native", c, compute_dtype=compute)
-            )
+            options = {"compute_dtype": compute, "cpp_decode": cpp}
+            attempt(label, lambda label=label, c=c, options=options: backend_run(label, "native", c, **options))
     resolved_threads = threads or cfg.resolved(n_ctx_train=cfg.num_ctx or 0).num_threads or 1
     if "transformers" in engines and ids is not None:
         attempt("transformers f32", lambda: _time_transformers(path, ids or [], decode_tokens, resolved_threads))

@@ -24,6 +24,7 @@ from ...errors import (
 from ...manifest import file_digest
 from ..base import ForwardRow, ModelInfo, ModelState, check_embed_tokens
 from ..slots import SeqSlots
+from . import decode_ext
 from .batch import BatchPlanner
 from .checkpoint import Checkpoint
 from .gguf_loader import load_gguf
@@ -102,6 +103,7 @@ class NativeBackend:
         compute_dtype: str = "float32",
         kv_cache_mb: int | None = None,
         device: str = "cpu",
+        cpp_decode: str = "auto",
     ) -> None:
         self._state = ModelState.COLD
         if config.kv_cache_type not in KV_STORAGE:
@@ -112,6 +114,8 @@ class NativeBackend:
             raise InvalidConfig(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}; got {compute_dtype!r}")
         if kv_cache_mb is not None and (not isinstance(kv_cache_mb, int) or kv_cache_mb < 1):
             raise InvalidConfig(f"kv_cache_mb must be a positive integer, got {kv_cache_mb!r}")
+        if cpp_decode not in decode_ext.MODES:
+            raise InvalidConfig(f"cpp_decode must be one of {', '.join(decode_ext.MODES)}; got {cpp_decode!r}")
         self.device = pick_device(device, compute_dtype)
         p = Path(path)
         ckpt, digest, size = _read(p)
@@ -121,6 +125,9 @@ class NativeBackend:
         self._compute = compute_dtype
         dtype, quant = COMPUTE_DTYPES[compute_dtype]
         self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx or 1, quant, self.device)
+        module = decode_ext.extension(cpp_decode)
+        if module is not None:
+            self._model.decode_loop = decode_ext.DecodeLoop(module, self._model)
         self._tok = ckpt.tokenizer
         self._state = ModelState.WARM
         self.info = ModelInfo(
@@ -333,7 +340,7 @@ class NativeBackend:
         self._state = ModelState.UNLOADED
 
 
-OPTIONS = frozenset({"compute_dtype", "kv_cache_mb", "device"})  # backend_options this backend takes
+OPTIONS = frozenset({"compute_dtype", "kv_cache_mb", "device", "cpp_decode"})  # backend_options this backend takes
 
 
 def load(path: str, config: RuntimeConfig, **options: object) -> NativeBackend:
@@ -342,6 +349,8 @@ def load(path: str, config: RuntimeConfig, **options: object) -> NativeBackend:
     Options: compute_dtype ("float32", "bfloat16", "int8": int8 weights with bfloat16
     activations, or "int4": 4-bit weights in groups of 32, which are a Q4_0/Q4_1 GGUF's own
     codes, with an int8 output head), kv_cache_mb (KV pool budget in MiB), device ("cpu",
-    "cuda", "cuda:N" or "auto"; int8/int4 weights are CPU only).
+    "cuda", "cuda:N" or "auto"; int8/int4 weights are CPU only), cpp_decode ("auto": decode
+    steps run their layer loop in C++, built on first use, else in Python; "on": C++ or an
+    error; "off": Python; the results are bitwise the same).
     """
     return NativeBackend(path, config, **options)  # type: ignore[arg-type]

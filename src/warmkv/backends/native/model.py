@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ...errors import InvalidModelFile, Unsupported
 from .args import ModelArgs
 from .attention import RowPlan, paged_attention
+from .decode_ext import DecodeLoop
 from .paged_kv import PagedKVCache
 from .rope import Rope, apply
 
@@ -175,6 +176,7 @@ class Transformer:
         self.rope = Rope(a, max_pos, device)
         self.scale = a.head_dim**-0.5
         self._qk_dim = q_dim + kv_dim
+        self.decode_loop: DecodeLoop | None = None  # the C++ layer loop for decode steps, when built
 
     def n_params(self) -> int:
         a = self.args
@@ -210,6 +212,9 @@ class Transformer:
         t, n_qk = tokens.shape[0], a.n_heads + a.n_kv_heads
         x = self.embed[tokens]
         cos, sin = self.rope.tables(positions, dt)
+        if self.decode_loop is not None and not hidden and DecodeLoop.takes(rows):
+            x = self.decode_loop.run(x, cache, rows, write_slots, cos, sin)
+            return self._logits(x[logit_index])
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(x, layer.attn_norm).to(dt))
             qk = qkv[:, : self._qk_dim].reshape(t, n_qk, a.head_dim)
@@ -225,5 +230,8 @@ class Transformer:
             x = layer.down.add_to(x, F.silu(gate) * up)
         if hidden:
             return F.rms_norm(x, (a.dim,), self.norm, a.norm_eps)
-        h = F.rms_norm(x[logit_index], (a.dim,), self.norm, a.norm_eps).to(dt)
-        return self.lm_head(h).float()
+        return self._logits(x[logit_index])
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        return self.lm_head(F.rms_norm(x, (a.dim,), self.norm, a.norm_eps).to(self.dtype)).float()

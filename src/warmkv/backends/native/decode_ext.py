@@ -1,0 +1,121 @@
+"""The C++ decode loop: decode steps run their layer loop in C++, bitwise as in Python.
+
+Built with torch's JIT extension loader on first use (~30 s once; cached by torch under
+~/.cache/torch_extensions, keyed by the source) and loaded in well under a second after
+that. `cpp_decode="auto"` falls back to the Python loop, with a warning, where no
+compiler is present; "on" makes that an error; "off" never builds it.
+
+`main()` builds it ahead of time (the set-up script calls it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import torch
+
+from ...errors import BackendUnavailable, InvalidConfig
+
+if TYPE_CHECKING:
+    from .attention import RowPlan
+    from .model import Linear, Transformer
+    from .paged_kv import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")
+SOURCE = Path(__file__).parent / "csrc" / "decode_step.cpp"
+# Built results per (build dir, compiler): a failed build is not retried on every model load.
+_built: dict[tuple[str, str], ModuleType | Exception] = {}
+
+
+def _ensure_ninja() -> None:
+    """torch's loader runs `ninja` from PATH; the pip package's binary is not on it outside an activated venv."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # type: ignore[import-not-found]
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _build() -> ModuleType:
+    from torch.utils import cpp_extension
+
+    _ensure_ninja()
+    t0 = time.perf_counter()
+    log.info("loading the C++ decode loop (the first build on a machine takes ~30 s)")
+    module = cpp_extension.load("warmkv_decode_step", [str(SOURCE)], extra_cflags=["-O2"], verbose=False)
+    log.info("C++ decode loop ready in %.1f s", time.perf_counter() - t0)
+    return module
+
+
+def extension(mode: str) -> ModuleType | None:
+    """The compiled module, or None for "off" (and for "auto" when it cannot be built)."""
+    if mode not in MODES:
+        raise InvalidConfig(f"cpp_decode must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "off":
+        return None
+    key = (os.environ.get("TORCH_EXTENSIONS_DIR", ""), os.environ.get("CXX", ""))
+    if key not in _built:
+        try:
+            _built[key] = _build()
+        except Exception as e:  # a compiler error, a missing compiler or ninja, a failed import
+            lines = str(e).strip().splitlines()
+            _built[key] = RuntimeError(f"{type(e).__name__}: {lines[-1] if lines else ''}")
+            if mode == "auto":
+                log.warning("C++ decode loop unavailable, decoding in Python (slower): %s", _built[key])
+    got = _built[key]
+    if isinstance(got, Exception):
+        if mode == "on":
+            raise BackendUnavailable(f"cpp_decode='on' but the C++ decode loop cannot be built: {got}")
+        return None
+    return got
+
+
+def _linear(lin: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+    return lin.w, lin.bias, lin.scale, lin.group
+
+
+class DecodeLoop:
+    """A Transformer's layers, handed to the C++ loop once; `run` replaces the Python layer loop."""
+
+    def __init__(self, module: ModuleType, model: Transformer) -> None:
+        a = model.args
+        self._loop = module.DecodeLoop(a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps, model.scale, model.dtype)
+        for layer in model.layers:
+            linears = [_linear(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            self._loop.add_layer(linears, [layer.qk_norm, layer.attn_norm, layer.ffn_norm])
+
+    @staticmethod
+    def takes(rows: list[RowPlan]) -> bool:
+        """Decode steps: every row one token (prefill and verified drafts stay in Python)."""
+        return all(r.n == 1 and not r.per_query for r in rows)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cache: PagedKVCache,
+        rows: list[RowPlan],
+        write_slots: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
+        k_scale, v_scale = (cache.k_scale, cache.v_scale) if cache.quantized else (None, None)
+        slots = [r.slots for r in rows]
+        first = [-1 if r.first_slot is None else r.first_slot for r in rows]
+        return self._loop.run(x, cache.k, cache.v, k_scale, v_scale, write_slots, slots, first, cos, sin)
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    module = extension("auto")
+    print(f"C++ decode loop: {module.__file__ if module else 'unavailable (decoding runs in Python)'}", file=sys.stderr)
+
