@@ -30,7 +30,7 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _trace(backend: NativeBackend) -> Iterator[np.ndarray]:
     """Logits of: three prompts (the third shares the first's blocks, so its slots are not one range),
-    8 batched decode steps over the three, then 8 steps of the first alone."""
+    8 batched decode steps over the three, 8 steps of the first alone, then a verified draft."""
     rng = np.random.default_rng(0)
     seqs = [backend.acquire_seq() for _ in range(3)]
     prompts = [rng.integers(3, backend.info.n_vocab, size=n).tolist() for n in (40, 23)]
@@ -47,6 +47,12 @@ def _trace(backend: NativeBackend) -> Iterator[np.ndarray]:
             for i in range(len(live)):
                 lengths[i] += 1
             yield from (o for o in outs if o is not None)
+        # Verified drafts (all logits): the first sequence's with a one-token row of the second beside it.
+        draft = [int(np.argmax(outs[0])), *prompts[0][5:9]]
+        rows = [ForwardRow(seqs[0], draft, lengths[0], all_logits=True), ForwardRow(seqs[1], [7], lengths[1])]
+        outs = backend.forward(rows)
+        yield from (row for row in outs[0])  # type: ignore[union-attr]
+        yield outs[1]  # type: ignore[misc]
         assert backend.cache is not None
         assert backend.cache.first_slot_if_contiguous(seqs[2]) is None, "the shared-prefix row must gather its slots"
     finally:
@@ -77,7 +83,7 @@ def test_cpp_loop_is_bitwise_the_python_loop(model: str, compute: str, kv: str, 
             traces[mode] = list(_trace(backend))
         finally:
             backend.close()
-    assert len(traces["on"]) == len(traces["off"]) == 8 * 3 + 8
+    assert len(traces["on"]) == len(traces["off"]) == 8 * 3 + 8 + 5 + 1
     for i, (a, b) in enumerate(zip(traces["on"], traces["off"], strict=True)):
         assert np.array_equal(a, b), f"logits {i} differ: max abs diff {float(np.abs(a - b).max()):.3e}"
 

@@ -96,8 +96,8 @@ class DecodeLoop:
 
     @staticmethod
     def takes(rows: list[RowPlan]) -> bool:
-        """Decode steps: every row one token (prefill and verified drafts stay in Python)."""
-        return all(r.n == 1 and not r.per_query for r in rows)
+        """Steps whose every token attends alone: decode rows and verified drafts (prefill stays in Python)."""
+        return all(r.n == 1 or r.per_query for r in rows)
 
     def run(
         self,
@@ -109,8 +109,9 @@ class DecodeLoop:
         sin: torch.Tensor,
     ) -> torch.Tensor:
         k_scale, v_scale = (cache.k_scale, cache.v_scale) if cache.quantized else (None, None)
-        slots = [r.slots for r in rows]
-        first = [-1 if r.first_slot is None else r.first_slot for r in rows]
+        queries = [q for r in rows for q in ([r.query(i) for i in range(r.n)] if r.per_query else [r])]
+        slots = [q.slots for q in queries]
+        first = [-1 if q.first_slot is None else q.first_slot for q in queries]
         return self._loop.run(x, cache.k, cache.v, k_scale, v_scale, write_slots, slots, first, cos, sin)
 
 
@@ -118,4 +119,3 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module = extension("auto")
     print(f"C++ decode loop: {module.__file__ if module else 'unavailable (decoding runs in Python)'}", file=sys.stderr)
-

@@ -1,4 +1,5 @@
-// The layer loop of a decode step (one token per sequence), in C++.
+// The layer loop of a decode step, in C++: every token attends alone over its own keys
+// (a decode row, or a verified draft's queries one by one).
 //
 // Each call below is the ATen op that model.py's Python forward makes at the same
 // point, in the same order and on the same dtypes, so the results are bitwise those
@@ -58,14 +59,14 @@ class DecodeLoop {
     layers_.push_back(std::move(l));
   }
 
-  // x: [T, dim] float32, one token per row; slots[i]: row i's slot ids, first[i] >= 0 when they are one
-  // range starting there. k_scale/v_scale: set for int8 KV. Returns the residual stream after the last layer.
+  // x: [T, dim] float32; slots[i]: the slot ids token i attends to (its own last), first[i] >= 0 when
+  // they are one range starting there. k_scale/v_scale: set for int8 KV. Returns the residual stream after the last layer.
   Tensor run(Tensor x, const Tensor& k_pool, const Tensor& v_pool, const optional<Tensor>& k_scale,
              const optional<Tensor>& v_scale, const Tensor& write_slots, const std::vector<Tensor>& slots,
              const std::vector<int64_t>& first, const Tensor& cos, const Tensor& sin) const {
     const int64_t t = x.size(0), n_qk = n_heads_ + n_kv_, qk_dim = n_qk * head_dim_;
     TORCH_CHECK(static_cast<int64_t>(slots.size()) == t && static_cast<int64_t>(first.size()) == t,
-                "one row per token expected");
+                "one key range per token expected");
     // attention.py's choice for a single query: float32 matmuls on CPU unless q and K/V are both bf16.
     const bool f32_matmuls = x.device().is_cpu() && !(dtype_ == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16);
     for (size_t li = 0; li < layers_.size(); li++) {
