@@ -8,6 +8,8 @@ lands on the CPU beside a model on another device.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -30,16 +32,31 @@ class ImplicitDevice(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.found: list[str] = []
+        self.seen = 0  # factory calls from warmkv, with or without device=
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in FACTORIES and "device" not in kwargs:
+        if func in FACTORIES:
             frame = sys._getframe(1)
             while frame is not None and frame.f_globals.get("__name__", "").startswith("torch"):
                 frame = frame.f_back
             if frame is not None and frame.f_globals.get("__name__", "").startswith("warmkv"):
-                self.found.append(f"{frame.f_globals['__name__']}:{frame.f_lineno} {func.__name__}")
+                self.seen += 1
+                if "device" not in kwargs:
+                    self.found.append(f"{frame.f_globals['__name__']}:{frame.f_lineno} {func.__name__}")
         return func(*args, **kwargs)
+
+
+@contextmanager
+def watching(backend: Any) -> Iterator[list[ImplicitDevice]]:
+    """A mode on this thread and one on the backend's compute thread (torch function modes are per thread)."""
+    here, there = ImplicitDevice(), ImplicitDevice()
+    backend._compute.call(there.__enter__)
+    try:
+        with here:
+            yield [here, there]
+    finally:
+        backend._compute.call(there.__exit__, None, None, None)
 
 
 def test_every_tensor_made_while_serving_names_its_device() -> None:
@@ -48,8 +65,7 @@ def test_every_tensor_made_while_serving_names_its_device() -> None:
         cfg = warmkv.RuntimeConfig(num_ctx=256, n_seq_max=2, kv_cache_type=kv)
         b = load_backend("native", path, cfg, compute_dtype=compute, device="cpu")
         try:
-            mode = ImplicitDevice()
-            with mode:
+            with watching(b) as modes:
                 seq, other = b.acquire_seq(), b.acquire_seq()
                 ids = b.tokenize("def add(a, b):\n    return a + b\n" * 4, add_bos=False, parse_special=False)
                 (logits,) = b.forward([ForwardRow(seq, ids, 0)])
@@ -63,7 +79,9 @@ def test_every_tensor_made_while_serving_names_its_device() -> None:
                 kept.load_into(seq)
                 kept.release()
                 b.embed(ids[:10])
-            assert mode.found == [], f"{kv}/{compute}: {mode.found}"
+            found = [f for m in modes for f in m.found]
+            assert found == [], f"{kv}/{compute}: {found}"
+            assert modes[1].seen > 0, "the compute thread's mode saw no factory call: the check would be vacuous"
         finally:
             b.close()
 

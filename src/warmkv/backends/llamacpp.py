@@ -25,6 +25,7 @@ from ..errors import InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal
 from ..manifest import file_digest
 from ..sampling import Sampler
 from .base import BlobKV, ForwardRow, ModelInfo, ModelState, check_embed_tokens
+from .compute_thread import ComputeThread, on_compute_thread
 from .llamacpp_embed import EmbeddingContext
 from .slots import SeqSlots
 
@@ -121,6 +122,7 @@ class LlamaCppBackend:
         self._batch = None
         # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
         self._slots = SeqSlots(self.config.n_seq_max)
+        self._compute = ComputeThread.shared("warmkv-llamacpp")  # every llama_decode runs there
 
     # -- model facts -------------------------------------------------------
 
@@ -278,6 +280,7 @@ class LlamaCppBackend:
             lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
             raise InvalidInput(f"llama.cpp rejected {len(blob)} bytes of sequence state")
 
+    @on_compute_thread
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
         if self._state is ModelState.UNLOADED:
             raise SessionFatal("the model was unloaded")
@@ -303,6 +306,7 @@ class LlamaCppBackend:
 
     # -- evaluation ----------------------------------------------------------
 
+    @on_compute_thread
     def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:
         """Pack rows into batches of at most num_batch tokens; one llama_decode each."""
         self._activate()

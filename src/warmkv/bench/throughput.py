@@ -29,7 +29,7 @@ NATIVE_VARIANTS = (
     ("native bf16", "bf16", "bfloat16", "auto"),
     ("native int8-weights", "f16", "int8", "auto"),
     ("native int4-weights", "f16", "int4", "auto"),
-    ("native int4-weights bf16-kv, python loop", "bf16", "int4", "off"),
+    ("native int4 bf16-kv (py loop)", "bf16", "int4", "off"),
     ("native int4-weights bf16-kv", "bf16", "int4", "auto"),
 )
 TEXT = (

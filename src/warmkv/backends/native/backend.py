@@ -22,7 +22,8 @@ from ...errors import (
     WarmkvError,
 )
 from ...manifest import file_digest
-from ..base import ForwardRow, ModelInfo, ModelState, check_embed_tokens
+from ..base import ForwardRow, ModelInfo, ModelState, TokenSampler, check_embed_tokens
+from ..compute_thread import ComputeThread, on_compute_thread
 from ..slots import SeqSlots
 from . import decode_ext
 from .batch import BatchPlanner
@@ -117,12 +118,22 @@ class NativeBackend:
         if cpp_decode not in decode_ext.MODES:
             raise InvalidConfig(f"cpp_decode must be one of {', '.join(decode_ext.MODES)}; got {cpp_decode!r}")
         self.device = pick_device(device, compute_dtype)
-        p = Path(path)
+        self._compute = ComputeThread.shared("warmkv-torch")
+        self._load(Path(path), config, compute_dtype, cpp_decode)
+        self._kv_mb = kv_cache_mb
+        self._reclaim: Callable[[], bool] | None = None
+        self._cache: PagedKVCache | None = None
+        self._planner: BatchPlanner | None = None
+        # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
+        self._slots = SeqSlots(self.config.n_seq_max)
+
+    @on_compute_thread
+    def _load(self, p: Path, config: RuntimeConfig, compute_dtype: str, cpp_decode: str) -> None:
         ckpt, digest, size = _read(p)
         args = ckpt.args
         self.config = config.resolved(n_ctx_train=args.max_seq_len)
-        torch.set_num_threads(self.config.num_threads or 1)
-        self._compute = compute_dtype
+        torch.set_num_threads(self.config.num_threads or 1)  # also this thread's OpenMP team size
+        self._compute_dtype = compute_dtype
         dtype, quant = COMPUTE_DTYPES[compute_dtype]
         self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx or 1, quant, self.device)
         module = decode_ext.extension(cpp_decode)
@@ -148,12 +159,6 @@ class NativeBackend:
             tokenizer_digest=ckpt.tokenizer.vocab.digest,
             metadata=ckpt.metadata,
         )
-        self._kv_mb = kv_cache_mb
-        self._reclaim: Callable[[], bool] | None = None
-        self._cache: PagedKVCache | None = None
-        self._planner: BatchPlanner | None = None
-        # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
-        self._slots = SeqSlots(self.config.n_seq_max)
 
     # -- model facts -------------------------------------------------------------
 
@@ -169,7 +174,7 @@ class NativeBackend:
         return {
             "kv_cache_type": self.config.kv_cache_type,
             "kv_dtype": KV_STORAGE[self.config.kv_cache_type],
-            "compute_dtype": self._compute,
+            "compute_dtype": self._compute_dtype,
             "device": self.device.type,  # kernels differ: KV made on a GPU is not bitwise the CPU's
             "num_batch": self.config.num_batch,
             "torch": torch.__version__.split("+")[0],
@@ -191,6 +196,7 @@ class NativeBackend:
 
     # -- sequences -----------------------------------------------------------------
 
+    @on_compute_thread
     def _activate(self) -> PagedKVCache:
         if self._state is ModelState.UNLOADED:
             raise SessionFatal("the model was unloaded")
@@ -228,35 +234,40 @@ class NativeBackend:
             self._cache.free(seq)
         self._slots.release(seq)
 
+    @on_compute_thread
     def truncate(self, seq: int, n: int) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidInput(f"truncate length must be an integer >= 0, got {n!r}")
         if self._cache is not None:
             self._cache.truncate(seq, n)
 
+    @on_compute_thread
     def copy_seq(self, src: int, dst: int, n: int) -> None:
         cache = self._activate()
         self._check_seq(src)
         self._check_seq(dst)
         cache.copy_prefix(src, dst, n)
 
+    @on_compute_thread
     def export_seq(self, seq: int) -> bytes:
         cache = self._activate()
         self._check_seq(seq)
         return export_seq(cache, seq)
 
+    @on_compute_thread
     def import_seq(self, seq: int, blob: bytes) -> None:
         cache = self._activate()
         self._check_seq(seq)
         import_seq(cache, seq, blob, self.config.num_ctx or 0)
 
-    def make_sampler(self, config: DecodeConfig) -> TorchSampler:
-        return TorchSampler(config)  # logits reach the host as numpy (the Backend contract): sample there
+    def make_sampler(self, config: DecodeConfig) -> TokenSampler:
+        # Logits reach the host as numpy (the Backend contract): sample there, on the compute thread.
+        return _ComputeSampler(TorchSampler(config), self._compute)
 
     def keep_seq(self, seq: int) -> PinnedKV:
         cache = self._activate()
         self._check_seq(seq)
-        return PinnedKV(cache, seq)
+        return PinnedKV(cache, seq, self._compute.call)
 
     def set_reclaimer(self, reclaim: Callable[[], bool] | None) -> None:
         self._reclaim = reclaim
@@ -283,6 +294,7 @@ class NativeBackend:
             if row.start + len(row.tokens) > n_ctx:
                 raise ContextOverflow("forward", row.start, len(row.tokens), n_ctx)
 
+    @on_compute_thread
     def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:
         cache = self._activate()
         self._validate(rows, cache)
@@ -308,6 +320,7 @@ class NativeBackend:
             raise SessionFatal(f"native forward failed on {sum(len(r.tokens) for r in rows)} tokens: {e}") from None
         return out
 
+    @on_compute_thread
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
         cache = self._activate()
         check_embed_tokens(tokens, self.config.num_ctx or 0)
@@ -338,6 +351,16 @@ class NativeBackend:
         self._planner = None
         self._model = None  # type: ignore[assignment]
         self._state = ModelState.UNLOADED
+
+
+class _ComputeSampler:
+    """A TorchSampler whose torch ops run on the backend's compute thread (see compute_thread.py)."""
+
+    def __init__(self, sampler: TorchSampler, compute: ComputeThread) -> None:
+        self._sampler, self._compute = sampler, compute
+
+    def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        return self._compute.call(self._sampler.sample, logits, history)
 
 
 OPTIONS = frozenset({"compute_dtype", "kv_cache_mb", "device", "cpp_decode"})  # backend_options this backend takes

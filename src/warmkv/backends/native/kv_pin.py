@@ -9,15 +9,22 @@ gives pins back (`PagedKVCache.reclaim`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from .kv_blob import export_seq
 from .paged_kv import PagedKVCache
 
 
 class PinnedKV:
-    """The KV of a sequence at the time it was pinned, kept by refcount."""
+    """The KV of a sequence at the time it was pinned, kept by refcount.
 
-    def __init__(self, cache: PagedKVCache, seq: int) -> None:
+    run: how tensor work is run (the backend's compute thread); bookkeeping runs in place.
+    """
+
+    def __init__(self, cache: PagedKVCache, seq: int, run: Callable[..., Any] | None = None) -> None:
         self._cache = cache
+        self._run = run or (lambda fn, *args: fn(*args))
         self._pin: int | None = cache.pin(seq)
         blocks = len(cache.table(self._pin))
         self.nbytes = blocks * cache.layout.block_size * cache.layout.bytes_per_token()
@@ -33,10 +40,10 @@ class PinnedKV:
 
     def load_into(self, seq: int) -> None:
         pin = self._id()
-        self._cache.copy_prefix(pin, seq, self._cache.length(pin))
+        self._run(self._cache.copy_prefix, pin, seq, self._cache.length(pin))
 
     def to_bytes(self) -> bytes:
-        return export_seq(self._cache, self._id())
+        return self._run(export_seq, self._cache, self._id())
 
     def release(self) -> None:
         if self._pin is not None:
