@@ -1,4 +1,4 @@
-"""The C++ decode loop: bitwise the Python loop's logits, and a clear fallback without a compiler."""
+"""The C++ decode loop: the Python loop's logits to rounding, batch invariant, and a fallback without a compiler."""
 
 from __future__ import annotations
 
@@ -30,25 +30,26 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _trace(backend: NativeBackend) -> Iterator[np.ndarray]:
     """Logits of: three prompts (the third shares the first's blocks, so its slots are not one range),
-    8 batched decode steps over the three, 8 steps of the first alone, then a verified draft."""
+    8 batched decode steps over the three, 8 steps of the first alone, then a verified draft.
+    The tokens are fixed, not picked from the logits, so two loops see the same inputs."""
     rng = np.random.default_rng(0)
     seqs = [backend.acquire_seq() for _ in range(3)]
     prompts = [rng.integers(3, backend.info.n_vocab, size=n).tolist() for n in (40, 23)]
     try:
         rows = [ForwardRow(s, p, 0) for s, p in zip(seqs, prompts, strict=False)]
-        outs = backend.forward(rows)
+        yield from (o for o in backend.forward(rows) if o is not None)
         backend.copy_seq(seqs[0], seqs[2], 24)
-        outs += backend.forward([ForwardRow(seqs[2], prompts[0][24:30], 24)])
+        yield from (o for o in backend.forward([ForwardRow(seqs[2], prompts[0][24:30], 24)]) if o is not None)
         lengths = [40, 23, 30]
         for step in range(16):
             live = seqs if step < 8 else seqs[:1]
-            picks = [int(np.argmax(o)) for o in outs[: len(live)]]
+            picks = rng.integers(3, backend.info.n_vocab, size=len(live)).tolist()
             outs = backend.forward([ForwardRow(s, [t], n) for s, t, n in zip(live, picks, lengths, strict=False)])
             for i in range(len(live)):
                 lengths[i] += 1
             yield from (o for o in outs if o is not None)
         # Verified drafts (all logits): the first sequence's with a one-token row of the second beside it.
-        draft = [int(np.argmax(outs[0])), *prompts[0][5:9]]
+        draft = prompts[0][4:9]
         rows = [ForwardRow(seqs[0], draft, lengths[0], all_logits=True), ForwardRow(seqs[1], [7], lengths[1])]
         outs = backend.forward(rows)
         yield from (row for row in outs[0])  # type: ignore[union-attr]
@@ -60,19 +61,26 @@ def _trace(backend: NativeBackend) -> Iterator[np.ndarray]:
             backend.release_seq(s)
 
 
+# Bounds on |C++ - Python| logits: the two round differently (float32 sums in another order, one
+# rounding instead of two in bf16), and a rounding flip in stored K/V moves a logit by about one
+# step of the storage type. Measured: 4e-5 (f32), 5e-3 (f16 KV), 7e-2 (int8 KV), 0.4 (bf16 compute).
+TOLERANCE = {"f32": 1e-3, "f16": 2e-2, "q8_0": 0.2, "bf16": 1.0}
+
+
 @pytest.mark.parametrize(
     ("model", "compute", "kv"),
     [
-        ("default", "float32", "f16"),  # the native defaults: float32 matmul attention over f16 K/V
-        ("default", "float32", "q8_0"),  # int8 KV: the quantized write and gather
-        ("default", "bfloat16", "bf16"),  # SDPA over bf16 K/V
-        ("default", "int4", "bf16"),  # int4 weights, int8 head
+        ("default", "float32", "f16"),  # the native defaults: f16 K/V read as stored
+        ("default", "float32", "q8_0"),  # int8 KV: the quantized write and read
+        ("default", "float32", "f32"),
+        ("default", "bfloat16", "bf16"),
+        ("default", "int4", "bf16"),  # int4 weights (norms apart), int8 head
         ("default", "int8", "f16"),
         ("qwen2", "float32", "f32"),  # QKV bias
         ("qwen3", "float32", "f32"),  # per-head q/k norm
     ],
 )
-def test_cpp_loop_is_bitwise_the_python_loop(model: str, compute: str, kv: str, tiny_dirs: dict[str, Path]) -> None:
+def test_cpp_loop_agrees_with_the_python_loop(model: str, compute: str, kv: str, tiny_dirs: dict[str, Path]) -> None:
     path = str(warmkv.default_model_path() if model == "default" else tiny_dirs[model])
     cfg = replace(CFG, kv_cache_type=kv)
     traces = {}
@@ -80,12 +88,42 @@ def test_cpp_loop_is_bitwise_the_python_loop(model: str, compute: str, kv: str, 
         backend = NativeBackend(path, cfg, compute_dtype=compute, cpp_decode=mode)
         try:
             assert (backend._model.decode_loop is not None) == (mode == "on")
+            assert backend.numerics()["decode_loop"] == ("cpp" if mode == "on" else "python")
             traces[mode] = list(_trace(backend))
         finally:
             backend.close()
-    assert len(traces["on"]) == len(traces["off"]) == 8 * 3 + 8 + 5 + 1
+    assert len(traces["on"]) == len(traces["off"]) == 3 + 8 * 3 + 8 + 5 + 1
+    tol = TOLERANCE["bf16" if compute != "float32" else kv]
     for i, (a, b) in enumerate(zip(traces["on"], traces["off"], strict=True)):
-        assert np.array_equal(a, b), f"logits {i} differ: max abs diff {float(np.abs(a - b).max()):.3e}"
+        diff = float(np.abs(a - b).max())
+        assert diff <= tol, f"logits {i} differ by {diff:.3e} > {tol}"
+        top2 = np.sort(b)[-2:]
+        if top2[1] - top2[0] > 2 * tol:  # a clear winner must stay the winner
+            assert np.argmax(a) == np.argmax(b), f"logits {i}: greedy pick changed"
+
+
+@pytest.mark.parametrize("kv", ["bf16", "q8_0"])
+def test_cpp_rows_do_not_depend_on_batching(kv: str) -> None:
+    """int4 matmuls are batch invariant and every token attends alone, so a token's logits are
+    bitwise the same as a decode step alone, batched with another sequence, or inside a verified draft."""
+    cfg = replace(CFG, kv_cache_type=kv)
+    backend = NativeBackend(str(warmkv.default_model_path()), cfg, compute_dtype="int4", cpp_decode="on")
+    try:
+        rng = np.random.default_rng(1)
+        prompt, draft = rng.integers(3, 49152, size=150).tolist(), rng.integers(3, 49152, size=6).tolist()
+        a, b, other = (backend.acquire_seq() for _ in range(3))
+        for seq, n in ((a, 150), (b, 150), (other, 37)):  # alone: prefill chunks then fall alike for a and b
+            backend.forward([ForwardRow(seq, prompt[:n], 0)])
+        steps = []
+        for i, t in enumerate(draft):  # one token at a time; the first three beside another sequence
+            rows = [ForwardRow(a, [t], 150 + i)] + ([ForwardRow(other, [t], 37 + i)] if i < 3 else [])
+            steps.append(backend.forward(rows)[0])
+        (verified,) = backend.forward([ForwardRow(b, draft, 150, all_logits=True)])
+        assert verified is not None
+        for i, step in enumerate(steps):
+            assert np.array_equal(step, verified[i]), f"draft token {i}: {float(np.abs(step - verified[i]).max()):.3e}"
+    finally:
+        backend.close()
 
 
 def test_without_a_compiler(

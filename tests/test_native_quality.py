@@ -24,6 +24,26 @@ TEXT = (
     "accelerated the process. Typically used for texts, the invention and global spread of the printing press "
     "was one of the most influential events in the second millennium."
 )
+# Perplexity needs a longer text: over ~90 tokens, bf16 rounding noise alone moves it by 1%.
+LONG_TEXT = TEXT + (
+    "\n\nAround 1440, a goldsmith in Mainz combined several known techniques into a working system: metal type "
+    "cast in a hand mould, an oil-based ink that clung to metal, and a screw press adapted from those used to "
+    "make wine and paper. A skilled worker could now print thousands of pages a day, where a copyist had "
+    "managed a few. Within fifty years presses were running in more than two hundred cities across Europe, "
+    "and millions of books had been printed.\n\n"
+    "The effects reached far beyond the workshop. Cheaper books meant that more people learned to read, and "
+    "scholars in distant cities could work from identical copies of the same text, so that errors were found "
+    "and corrected instead of being copied again. Pamphlets and broadsheets carried news and argument quickly, "
+    "which helped religious and political movements spread their ideas. Scientists published their "
+    "observations with exact diagrams and tables, and other scientists could check them.\n\n"
+    "The basic design changed little for three centuries. In the early nineteenth century, iron presses "
+    "replaced wooden ones, and steam power drove rotary presses that printed on continuous rolls of paper. "
+    "Newspapers could then be produced in huge numbers every morning. Later, machines that set whole lines of "
+    "type from a keyboard removed the slowest step of the old process, and offset printing, which transfers "
+    "the image from a plate to a rubber blanket and then to paper, became the common method for books, "
+    "magazines and packaging. Today most printing is digital, yet the idea of making many identical copies "
+    "of a text cheaply remains the same."
+)
 
 
 def greedy(backend: Backend, prompt: str, n: int) -> list[int]:
@@ -106,10 +126,10 @@ def test_int8_perplexity() -> None:
         ("int4 weights", "f16", "int4"),
         ("int4 weights, bf16 KV", "bf16", "int4"),
     ):
-        cfg = warmkv.RuntimeConfig(num_ctx=256, n_seq_max=1, kv_cache_type=kv)
+        cfg = warmkv.RuntimeConfig(num_ctx=512, n_seq_max=1, kv_cache_type=kv)
         b = load_backend("native", path, cfg, compute_dtype=compute)
         try:
-            ppl[label] = perplexity(b, TEXT)
+            ppl[label] = perplexity(b, LONG_TEXT)
         finally:
             b.close()
     kv_change = ppl["int8 KV"] / ppl["f32"] - 1

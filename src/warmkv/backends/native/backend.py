@@ -136,7 +136,7 @@ class NativeBackend:
         self._compute_dtype = compute_dtype
         dtype, quant = COMPUTE_DTYPES[compute_dtype]
         self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx or 1, quant, self.device)
-        module = decode_ext.extension(cpp_decode)
+        module = decode_ext.extension(cpp_decode if self.device.type == "cpu" else "off")
         if module is not None:
             self._model.decode_loop = decode_ext.DecodeLoop(module, self._model)
         self._tok = ckpt.tokenizer
@@ -175,6 +175,8 @@ class NativeBackend:
             "kv_cache_type": self.config.kv_cache_type,
             "kv_dtype": KV_STORAGE[self.config.kv_cache_type],
             "compute_dtype": self._compute_dtype,
+            # The C++ loop's kernels round differently from ATen's: generated tokens' K/V differ in the last bits.
+            "decode_loop": "cpp" if self._model.decode_loop is not None else "python",
             "device": self.device.type,  # kernels differ: KV made on a GPU is not bitwise the CPU's
             "num_batch": self.config.num_batch,
             "torch": torch.__version__.split("+")[0],
@@ -373,7 +375,7 @@ def load(path: str, config: RuntimeConfig, **options: object) -> NativeBackend:
     activations, or "int4": 4-bit weights in groups of 32, which are a Q4_0/Q4_1 GGUF's own
     codes, with an int8 output head), kv_cache_mb (KV pool budget in MiB), device ("cpu",
     "cuda", "cuda:N" or "auto"; int8/int4 weights are CPU only), cpp_decode ("auto": decode
-    steps run their layer loop in C++, built on first use, else in Python; "on": C++ or an
-    error; "off": Python; the results are bitwise the same).
+    steps run their layer loop in C++ on the CPU, built on first use, else in Python; "on": C++
+    or an error; "off": Python; the two agree to float32 rounding, and the manifest says which).
     """
     return NativeBackend(path, config, **options)  # type: ignore[arg-type]

@@ -211,10 +211,11 @@ class Transformer:
         a, dt = self.args, self.dtype
         t, n_qk = tokens.shape[0], a.n_heads + a.n_kv_heads
         x = self.embed[tokens]
-        cos, sin = self.rope.tables(positions, dt)
         if self.decode_loop is not None and not hidden and DecodeLoop.takes(rows):
+            cos, sin = self.rope.tables(positions, torch.float32)  # the C++ loop rotates in float32
             x = self.decode_loop.run(x, cache, rows, write_slots, cos, sin)
             return self._logits(x[logit_index])
+        cos, sin = self.rope.tables(positions, dt)
         for li, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(x, layer.attn_norm).to(dt))
             qk = qkv[:, : self._qk_dim].reshape(t, n_qk, a.head_dim)

@@ -1,14 +1,15 @@
-// The layer loop of a decode step, in C++: every token attends alone over its own keys
-// (a decode row, or a verified draft's queries one by one).
+// The layer loop of a decode step, in C++, on the CPU: every token attends alone over its
+// own keys (a decode row, or a verified draft's queries one by one).
 //
-// Each call below is the ATen op that model.py's Python forward makes at the same
-// point, in the same order and on the same dtypes, so the results are bitwise those
-// of the Python loop. What this saves is Python's cost per op: a decode step of a
-// small model is ~1,400 small calls, and their interpreter overhead was a fifth of it.
+// The matmuls are torch's own kernels (float, int8 rows, int4 groups); everything between
+// them is kernels.h, one pass per operation. A decode step of a small model is otherwise
+// ~1,500 tiny ATen calls, whose fixed costs outweighed their work.
 
 #include <torch/extension.h>
 
 #include <vector>
+
+#include "kernels.h"
 
 namespace {
 
@@ -27,6 +28,7 @@ struct Linear {
     return bias ? y + *bias : y;
   }
 
+  // x + self(h), in float32.
   Tensor add_to(const Tensor& x, const Tensor& h) const {
     if (w.scalar_type() == at::kFloat && !bias) return at::addmm(x, h, w.t());
     return at::add(x, (*this)(h));
@@ -38,10 +40,20 @@ struct Layer {
   optional<Tensor> qk_norm, attn_norm, ffn_norm;
 };
 
+template <typename T>
+T* ptr(const Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+const float* ptr_or_null(const optional<Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; }
+
 class DecodeLoop {
  public:
   DecodeLoop(int64_t n_heads, int64_t n_kv_heads, int64_t head_dim, double eps, double scale, at::ScalarType dtype)
-      : n_heads_(n_heads), n_kv_(n_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), dtype_(dtype) {}
+      : n_heads_(n_heads), n_kv_(n_kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), dtype_(dtype) {
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "compute dtype must be float32 or bfloat16");
+    TORCH_CHECK(n_kv_heads > 0 && n_heads % n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads");
+  }
 
   // linears: (w, bias, scale, group) for qkv, o, gate_up, down; norms: qk_norm, attn_norm, ffn_norm.
   void add_layer(const std::vector<std::tuple<Tensor, optional<Tensor>, optional<Tensor>, int64_t>>& linears,
@@ -53,6 +65,7 @@ class DecodeLoop {
       const auto& [w, bias, scale, group] = linears[i];
       *dst[i] = Linear{w, bias, scale, group};
     }
+    for (const auto& n : norms) TORCH_CHECK(!n || (n->scalar_type() == at::kFloat && n->is_contiguous()));
     l.qk_norm = norms[0];
     l.attn_norm = norms[1];
     l.ffn_norm = norms[2];
@@ -60,90 +73,102 @@ class DecodeLoop {
   }
 
   // x: [T, dim] float32; slots[i]: the slot ids token i attends to (its own last), first[i] >= 0 when
-  // they are one range starting there. k_scale/v_scale: set for int8 KV. Returns the residual stream after the last layer.
-  Tensor run(Tensor x, const Tensor& k_pool, const Tensor& v_pool, const optional<Tensor>& k_scale,
+  // they are one range starting there; cos/sin: [T, head_dim] float32. k_scale/v_scale: set for
+  // int8 KV. Returns the residual stream after the last layer.
+  Tensor run(const Tensor& x, const Tensor& k_pool, const Tensor& v_pool, const optional<Tensor>& k_scale,
              const optional<Tensor>& v_scale, const Tensor& write_slots, const std::vector<Tensor>& slots,
              const std::vector<int64_t>& first, const Tensor& cos, const Tensor& sin) const {
-    const int64_t t = x.size(0), n_qk = n_heads_ + n_kv_, qk_dim = n_qk * head_dim_;
+    const int64_t t = x.size(0);
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x must be float32 on the CPU");
     TORCH_CHECK(static_cast<int64_t>(slots.size()) == t && static_cast<int64_t>(first.size()) == t,
                 "one key range per token expected");
-    // attention.py's choice for a single query: float32 matmuls on CPU unless q and K/V are both bf16.
-    const bool f32_matmuls = x.device().is_cpu() && !(dtype_ == at::kBFloat16 && k_pool.scalar_type() == at::kBFloat16);
+    TORCH_CHECK(write_slots.scalar_type() == at::kLong && write_slots.numel() == t, "one write slot per token");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.numel() == t * head_dim_, "cos: [T, head_dim] float32");
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "K/V pools must be contiguous");
+    for (const auto& s : slots) TORCH_CHECK(s.scalar_type() == at::kLong && s.is_contiguous());
+    Args a{x.contiguous(), k_pool, v_pool, k_scale, v_scale, write_slots.contiguous(), slots, first,
+           cos.contiguous(), sin.contiguous()};
+    const bool bf16 = dtype_ == at::kBFloat16;
+    switch (k_pool.scalar_type()) {
+      case at::kFloat:
+        return bf16 ? loop<float, c10::BFloat16>(a) : loop<float, float>(a);
+      case at::kHalf:
+        return bf16 ? loop<c10::Half, c10::BFloat16>(a) : loop<c10::Half, float>(a);
+      case at::kBFloat16:
+        return bf16 ? loop<c10::BFloat16, c10::BFloat16>(a) : loop<c10::BFloat16, float>(a);
+      case at::kChar:
+        TORCH_CHECK(k_scale && v_scale, "int8 K/V need their scales");
+        return bf16 ? loop<int8_t, c10::BFloat16>(a) : loop<int8_t, float>(a);
+      default:
+        TORCH_CHECK(false, "unsupported K/V dtype ", k_pool.scalar_type());
+    }
+  }
+
+ private:
+  struct Args {
+    Tensor x;
+    const Tensor &k_pool, &v_pool;
+    const optional<Tensor>&k_scale, &v_scale;
+    Tensor write_slots;
+    const std::vector<Tensor>& slots;
+    const std::vector<int64_t>& first;
+    Tensor cos, sin;
+  };
+
+  // K: the pool's storage type; T: the compute (matmul input) type.
+  template <typename K, typename T>
+  Tensor loop(const Args& a) const {
+    const int64_t t = a.x.size(0), dim = a.x.size(1), d = head_dim_, n_slots = a.k_pool.size(1);
+    const int64_t kv_row = n_kv_ * d, layer_elems = n_slots * kv_row;
+    const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
+    const auto opts = a.x.options();
+    Tensor x = a.x;
+    Tensor h = at::empty({t, dim}, opts.dtype(dtype_));
+    Tensor q = at::empty({t, n_heads_ * d}, opts);
+    Tensor o = at::empty({t, n_heads_ * d}, opts.dtype(dtype_));
+    std::vector<float> att(n_heads_ * d);
+    const int64_t* write = a.write_slots.data_ptr<int64_t>();
+    const float *cos = a.cos.data_ptr<float>(), *sin = a.sin.data_ptr<float>();
     for (size_t li = 0; li < layers_.size(); li++) {
       const Layer& L = layers_[li];
-      const int64_t layer = static_cast<int64_t>(li);
-      Tensor qkv = L.qkv(norm(x, L.attn_norm).to(dtype_));
-      Tensor qk = qkv.slice(1, 0, qk_dim).reshape({t, n_qk, head_dim_});
-      Tensor v = qkv.slice(1, qk_dim).reshape({t, n_kv_, head_dim_});
-      if (L.qk_norm) qk = (rms_scale(qk.to(at::kFloat)) * *L.qk_norm).to(dtype_);
-      qk = at::addcmul(qk * cos, at::roll(qk, {head_dim_ / 2}, {-1}), sin);  // rope.apply
-      Tensor q = qk.slice(1, 0, n_heads_), k = qk.slice(1, n_heads_);
-      write(k_pool, k_scale, layer, write_slots, k);
-      write(v_pool, v_scale, layer, write_slots, v);
-      Tensor o;
-      if (t == 1) {
-        o = attend(q, k_pool, v_pool, k_scale, v_scale, layer, slots[0], first[0], f32_matmuls);
-      } else {
-        o = at::empty_like(q);
-        for (int64_t i = 0; i < t; i++) {
-          o.narrow(0, i, 1).copy_(
-              attend(q.narrow(0, i, 1), k_pool, v_pool, k_scale, v_scale, layer, slots[i], first[i], f32_matmuls));
-        }
+      K* kp = ptr<K>(a.k_pool) + li * layer_elems;
+      K* vp = ptr<K>(a.v_pool) + li * layer_elems;
+      float* ks = a.k_scale ? a.k_scale->data_ptr<float>() + li * n_slots * n_kv_ : nullptr;
+      float* vs = a.v_scale ? a.v_scale->data_ptr<float>() + li * n_slots * n_kv_ : nullptr;
+      norm_rows<T>(x, L.attn_norm, h);
+      Tensor qkv = L.qkv(h).contiguous();
+      TORCH_CHECK(qkv.scalar_type() == dtype_ && qkv.size(1) == (n_heads_ + 2 * n_kv_) * d, "qkv: unexpected shape");
+      for (int64_t i = 0; i < t; i++) {
+        const int64_t slot = write[i];
+        warmkv::rope_store(ptr<T>(qkv) + i * qkv.size(1), n_heads_, n_kv_, d, cos + i * d, sin + i * d,
+                           ptr_or_null(L.qk_norm), eps, q.data_ptr<float>() + i * n_heads_ * d, kp + slot * kv_row,
+                           vp + slot * kv_row, ks ? ks + slot * n_kv_ : nullptr, vs ? vs + slot * n_kv_ : nullptr);
       }
-      x = L.o.add_to(x, o.reshape({t, -1}));
-      auto gate_up = L.gate_up(norm(x, L.ffn_norm).to(dtype_)).chunk(2, -1);
-      x = L.down.add_to(x, at::silu(gate_up[0]) * gate_up[1]);
+      const warmkv::PoolLayer<K> pool{kp, vp, ks, vs};
+      for (int64_t i = 0; i < t; i++) {
+        const Tensor& keys = a.slots[i];
+        warmkv::attend(q.data_ptr<float>() + i * n_heads_ * d, pool, keys.data_ptr<int64_t>(), a.first[i],
+                       keys.size(0), n_heads_, n_kv_, d, scale, att.data());
+        T* oi = ptr<T>(o) + i * n_heads_ * d;
+        for (int64_t j = 0; j < n_heads_ * d; j++) oi[j] = warmkv::from_f<T>(att[j]);
+      }
+      x = L.o.add_to(x, o);
+      norm_rows<T>(x, L.ffn_norm, h);
+      Tensor gu = L.gate_up(h).contiguous();
+      const int64_t hidden = gu.size(1) / 2;
+      Tensor act = at::empty({t, hidden}, opts.dtype(dtype_));
+      for (int64_t i = 0; i < t; i++) warmkv::silu_mul(ptr<T>(gu) + i * 2 * hidden, hidden, ptr<T>(act) + i * hidden);
+      x = L.down.add_to(x, act);
     }
     return x;
   }
 
- private:
-  Tensor rms_scale(const Tensor& x) const { return x * (at::mean(x * x, {-1}, true) + eps_).rsqrt_(); }
-
-  Tensor norm(const Tensor& x, const optional<Tensor>& weight) const {
-    return weight ? rms_scale(x) * *weight : rms_scale(x);
-  }
-
-  // PagedKVCache.write
-  static void write(const Tensor& pool, const optional<Tensor>& scale, int64_t layer, const Tensor& slots,
-                    const Tensor& x) {
-    if (!scale) {
-      pool.select(0, layer).index_copy_(0, slots, x.to(pool.scalar_type()));
-      return;
-    }
-    Tensor s = x.abs().amax({-1}).clamp_min(1e-8) / 127.0;
-    pool.select(0, layer).index_copy_(0, slots, at::round(x / s.unsqueeze(-1)).to(at::kChar));
-    scale->select(0, layer).index_copy_(0, slots, s.to(at::kFloat));
-  }
-
-  // PagedKVCache.gather
-  static Tensor take(const Tensor& t, int64_t layer, const Tensor& slots, int64_t first) {
-    return first >= 0 ? t.select(0, layer).narrow(0, first, slots.size(0)) : t.select(0, layer).index_select(0, slots);
-  }
-
-  static Tensor gather(const Tensor& pool, const optional<Tensor>& scale, int64_t layer, const Tensor& slots,
-                       int64_t first, at::ScalarType dtype) {
-    Tensor x = take(pool, layer, slots, first);
-    if (!scale) return x.to(dtype);
-    return x.to(dtype) * take(*scale, layer, slots, first).unsqueeze(-1).to(dtype);
-  }
-
-  // attention._attend for a one-token row: q [1, n_heads, head_dim].
-  Tensor attend(const Tensor& q, const Tensor& k_pool, const Tensor& v_pool, const optional<Tensor>& k_scale,
-                const optional<Tensor>& v_scale, int64_t layer, const Tensor& slots, int64_t first,
-                bool f32_matmuls) const {
-    if (f32_matmuls) {
-      Tensor k = gather(k_pool, k_scale, layer, slots, first, at::kFloat);
-      Tensor v = gather(v_pool, v_scale, layer, slots, first, at::kFloat);
-      Tensor qg = q.to(at::kFloat).reshape({n_kv_, -1, head_dim_}) * scale_;
-      Tensor p = at::softmax(at::matmul(qg, k.permute({1, 2, 0})), -1);
-      return at::matmul(p, v.transpose(0, 1)).view({1, -1, head_dim_}).to(q.scalar_type());
-    }
-    Tensor k = gather(k_pool, k_scale, layer, slots, first, q.scalar_type());
-    Tensor v = gather(v_pool, v_scale, layer, slots, first, q.scalar_type());
-    Tensor o = at::scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                                                v.transpose(0, 1).unsqueeze(0), {}, 0.0, false, scale_, true);
-    return o.select(0, 0).transpose(0, 1);
+  template <typename T>
+  void norm_rows(const Tensor& x, const optional<Tensor>& weight, Tensor& out) const {
+    const int64_t t = x.size(0), dim = x.size(1);
+    const float* w = ptr_or_null(weight);
+    for (int64_t i = 0; i < t; i++)
+      warmkv::rms_norm(x.data_ptr<float>() + i * dim, w, dim, static_cast<float>(eps_), ptr<T>(out) + i * dim);
   }
 
   int64_t n_heads_, n_kv_, head_dim_;

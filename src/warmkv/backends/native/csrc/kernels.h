@@ -1,0 +1,358 @@
+// CPU kernels of a decode step: everything between the matmuls, on raw rows.
+//
+// A decode step of a small model is ~50 tiny ATen ops per layer (norms, RoPE, cache
+// writes, a gather and a dtype conversion of the whole context, two batched matmuls and
+// a softmax); their fixed costs outweigh the work. Here each is one pass over its data,
+// vectorized with AVX2/F16C where the compiler targets them (the extension is built on
+// the machine that runs it) and plain C++ elsewhere. Every loop has a fixed order that
+// depends on neither the batch nor the thread count, so a token's numbers are the same
+// alone, in a batch, or as a verified draft.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define WARMKV_AVX2 1
+#endif
+
+namespace warmkv {
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+inline float to_f(int8_t x) { return static_cast<float>(x); }
+
+template <typename T>
+inline T from_f(float x) {
+  return static_cast<T>(x);  // c10's Half and BFloat16 round to nearest even
+}
+
+#ifdef WARMKV_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x to ~2 ulp (Cephes' expf: x = n ln2 + g, |g| <= ln2/2, a degree-6 polynomial in g).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 g = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  g = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), g);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, g, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, g, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, g, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, g, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, g, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(g, g), _mm256_add_ps(g, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+// out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i] (w may be null), rounded once to T.
+template <typename T>
+void rms_norm(const float* x, const float* w, int64_t n, float eps, T* out) {
+  float ss = 0.f;
+  int64_t i = 0;
+#ifdef WARMKV_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  ss = hsum(acc);
+#endif
+  for (; i < n; i++) ss += x[i] * x[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (i = 0; i < n; i++) out[i] = from_f<T>(w ? x[i] * r * w[i] : x[i] * r);
+}
+
+// out[i] = silu(gate[i]) * up[i], with gate = gu[0, n) and up = gu[n, 2n).
+template <typename T>
+void silu_mul(const T* gu, int64_t n, T* out) {
+  int64_t i = 0;
+#ifdef WARMKV_AVX2
+  alignas(32) float tmp[8];
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= n; i += 8) {
+    __m256 g = load8(gu + i), u = load8(gu + n + i);
+    __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_store_ps(tmp, _mm256_mul_ps(s, u));
+    for (int j = 0; j < 8; j++) out[i + j] = from_f<T>(tmp[j]);
+  }
+#endif
+  for (; i < n; i++) {
+    const float g = to_f(gu[i]);
+    out[i] = from_f<T>(g / (1.f + std::exp(-g)) * to_f(gu[n + i]));
+  }
+}
+
+// Store one head's d floats into a K/V pool row; int8 keeps an absmax scale per token and head.
+template <typename K>
+void store_head(const float* x, int64_t d, K* dst, float* scale) {
+  for (int64_t j = 0; j < d; j++) dst[j] = from_f<K>(x[j]);
+}
+template <>
+inline void store_head<int8_t>(const float* x, int64_t d, int8_t* dst, float* scale) {
+  float m = 0.f;
+  for (int64_t j = 0; j < d; j++) m = std::max(m, std::abs(x[j]));
+  const float s = std::max(m, 1e-8f) / 127.f;
+  for (int64_t j = 0; j < d; j++) dst[j] = static_cast<int8_t>(std::nearbyint(x[j] / s));
+  *scale = s;
+}
+
+// One token's fused q/k/v row -> (optional per-head q/k RMSNorm) -> RoPE (rotate-half layout;
+// sin carries the sign of the first half) -> q as float32, k and v stored into the pool rows.
+template <typename T, typename K>
+void rope_store(const T* qkv, int64_t n_heads, int64_t n_kv, int64_t d, const float* cos, const float* sin,
+                const float* qk_norm, float eps, float* q, K* k_dst, K* v_dst, float* k_scale, float* v_scale) {
+  std::vector<float> x(d), y(d);
+  const int64_t half = d / 2;
+  for (int64_t h = 0; h < n_heads + n_kv; h++) {
+    const T* src = qkv + h * d;
+    for (int64_t j = 0; j < d; j++) x[j] = to_f(src[j]);
+    if (qk_norm) rms_norm(x.data(), qk_norm + h * d, d, eps, x.data());
+    for (int64_t j = 0; j < d; j++) y[j] = x[j] * cos[j] + x[(j + half) % d] * sin[j];
+    if (h < n_heads) {
+      std::copy(y.begin(), y.end(), q + h * d);
+    } else {
+      const int64_t kh = h - n_heads;
+      store_head(y.data(), d, k_dst + kh * d, k_scale ? k_scale + kh : nullptr);
+    }
+  }
+  const T* v = qkv + (n_heads + n_kv) * d;
+  for (int64_t h = 0; h < n_kv; h++) {
+    for (int64_t j = 0; j < d; j++) x[j] = to_f(v[h * d + j]);
+    store_head(x.data(), d, v_dst + h * d, v_scale ? v_scale + h : nullptr);
+  }
+}
+
+// dot(q, k) over d elements, k converted from its storage type.
+template <typename K>
+inline float dot(const float* q, const K* k, int64_t d) {
+  int64_t j = 0;
+  float s = 0.f;
+#ifdef WARMKV_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= d; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(k + j), acc);
+  s = hsum(acc);
+#endif
+  for (; j < d; j++) s += q[j] * to_f(k[j]);
+  return s;
+}
+
+// acc[j] += p * v[j]
+template <typename K>
+inline void axpy(float p, const K* v, int64_t d, float* acc) {
+  int64_t j = 0;
+#ifdef WARMKV_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; j + 8 <= d; j += 8) _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(pv, load8(v + j), _mm256_loadu_ps(acc + j)));
+#endif
+  for (; j < d; j++) acc[j] += p * to_f(v[j]);
+}
+
+// p[i] = exp(s[i] - m), returns the sum (in a fixed order).
+inline float exp_shifted(float* s, int64_t n, float m) {
+  int64_t i = 0;
+  float total = 0.f;
+#ifdef WARMKV_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  total = hsum(acc);
+#endif
+  for (; i < n; i++) {
+    s[i] = std::exp(s[i] - m);
+    total += s[i];
+  }
+  return total;
+}
+
+// One layer of a K/V pool, [slots, n_kv, d], with int8 scales [slots, n_kv] or none.
+template <typename K>
+struct PoolLayer {
+  const K* k;
+  const K* v;
+  const float* k_scale;
+  const float* v_scale;
+};
+
+constexpr int64_t kChunk = 128;  // keys per task: fixed, so results do not depend on the thread count
+
+// Scores and weighted values of one (kv head, key chunk) task, written as (max, sum, acc[d]) per
+// query head of the group. qs: the group's queries, pre-scaled; s: scratch of group * kChunk.
+template <typename K>
+struct Task {
+  PoolLayer<K> pool;
+  const int64_t* slots;
+  int64_t first, n_kv, h, t0, n;
+
+  int64_t slot(int64_t i) const { return first >= 0 ? first + t0 + i : slots[t0 + i]; }
+  float k_scale(int64_t i) const { return pool.k_scale ? pool.k_scale[slot(i) * n_kv + h] : 1.f; }
+  float v_scale(int64_t i) const { return pool.v_scale ? pool.v_scale[slot(i) * n_kv + h] : 1.f; }
+};
+
+// The softmax of a task's scores in place; (max, sum) into each query head's partial.
+inline void softmax_parts(float* s, int64_t group, int64_t n, int64_t d, float* part) {
+  for (int64_t g = 0; g < group; g++) {
+    float* sg = s + g * kChunk;
+    const float m = *std::max_element(sg, sg + n);
+    part[g * (d + 2)] = m;
+    part[g * (d + 2) + 1] = exp_shifted(sg, n, m);
+  }
+}
+
+// Any head size and group: plain loops.
+template <typename K>
+void attend_task(const Task<K>& t, const float* qs, int64_t group, int64_t d, float* s, float* part) {
+  for (int64_t i = 0; i < t.n; i++) {
+    const K* kr = t.pool.k + (t.slot(i) * t.n_kv + t.h) * d;
+    const float ks = t.k_scale(i);
+    for (int64_t g = 0; g < group; g++) s[g * kChunk + i] = dot(qs + g * d, kr, d) * ks;
+  }
+  softmax_parts(s, group, t.n, d, part);
+  for (int64_t g = 0; g < group; g++) std::fill(part + g * (d + 2) + 2, part + (g + 1) * (d + 2), 0.f);
+  for (int64_t i = 0; i < t.n; i++) {
+    const K* vr = t.pool.v + (t.slot(i) * t.n_kv + t.h) * d;
+    const float vs = t.v_scale(i);
+    for (int64_t g = 0; g < group; g++) axpy(s[g * kChunk + i] * vs, vr, d, part + g * (d + 2) + 2);
+  }
+}
+
+#ifdef WARMKV_AVX2
+// Head size D and group G known at compile time: each key row is converted once into registers
+// and serves every query head of the group; the value accumulators stay in registers.
+template <typename K, int D, int G>
+void attend_task_fixed(const Task<K>& t, const float* qs, float* s, float* part) {
+  constexpr int V = D / 8;
+  for (int64_t i = 0; i < t.n; i++) {
+    const K* kr = t.pool.k + (t.slot(i) * t.n_kv + t.h) * D;
+    __m256 k[V];
+    for (int v = 0; v < V; v++) k[v] = load8(kr + 8 * v);
+    const float ks = t.k_scale(i);
+    for (int g = 0; g < G; g++) {
+      const float* q = qs + g * D;
+      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]), a1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
+      for (int v = 2; v < V; v += 2) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), k[v], a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v + 8), k[v + 1], a1);
+      }
+      s[g * kChunk + i] = hsum(_mm256_add_ps(a0, a1)) * ks;
+    }
+  }
+  softmax_parts(s, G, t.n, D, part);
+  __m256 acc[G][V];
+  for (int g = 0; g < G; g++)
+    for (int v = 0; v < V; v++) acc[g][v] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < t.n; i++) {
+    const K* vr = t.pool.v + (t.slot(i) * t.n_kv + t.h) * D;
+    const float vs = t.v_scale(i);
+    __m256 p[G];
+    for (int g = 0; g < G; g++) p[g] = _mm256_set1_ps(s[g * kChunk + i] * vs);
+    for (int v = 0; v < V; v++) {
+      const __m256 x = load8(vr + 8 * v);
+      for (int g = 0; g < G; g++) acc[g][v] = _mm256_fmadd_ps(p[g], x, acc[g][v]);
+    }
+  }
+  for (int g = 0; g < G; g++)
+    for (int v = 0; v < V; v++) _mm256_storeu_ps(part + g * (D + 2) + 2 + 8 * v, acc[g][v]);
+}
+
+template <typename K, int D>
+using FixedTask = void (*)(const Task<K>&, const float*, float*, float*);
+
+template <typename K, int D>
+FixedTask<K, D> fixed_for_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_task_fixed<K, D, 1>;
+    case 2: return attend_task_fixed<K, D, 2>;
+    case 3: return attend_task_fixed<K, D, 3>;
+    case 4: return attend_task_fixed<K, D, 4>;
+    case 5: return attend_task_fixed<K, D, 5>;
+    case 6: return attend_task_fixed<K, D, 6>;
+    case 7: return attend_task_fixed<K, D, 7>;
+    case 8: return attend_task_fixed<K, D, 8>;
+    default: return nullptr;
+  }
+}
+#endif
+
+// One query token over its keys (slot ids `slots`, or the range starting at `first` when >= 0):
+// out[h] = softmax(scale * q[h] . K^T) V for every query head h, grouped by the kv head they share.
+// Tasks of (kv head, key chunk) run in parallel; their partial softmaxes are merged in chunk order.
+template <typename K>
+void attend(const float* q, PoolLayer<K> pool, const int64_t* slots, int64_t first, int64_t n_keys, int64_t n_heads,
+            int64_t n_kv, int64_t d, float scale, float* out) {
+  const int64_t group = n_heads / n_kv, chunks = (n_keys + kChunk - 1) / kChunk;
+  const int64_t stride = group * (d + 2);  // per task: (max, sum, acc[d]) per query head
+  std::vector<float> part(n_kv * chunks * stride);
+  void (*fixed)(const Task<K>&, const float*, float*, float*) = nullptr;
+#ifdef WARMKV_AVX2
+  if (d == 64) fixed = fixed_for_group<K, 64>(group);
+  if (d == 128) fixed = fixed_for_group<K, 128>(group);
+#endif
+  at::parallel_for(0, n_kv * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qs(group * d), s(group * kChunk);
+    for (int64_t task = begin; task < end; task++) {
+      const int64_t h = task / chunks, c = task % chunks;
+      const Task<K> t{pool, slots, first, n_kv, h, c * kChunk, std::min(kChunk, n_keys - c * kChunk)};
+      for (int64_t i = 0; i < group * d; i++) qs[i] = q[h * group * d + i] * scale;
+      float* p = part.data() + task * stride;
+      if (fixed) {
+        fixed(t, qs.data(), s.data(), p);
+      } else {
+        attend_task(t, qs.data(), group, d, s.data(), p);
+      }
+    }
+  });
+  std::vector<float> acc(d);
+  for (int64_t h = 0; h < n_kv; h++) {
+    for (int64_t g = 0; g < group; g++) {
+      float m = -INFINITY;
+      for (int64_t c = 0; c < chunks; c++) m = std::max(m, part[(h * chunks + c) * stride + g * (d + 2)]);
+      float total = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t c = 0; c < chunks; c++) {
+        const float* p = part.data() + (h * chunks + c) * stride + g * (d + 2);
+        const float w = std::exp(p[0] - m);
+        total += w * p[1];
+        for (int64_t j = 0; j < d; j++) acc[j] += w * p[2 + j];
+      }
+      float* o = out + (h * group + g) * d;
+      for (int64_t j = 0; j < d; j++) o[j] = acc[j] / total;
+    }
+  }
+}
+
+}  // namespace warmkv
