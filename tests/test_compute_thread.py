@@ -1,4 +1,4 @@
-"""ComputeThread: every backend's parallel kernels run on one thread, whoever calls."""
+"""ComputeThread: every model's parallel kernels run on one thread, whoever calls."""
 
 from __future__ import annotations
 
@@ -55,13 +55,14 @@ def test_after_stop_calls_run_in_place() -> None:
 
 @pytest.mark.parametrize("name", warmkv.available_backends())
 def test_backend_forward_runs_on_its_compute_thread(name: str) -> None:
-    """Models of one engine share its compute thread; forwards from several threads agree."""
+    """Every model, of either engine, shares one compute thread; forwards from several threads agree."""
     cfg = warmkv.RuntimeConfig(num_ctx=128, n_seq_max=3)
     backend = load_backend(name, str(warmkv.default_model_path()), cfg)
-    second = load_backend(name, str(warmkv.default_model_path()), cfg)
-    second.close()
     thread = backend._compute._thread  # type: ignore[attr-defined]
-    assert second._compute._thread is thread  # type: ignore[attr-defined]
+    for other in warmkv.available_backends():
+        second = load_backend(other, str(warmkv.default_model_path()), cfg)
+        second.close()
+        assert second._compute._thread is thread, other  # type: ignore[attr-defined]
     try:
         ids = backend.tokenize("def add(a, b):\n    return a + b\n", add_bos=False, parse_special=False)
 

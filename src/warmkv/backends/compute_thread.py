@@ -1,13 +1,15 @@
-"""One thread per engine library for everything that runs parallel kernels.
+"""One thread per process for everything that runs parallel kernels.
 
 Both engines parallelize with OpenMP, and OpenMP keeps a thread pool per calling
 thread. Once two pools exist (a server prefills on request threads and decodes on its
 scheduler thread), the process has more OpenMP threads than cores, libgomp stops
 spinning between parallel regions, and every small kernel then waits to wake a worker.
 On a 2-core machine that made a decode step called from a second thread 2-3x slower
-than the same step on the first (measured for llama.cpp and for torch alike). Routing
-all of an engine's compute through one thread, shared by every model of that engine in
-the process, keeps one pool whoever calls.
+than the same step on the first (measured for llama.cpp and for torch alike). The two
+engines load one libgomp (torch's and llama.cpp's share its soname), so a llama.cpp
+model and a native one in the same process collide the same way: native decode ran at
+half speed after a llama.cpp model had decoded. Routing all compute of every model
+through one thread keeps one pool whoever calls.
 """
 
 from __future__ import annotations

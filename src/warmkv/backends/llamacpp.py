@@ -122,7 +122,7 @@ class LlamaCppBackend:
         self._batch = None
         # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
         self._slots = SeqSlots(self.config.n_seq_max)
-        self._compute = ComputeThread.shared("warmkv-llamacpp")  # every llama_decode runs there
+        self._compute = ComputeThread.shared("warmkv-compute")  # every llama_decode runs there
 
     # -- model facts -------------------------------------------------------
 

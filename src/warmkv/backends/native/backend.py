@@ -118,7 +118,7 @@ class NativeBackend:
         if cpp_decode not in decode_ext.MODES:
             raise InvalidConfig(f"cpp_decode must be one of {', '.join(decode_ext.MODES)}; got {cpp_decode!r}")
         self.device = pick_device(device, compute_dtype)
-        self._compute = ComputeThread.shared("warmkv-torch")
+        self._compute = ComputeThread.shared("warmkv-compute")
         self._load(Path(path), config, compute_dtype, cpp_decode)
         self._kv_mb = kv_cache_mb
         self._reclaim: Callable[[], bool] | None = None
