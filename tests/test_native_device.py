@@ -111,7 +111,7 @@ def test_cuda_matches_cpu_and_refuses_cpu_only_weights() -> None:
         load_backend("native", path, cfg, compute_dtype="int4", device="cuda")
     out = {}
     for dev in ("cpu", "cuda"):
-        b = load_backend("native", path, cfg, device=dev)
+        b = load_backend("native", path, cfg, device=dev, compute_dtype="float32")
         try:
             seq = b.acquire_seq()
             ids = b.tokenize("The capital of France is", add_bos=False, parse_special=False)

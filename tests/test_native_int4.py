@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -48,3 +50,28 @@ def test_int4_speculative_output_is_plain_greedy() -> None:
                 if k:
                     assert chunks[-1].usage is not None and chunks[-1].usage.accepted_tokens > 0
         assert outs[3] == outs[0] and outs[8] == outs[0]
+
+
+def test_auto_compute_dtype_runs_4bit_ggufs_as_int4(tmp_path: Path) -> None:
+    """compute_dtype="auto": int4 where the file's layer weights are already Q4_0/Q4_1 codes."""
+    from test_native_parity import tiny_model
+    from warmkv.backends import load_backend
+    from warmkv.backends.native.backend import resolve_compute_dtype
+
+    cfg = warmkv.RuntimeConfig(num_ctx=128, n_seq_max=1)
+    b = load_backend("native", str(warmkv.default_model_path()), cfg, compute_dtype="auto")  # SmolLM2 Q4_1
+    try:
+        assert b.numerics()["compute_dtype"] == "int4"
+    finally:
+        b.close()
+    tiny_model("llama", tmp_path)  # float32 safetensors
+    b = load_backend("native", str(tmp_path), cfg, compute_dtype="auto")
+    try:
+        assert b.numerics()["compute_dtype"] == "float32"
+    finally:
+        b.close()
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_compute_dtype("auto", frozenset({"Q4_0", "Q4_1"}), cpu) == "int4"
+    assert resolve_compute_dtype("auto", frozenset({"Q4_1", "Q6_K"}), cpu) == "float32"  # mixed: no re-quantizing
+    assert resolve_compute_dtype("auto", frozenset({"Q4_1"}), cuda) == "float32"  # int4 kernels are CPU only
+    assert resolve_compute_dtype("bfloat16", frozenset({"Q4_1"}), cpu) == "bfloat16"

@@ -86,7 +86,8 @@ Pair = tuple[NativeBackend, transformers.PreTrainedModel]
 def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     if request.param == "gguf":
         path = warmkv.default_model_path()
-        backend = NativeBackend(str(path), PARITY_CFG)
+        # float32 on the dequantized weights: the reference, whatever the default becomes
+        backend = NativeBackend(str(path), PARITY_CFG, compute_dtype="float32")
         model = transformers_llama(load_gguf(path))  # raises unless every weight maps
     else:
         path = tmp_path_factory.mktemp(request.param)

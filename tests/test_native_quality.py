@@ -75,7 +75,7 @@ def test_greedy_tokens_follow_llamacpp() -> None:
     path = str(warmkv.default_model_path())
     cfg = warmkv.RuntimeConfig(num_ctx=256, n_seq_max=1)
     outs: dict[str, list[list[int]]] = {}
-    native = load_backend("native", path, cfg)
+    native = load_backend("native", path, cfg, compute_dtype="float32")
     try:
         llama = load_backend("llamacpp", path, cfg)
         try:

@@ -17,7 +17,11 @@ BackendOpt = Annotated[str, typer.Option("--backend", "-b", help="backend name")
 CtxOpt = Annotated[int | None, typer.Option("--num-ctx", help="context window per session")]
 KvOpt = Annotated[str, typer.Option("--kv-cache-type", help="f16, bf16, f32, q8_0 or q4_0 (llama.cpp only)")]
 ComputeOpt = Annotated[
-    str | None, typer.Option("--compute-dtype", help="native engine: float32, bfloat16, int8 or int4 weights")
+    str | None,
+    typer.Option(
+        "--compute-dtype",
+        help="native engine: float32 (default), bfloat16, int8, int4, or auto (int4 for a Q4_0/Q4_1 GGUF on the CPU)",
+    ),
 ]
 DeviceOpt = Annotated[str | None, typer.Option("--device", help="native engine: cpu, cuda, cuda:N or auto")]
 ThreadsOpt = Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")]

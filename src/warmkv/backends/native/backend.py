@@ -45,6 +45,19 @@ COMPUTE_DTYPES = {
     "int8": (torch.bfloat16, "int8"),
     "int4": (torch.bfloat16, "int4"),
 }
+# "auto": a GGUF whose layer weights are all 4-bit groups of 32 runs them as int4 on the CPU (its own
+# codes, the fastest decode, batch invariant); anything else computes in float32.
+INT4_NATIVE_TYPES = frozenset({"Q4_0", "Q4_1"})
+
+
+def resolve_compute_dtype(compute_dtype: str, weight_types: frozenset[str], device: torch.device) -> str:
+    if compute_dtype != "auto":
+        return compute_dtype
+    if device.type == "cpu" and weight_types and weight_types <= INT4_NATIVE_TYPES:
+        return "int4"
+    return "float32"
+
+
 GGUF_MAGIC = b"GGUF"
 
 
@@ -63,7 +76,7 @@ def pick_device(name: object, compute_dtype: str) -> torch.device:
             raise BackendUnavailable(f"device {name!r}: torch {torch.__version__} sees no CUDA device here")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise InvalidConfig(f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are present")
-        if COMPUTE_DTYPES[compute_dtype][1] != "none":
+        if compute_dtype != "auto" and COMPUTE_DTYPES[compute_dtype][1] != "none":
             detail = f"{compute_dtype} weights run on CPU kernels; on CUDA use float32 or bfloat16"
             raise Unsupported("compute_dtype", detail)
     return dev
@@ -111,8 +124,9 @@ class NativeBackend:
             raise Unsupported(
                 "kv_cache_type", f"{config.kv_cache_type!r} on native; use one of {', '.join(KV_STORAGE)}"
             )
-        if compute_dtype not in COMPUTE_DTYPES:
-            raise InvalidConfig(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}; got {compute_dtype!r}")
+        if compute_dtype != "auto" and compute_dtype not in COMPUTE_DTYPES:
+            choices = ", ".join(("auto", *COMPUTE_DTYPES))
+            raise InvalidConfig(f"compute_dtype must be one of {choices}; got {compute_dtype!r}")
         if kv_cache_mb is not None and (not isinstance(kv_cache_mb, int) or kv_cache_mb < 1):
             raise InvalidConfig(f"kv_cache_mb must be a positive integer, got {kv_cache_mb!r}")
         if cpp_decode not in decode_ext.MODES:
@@ -133,6 +147,7 @@ class NativeBackend:
         args = ckpt.args
         self.config = config.resolved(n_ctx_train=args.max_seq_len)
         torch.set_num_threads(self.config.num_threads or 1)  # also this thread's OpenMP team size
+        compute_dtype = resolve_compute_dtype(compute_dtype, ckpt.layer_weight_types, self.device)
         self._compute_dtype = compute_dtype
         dtype, quant = COMPUTE_DTYPES[compute_dtype]
         self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx or 1, quant, self.device)
@@ -371,11 +386,13 @@ OPTIONS = frozenset({"compute_dtype", "kv_cache_mb", "device", "cpp_decode"})  #
 def load(path: str, config: RuntimeConfig, **options: object) -> NativeBackend:
     """Load a GGUF file or HF directory.
 
-    Options: compute_dtype ("float32", "bfloat16", "int8": int8 weights with bfloat16
-    activations, or "int4": 4-bit weights in groups of 32, which are a Q4_0/Q4_1 GGUF's own
-    codes, with an int8 output head), kv_cache_mb (KV pool budget in MiB), device ("cpu",
-    "cuda", "cuda:N" or "auto"; int8/int4 weights are CPU only), cpp_decode ("auto": decode
-    steps run their layer loop in C++ on the CPU, built on first use, else in Python; "on": C++
-    or an error; "off": Python; the two agree to float32 rounding, and the manifest says which).
+    Options: compute_dtype ("float32", the default and the exact reference; "bfloat16";
+    "int8": int8 weights with bfloat16 activations; "int4": 4-bit weights in groups of 32,
+    which are a Q4_0/Q4_1 GGUF's own codes, with an int8 output head; or "auto": "int4" on
+    the CPU for a GGUF whose layer weights are all Q4_0/Q4_1, else "float32"), kv_cache_mb
+    (KV pool budget in MiB), device ("cpu", "cuda", "cuda:N" or "auto"; int8/int4 weights are
+    CPU only), cpp_decode ("auto": decode steps run their layer loop in C++ on the CPU, built
+    on first use, else in Python; "on": C++ or an error; "off": Python; the two agree to
+    float32 rounding, and the manifest says which).
     """
     return NativeBackend(path, config, **options)  # type: ignore[arg-type]

@@ -19,3 +19,5 @@ class Checkpoint:
     name: str
     add_bos: bool
     metadata: dict[str, str] = field(default_factory=dict)
+    # How the layers' matmul weights are stored in the file (GGUF types like "Q4_1", or torch dtypes).
+    layer_weight_types: frozenset[str] = frozenset()

@@ -133,10 +133,13 @@ def load_gguf(path: Path) -> Checkpoint:
     names = {t.name for t in reader.tensors}
     args = _args(meta, arch, names)
     weights: dict[str, torch.Tensor] = {}
+    layer_types: set[str] = set()
     for i, t in enumerate(reader.tensors):
         name = hf_name(t.name)
         if name is None:
             continue
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:
+            layer_types.add(t.tensor_type.name)
         if t.tensor_type not in DEQUANTIZABLE:
             raise Unsupported("GGUF tensor type", f"{t.tensor_type.name} for {t.name}")
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -158,6 +161,7 @@ def load_gguf(path: Path) -> Checkpoint:
         name=str(meta.get("general.name") or path.stem),
         add_bos=add_bos,
         metadata={k: _short(v) for k, v in meta.items() if not k.startswith("tokenizer.ggml.")},
+        layer_weight_types=frozenset(layer_types),
     )
 
 

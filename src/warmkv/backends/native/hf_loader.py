@@ -96,4 +96,5 @@ def load_hf(path: Path) -> Checkpoint:
         name=str(cfg.get("_name_or_path") or path.name),
         add_bos=bool(tok_cfg.get("add_bos_token", False)),
         metadata={"general.architecture": args.arch, "source": "hf"},
+        layer_weight_types=frozenset(str(w.dtype) for n, w in weights.items() if ".layers." in n and w.dim() == 2),
     )
