@@ -219,8 +219,11 @@ struct Task {
   int64_t first, n_kv, h, t0, n;
 
   int64_t slot(int64_t i) const { return first >= 0 ? first + t0 + i : slots[t0 + i]; }
-  float k_scale(int64_t i) const { return pool.k_scale ? pool.k_scale[slot(i) * n_kv + h] : 1.f; }
-  float v_scale(int64_t i) const { return pool.v_scale ? pool.v_scale[slot(i) * n_kv + h] : 1.f; }
+  int64_t head(int64_t i) const { return slot(i) * n_kv + h; }  // key i's (slot, kv head) row
+  const K* k_row(int64_t i, int64_t d) const { return pool.k + head(i) * d; }
+  const K* v_row(int64_t i, int64_t d) const { return pool.v + head(i) * d; }
+  float k_scale(int64_t i) const { return pool.k_scale ? pool.k_scale[head(i)] : 1.f; }
+  float v_scale(int64_t i) const { return pool.v_scale ? pool.v_scale[head(i)] : 1.f; }
 };
 
 // The softmax of a task's scores in place; (max, sum) into each query head's partial.
@@ -237,14 +240,14 @@ inline void softmax_parts(float* s, int64_t group, int64_t n, int64_t d, float* 
 template <typename K>
 void attend_task(const Task<K>& t, const float* qs, int64_t group, int64_t d, float* s, float* part) {
   for (int64_t i = 0; i < t.n; i++) {
-    const K* kr = t.pool.k + (t.slot(i) * t.n_kv + t.h) * d;
+    const K* kr = t.k_row(i, d);
     const float ks = t.k_scale(i);
     for (int64_t g = 0; g < group; g++) s[g * kChunk + i] = dot(qs + g * d, kr, d) * ks;
   }
   softmax_parts(s, group, t.n, d, part);
   for (int64_t g = 0; g < group; g++) std::fill(part + g * (d + 2) + 2, part + (g + 1) * (d + 2), 0.f);
   for (int64_t i = 0; i < t.n; i++) {
-    const K* vr = t.pool.v + (t.slot(i) * t.n_kv + t.h) * d;
+    const K* vr = t.v_row(i, d);
     const float vs = t.v_scale(i);
     for (int64_t g = 0; g < group; g++) axpy(s[g * kChunk + i] * vs, vr, d, part + g * (d + 2) + 2);
   }
@@ -257,7 +260,7 @@ template <typename K, int D, int G>
 void attend_task_fixed(const Task<K>& t, const float* qs, float* s, float* part) {
   constexpr int V = D / 8;
   for (int64_t i = 0; i < t.n; i++) {
-    const K* kr = t.pool.k + (t.slot(i) * t.n_kv + t.h) * D;
+    const K* kr = t.k_row(i, D);
     __m256 k[V];
     for (int v = 0; v < V; v++) k[v] = load8(kr + 8 * v);
     const float ks = t.k_scale(i);
@@ -276,7 +279,7 @@ void attend_task_fixed(const Task<K>& t, const float* qs, float* s, float* part)
   for (int g = 0; g < G; g++)
     for (int v = 0; v < V; v++) acc[g][v] = _mm256_setzero_ps();
   for (int64_t i = 0; i < t.n; i++) {
-    const K* vr = t.pool.v + (t.slot(i) * t.n_kv + t.h) * D;
+    const K* vr = t.v_row(i, D);
     const float vs = t.v_scale(i);
     __m256 p[G];
     for (int g = 0; g < G; g++) p[g] = _mm256_set1_ps(s[g * kChunk + i] * vs);
