@@ -23,7 +23,7 @@ def _raise(message: str) -> None:
     raise InvalidInput(f"chat template rejected the messages: {message}")
 
 
-def _content_text(content: Any, index: int) -> str:
+def content_text(content: Any, index: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # OpenAI content parts: only text parts are supported
@@ -48,7 +48,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         role = m.get("role")
         if role not in ROLES:
             raise InvalidInput(f"messages[{i}].role must be one of {ROLES}, got {role!r}")
-        out.append({**m, "role": role, "content": _content_text(m.get("content"), i)})
+        out.append({**m, "role": role, "content": content_text(m.get("content"), i)})
     return out
 
 

@@ -12,7 +12,14 @@ class WarmkvError(Exception):
 
 
 class InvalidInput(WarmkvError, ValueError):
-    """An argument of a public call is malformed; nothing was changed."""
+    """An argument of a public call is malformed; nothing was changed.
+
+    param names the offending field when there is one (e.g. "tools[0].function.parameters").
+    """
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
 
 
 class InvalidConfig(InvalidInput):

@@ -21,6 +21,9 @@ from .manifest import ContextManifest
 from .models import resolve_model
 from .session import NO_STORE, Session
 from .tiers import KVTiers
+from .tools import Call, ToolFormat
+from .tools import resolve as resolve_tool_format
+from .turn_memory import TurnMemory
 from .types import StreamChunk, Usage
 
 
@@ -46,6 +49,7 @@ class Runtime:
         self._sessions: dict[str, Session] = {}
         self._helper: Session | None = None
         self._llg_tokenizer: Any = None  # llguidance's vocabulary, built on the first constrained decode
+        self._turns: TurnMemory | None = None  # generated turns' tokens, built on the first one remembered
         self._helper_lock = threading.Lock()
         template = resolve_template(self.config.prompt_format, backend.info.chat_template)
         self._template_source = template
@@ -177,7 +181,41 @@ class Runtime:
         with self.lock:
             self._check_loaded()
             bos = self.default_add_bos if add_bos is None else add_bos
-            return self.backend.tokenize(value, add_bos=bos, parse_special=parse_special)
+            return self.prompt_tokens(value, add_bos=bos, parse_special=parse_special)
+
+    def prompt_tokens(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
+        """text's tokens, generated turns taking the model's own tokens (call with the model lock held)."""
+        memory = self._turns
+        if parse_special and memory is not None and len(memory):
+            return memory.tokenize(
+                text, add_bos, lambda t, bos: self.backend.tokenize(t, add_bos=bos, parse_special=True)
+            )
+        return self.backend.tokenize(text, add_bos=add_bos, parse_special=parse_special)
+
+    # -- generated turns ------------------------------------------------------------
+
+    def remember_turn(self, prompt: Sequence[int], generated: Sequence[int], calls: Sequence[Call] = ()) -> str | None:
+        """Keep a generated turn's tokens (and its tool calls' raw text) for the requests that resend it.
+
+        prompt: the tokens it was generated after; generated: its tokens. Returns the turn's raw text
+        (None when it cannot be kept, e.g. it ended inside a UTF-8 character).
+        """
+        with self.lock:
+            self._check_loaded()
+            if self._turns is None:
+                b = self.backend
+                control = {t: b.token_text(t) for t in range(self.info.n_vocab) if not b.token_bytes(t)}
+                self._turns = TurnMemory(control, b.token_bytes, b.is_eog)
+            memory = self._turns
+        return memory.remember(prompt, generated, calls)
+
+    def raw_turn(self, calls: Sequence[Call]) -> str | None:
+        """The raw text of the generated turn that made these tool calls, if remembered and unchanged."""
+        return None if self._turns is None else self._turns.raw_turn(calls)
+
+    def tool_format(self, name: str = "auto") -> ToolFormat:
+        """How replies call tools: `name`, or detected from the chat template ("auto")."""
+        return resolve_tool_format(name, self._template_source)
 
     def count_tokens(self, text: str | bytes, *, add_bos: bool | None = None) -> int:
         return len(self.tokenize(text, add_bos=add_bos))

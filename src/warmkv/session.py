@@ -184,7 +184,7 @@ class Session(Decoding):
             )
         with self._lock():
             self._check_usable()
-            tokens = self._backend.tokenize(text, add_bos=add_bos, parse_special=inp.parse_special)
+            tokens = self._rt.prompt_tokens(text, add_bos=add_bos, parse_special=inp.parse_special)
             if not tokens:
                 raise InvalidInput("prefix text produced no tokens")
             same = self._manifest is not None and self._manifest == manifest
@@ -279,7 +279,7 @@ class Session(Decoding):
                     f"suffix was built for manifest {inp.manifest_digest[:16]} but the resident KV "
                     f"is {self._manifest.digest[:16]}"
                 )
-            tokens = self._backend.tokenize(text, add_bos=False, parse_special=inp.parse_special) if text else []
+            tokens = self._rt.prompt_tokens(text, add_bos=False, parse_special=inp.parse_special) if text else []
             if inp.append:
                 self._settle()
                 base, new = len(self._tokens), self._tail + tokens
