@@ -32,28 +32,113 @@ def _chat(**over: object) -> dict:
 BAD = [
     ("bad json", "/v1/chat/completions", b'{"model": "x", "messages": [', 400),
     ("invalid utf-8", "/v1/chat/completions", b'{"model": "\xff\xfe", "messages": []}', 400),
-    ("not an object", "/v1/chat/completions", b"[1, 2, 3]", 422),
-    ("empty body", "/v1/completions", b"", 422),
-    ("messages a string", "/v1/chat/completions", _chat(messages="hi"), 422),
-    ("empty messages", "/v1/chat/completions", _chat(messages=[]), 422),
-    ("bad role", "/v1/chat/completions", _chat(messages=[{"role": "robot", "content": "x"}]), 422),
-    ("content a number", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": 5}]), 422),
-    ("temperature a word", "/v1/chat/completions", _chat(temperature="hot"), 422),
-    ("negative max_tokens", "/v1/chat/completions", _chat(max_tokens=-5), 422),
-    ("zero max_tokens", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 422),
+    ("not an object", "/v1/chat/completions", b"[1, 2, 3]", 400),
+    ("empty body", "/v1/completions", b"", 400),
+    ("messages a string", "/v1/chat/completions", _chat(messages="hi"), 400),
+    ("empty messages", "/v1/chat/completions", _chat(messages=[]), 400),
+    ("bad role", "/v1/chat/completions", _chat(messages=[{"role": "robot", "content": "x"}]), 400),
+    ("content a number", "/v1/chat/completions", _chat(messages=[{"role": "user", "content": 5}]), 400),
+    ("temperature a word", "/v1/chat/completions", _chat(temperature="hot"), 400),
+    ("negative max_tokens", "/v1/chat/completions", _chat(max_tokens=-5), 400),
+    ("zero max_tokens", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400),
     ("huge max_tokens", "/v1/chat/completions", _chat(max_tokens=10**12), 400),
-    ("top_p out of range", "/v1/chat/completions", _chat(top_p=1.5), 422),
+    ("top_p out of range", "/v1/chat/completions", _chat(top_p=1.5), 400),
     ("empty stop string", "/v1/chat/completions", _chat(stop=[""]), 400),
     ("n=3", "/v1/chat/completions", _chat(n=3), 400),
     ("unknown model", "/v1/chat/completions", _chat(model="gpt-17"), 404),
-    ("model missing", "/v1/completions", {"prompt": "x"}, 422),
+    ("model missing", "/v1/completions", {"prompt": "x"}, 400),
     ("prompt over the context", "/v1/completions", {"model": MODEL, "prompt": "word " * 1000, "max_tokens": 4}, 400),
     ("empty prompt", "/v1/completions", {"model": MODEL, "prompt": ""}, 400),
     ("two prompts", "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400),
     ("lone surrogate", "/v1/completions", b'{"model": "' + MODEL.encode() + b'", "prompt": "\\ud800"}', 400),
     ("unknown session", "/v1/sessions/does-not-exist/decode", {"max_tokens": 4}, 404),
-    ("session prefix wrong type", "/v1/sessions/x/prefix", {"text": 5}, 422),
+    ("session prefix wrong type", "/v1/sessions/x/prefix", {"text": 5}, 400),
 ]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+}
+CALL = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+# (name, path, body, the field the 400 names)
+NAMED = [
+    ("unknown field", "/v1/chat/completions", _chat(reasoning_effort="high"), "reasoning_effort"),
+    ("unknown completions field", "/v1/completions", {"model": MODEL, "prompt": "x", "foo": 1}, "foo"),
+    ("tools not a list", "/v1/chat/completions", _chat(tools={"a": 1}), "tools"),
+    ("unknown tool type", "/v1/chat/completions", _chat(tools=[{"type": "retrieval"}]), "tools[0].type"),
+    (
+        "schema that does not compile",
+        "/v1/chat/completions",
+        _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]),
+        "tools[0].function.parameters",
+    ),
+    (
+        "unknown tool in tool_choice",
+        "/v1/chat/completions",
+        _chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+        "tool_choice",
+    ),
+    ("required without tools", "/v1/chat/completions", _chat(tool_choice="required"), "tool_choice"),
+    (
+        "tool message without a call",
+        "/v1/chat/completions",
+        _chat(messages=[*MSGS, {"role": "tool", "tool_call_id": "c9", "content": "x"}]),
+        "messages[1].tool_call_id",
+    ),
+    (
+        "call arguments not JSON",
+        "/v1/chat/completions",
+        _chat(
+            messages=[
+                *MSGS,
+                {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f", "arguments": "{x"}}]},
+            ]
+        ),
+        "messages[1].tool_calls[0].function.arguments",
+    ),
+    (
+        "tools with response_format",
+        "/v1/chat/completions",
+        _chat(tools=[WEATHER], response_format={"type": "json_object"}),
+        "tool_choice",
+    ),
+    ("store=true", "/v1/chat/completions", _chat(store=True), "store"),
+    (
+        "responses: previous_response_id",
+        "/v1/responses",
+        {"model": MODEL, "input": "x", "previous_response_id": "r"},
+        "previous_response_id",
+    ),
+    ("responses: store", "/v1/responses", {"model": MODEL, "input": "x", "store": True}, "store"),
+    (
+        "responses: unknown item",
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "reasoning", "summary": []}]},
+        "input[0]",
+    ),
+    (
+        "responses: output without a call",
+        "/v1/responses",
+        {"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]},
+        "input[0].call_id",
+    ),
+    (
+        "responses: hosted tool",
+        "/v1/responses",
+        {"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]},
+        "tools[0]",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "param"), NAMED, ids=[b[0] for b in NAMED])
+def test_bad_field_is_named(http: httpx.Client, name: str, path: str, body: object, param: str) -> None:
+    r = http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is not None and err["param"].startswith(param), err
+    assert http.post("/v1/chat/completions", json=_chat(temperature=0)).status_code == 200
 
 
 @pytest.mark.parametrize(("name", "path", "body", "status"), BAD, ids=[b[0] for b in BAD])

@@ -258,6 +258,9 @@ def serve(
     max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="waiting requests before 429")] = 64,
     cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="allow this browser origin")] = None,
     model_id: Annotated[str | None, typer.Option("--model-id", help="model name clients use")] = None,
+    tool_format: Annotated[
+        str, typer.Option("--tool-format", help="tool calls: auto (from the chat template), generic, hermes...")
+    ] = "auto",
     kv_cache_type: KvOpt = "f16",
     compute_dtype: ComputeOpt = None,
     device: DeviceOpt = None,
@@ -278,6 +281,7 @@ def serve(
             session_ttl_s=session_ttl,
             pool_size=pool_size,
             max_queue=max_queue,
+            tool_format=tool_format,
         )
         with err.status(f"loading {model or 'default model'} on {backend}..."):
             rt = Runtime.load(

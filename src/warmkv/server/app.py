@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from .. import __version__
 from ..errors import InvalidConfig
 from ..runtime import Runtime
 from ..scheduler import Scheduler
-from . import errors, openai_routes, session_routes
+from . import errors, openai_routes, responses_routes, session_routes
 from .admission import Admission
 from .guard import Guard
 from .metrics import ServerMetrics
@@ -25,6 +26,8 @@ from .pool import SessionPool
 from .registry import SessionRegistry
 from .settings import ServerSettings
 from .state import ServerState, get_state
+
+log = logging.getLogger("warmkv.server")
 
 
 def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> FastAPI:
@@ -34,6 +37,8 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     if cfg.pool_size > n_seq:
         raise InvalidConfig(f"pool_size={cfg.pool_size} exceeds the runtime's n_seq_max={n_seq}")
     metrics = ServerMetrics()
+    tool_format = runtime.tool_format(cfg.tool_format)  # InvalidConfig-like errors before serving
+    log.info("tool calls: %s", tool_format.describe())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,6 +56,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             admission=admission,
             metrics=metrics,
             model_id=cfg.model_id or Path(runtime.info.path).stem,
+            tool_format=tool_format,
         )
         app.state.warmkv = st
         _gauges(st)
@@ -72,6 +78,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     )
     errors.install(app)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(session_routes.router)
     app.add_api_route("/health", health, methods=["GET"], tags=["ops"])
     app.add_api_route("/metrics", metrics_route, methods=["GET"], tags=["ops"], response_class=Response)

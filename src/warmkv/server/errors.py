@@ -97,7 +97,7 @@ def from_warmkv(e: WarmkvError) -> ApiError:
     if isinstance(e, Unsupported):
         return ApiError(400, msg, code="unsupported", feature=e.feature)
     if isinstance(e, InvalidInput):
-        return ApiError(400, msg, code="invalid_value")
+        return ApiError(400, msg, code="invalid_value", param=e.param)
     return ApiError(500, msg, code="internal_error")
 
 
@@ -109,9 +109,24 @@ def not_implemented(feature: str) -> ApiError:
     return ApiError(501, f"{feature} is not implemented yet by this server", code="not_implemented")
 
 
+_TYPE_LABELS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _field_parts(loc: tuple[Any, ...]) -> list[Any]:
+    """loc without "body" and the labels pydantic adds for union members (str, list[...], ModelName)."""
+    return [
+        p
+        for p in loc
+        if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_LABELS or p[:1].isupper()))
+    ]
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or "body"
+    """A field path as requests spell it: tools[0].function.name."""
+    out = ""
+    for p in _field_parts(loc):
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "body"
 
 
 def install(app: FastAPI) -> None:
@@ -127,15 +142,20 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        errs = e.errors()
+        # The most specific error first: of a union's failed members, the one that got furthest.
+        errs = sorted(e.errors(), key=lambda x: -len(_field_parts(tuple(x.get("loc", ())))))
         first = errs[0] if errs else {}
         if first.get("type") == "json_invalid":
             return ApiError(
                 400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", code="invalid_json"
             ).response()
         where = _loc(tuple(first.get("loc", ())))
+        if first.get("type") == "extra_forbidden":
+            return ApiError(
+                400, f"{where}: warmkv does not support this field", code="unsupported_parameter", param=where
+            ).response()
         msg = "; ".join(f"{_loc(tuple(x.get('loc', ())))}: {x.get('msg')}" for x in errs[:5])
-        return ApiError(422, msg or "invalid request", code="invalid_parameter", param=where).response()
+        return ApiError(400, msg or "invalid request", code="invalid_parameter", param=where).response()
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, e: HTTPException) -> JSONResponse:

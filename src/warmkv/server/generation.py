@@ -18,9 +18,13 @@ from .streams import ChunkStream, start_decode
 @dataclass(frozen=True)
 class Generation:
     stream: ChunkStream
-    prompt_tokens: int
+    prompt_ids: tuple[int, ...]
     cached_tokens: int
     t0: float
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
 
 
 async def generate(st: ServerState, prompt: str, max_tokens: int | None, sampling: dict[str, Any]) -> Generation:
@@ -55,4 +59,4 @@ async def generate(st: ServerState, prompt: str, max_tokens: int | None, samplin
     except BaseException:
         st.pool.release(session)
         raise
-    return Generation(stream, len(tokens), status.reused_tokens, t0)
+    return Generation(stream, tuple(tokens), status.reused_tokens, t0)

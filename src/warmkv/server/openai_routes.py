@@ -9,10 +9,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..constraint import Constraint
+from ..tools import ArgsDelta, Call, CallStart, Event, TextDelta, openai_choice, openai_tools
 from ..types import StreamChunk, TokenLogprob, Usage
+from .chat_turn import ChatInput, start_chat
 from .constraints import one_constraint
 from .errors import ApiError, from_warmkv
 from .generation import Generation, generate
@@ -25,6 +28,7 @@ from .schemas import (
     EmbeddingRequest,
     ErrorBody,
     ModelList,
+    NamedToolChoice,
     TextCompletion,
     _Sampling,
 )
@@ -32,7 +36,7 @@ from .state import ServerState, State
 from .streams import SSE_DONE, SSEResponse, sse
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 410, 413, 422, 429, 500, 501, 503)
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 410, 413, 429, 500, 501, 503)
 }
 router = APIRouter(prefix="/v1", tags=["openai"], responses=ERRORS)
 
@@ -177,48 +181,103 @@ def _card(st: ServerState) -> dict[str, Any]:
     return {"id": st.model_id, "object": "model", "created": st.started, "owned_by": "warmkv"}
 
 
+def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any]) -> ChatInput:
+    tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
+    raw_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return ChatInput(
+        messages=[m.model_dump(exclude_none=True) for m in req.messages],
+        tools=tools,
+        choice=openai_choice(raw_choice, tools),
+        parallel=req.parallel_tool_calls is not False,
+        max_tokens=max_tokens,
+        sampling=sampling,
+    )
+
+
+def _tool_call_delta(event: Event) -> dict[str, Any] | None:
+    if isinstance(event, CallStart):
+        fn = {"name": event.name, "arguments": ""}
+        return {"index": event.index, "id": event.id, "type": "function", "function": fn}
+    if isinstance(event, ArgsDelta):
+        return {"index": event.index, "function": {"arguments": event.text}}
+    return None
+
+
+def _tool_calls(calls: tuple[Call, ...]) -> list[dict[str, Any]]:
+    return [{"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in calls]
+
+
 @router.post("/chat/completions", response_model=ChatCompletion)
 async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
-    """Chat through the model's template; prompts sharing a prefix with a pooled session reuse its KV."""
+    """Chat through the model's template, with tools; a prompt sharing a prefix with a pooled session reuses its KV."""
     st.check_model(req.model)
     sampling = _sampling(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", code="invalid_value", param="top_logprobs")
     sampling["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+    if req.logprobs and req.tools:
+        raise _unsupported("logprobs", "logprobs cannot be combined with tools")
     backend = st.runtime.backend
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
-    prompt = st.runtime.render_chat(messages, add_generation_prompt=True, tools=req.tools)
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    gen = await generate(st, prompt, max_tokens, sampling)
+    turn = await start_chat(st, _chat_input(req, sampling))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        def frame(
-            delta: dict[str, Any] | None, finish: str | None, usage: dict[str, Any] | None, chunk: Any = None
-        ) -> dict[str, Any]:
-            lp = chat_logprobs(backend, chunk.logprobs) if chunk is not None and chunk.logprobs else None
+        def frame(delta: dict[str, Any] | None, finish: str | None = None, usage: Any = None, lp: Any = None) -> bytes:
             choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]
-            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_id}
-            return {**out, "choices": choices, **({"usage": usage} if usage else {})}
+            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
+            return sse({**out, "choices": choices, **({"usage": usage} if usage else {})})
 
-        opts = req.stream_options
-        return _stream(st, gen, frame, {"role": "assistant", "content": ""}, bool(opts and opts.include_usage))
-    text, last, logprobs = await _collect(st, gen)
-    return {
+        async def body() -> AsyncIterator[bytes]:
+            yield frame({"role": "assistant", "content": ""})
+            async for step in turn.steps():
+                lp = chat_logprobs(backend, step.chunk.logprobs) if step.chunk.logprobs else None
+                for event in step.events:
+                    if isinstance(event, TextDelta):
+                        yield frame({"content": event.text}, lp=lp)
+                        lp = None  # a chunk's logprobs go out once, with its text
+                    elif (call := _tool_call_delta(event)) is not None:
+                        yield frame({"tool_calls": [call]})
+                end = step.end
+                if end is None:
+                    continue
+                if end.error is not None:
+                    err = from_warmkv(end.error)
+                    st.metrics.errors.labels(err.code or "error").inc()
+                    yield sse(err.body())
+                else:
+                    yield frame({}, _openai_finish(end.finish_reason), lp=lp)
+                    if include_usage:
+                        yield frame(None, usage=_usage(end.usage))
+            yield SSE_DONE
+
+        return SSEResponse(body(), on_close=turn.gen.stream.cancel, headers=turn.headers)
+    end, logprobs = await turn.collect()
+    message: dict[str, Any] = {"role": "assistant", "content": end.content}
+    if end.calls:
+        message = {"role": "assistant", "content": end.content.strip() or None, "tool_calls": _tool_calls(end.calls)}
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "finish_reason": _openai_finish(end.finish_reason),
+        "logprobs": None if sampling["logprobs"] is None else chat_logprobs(backend, logprobs),
+    }
+    if end.tool_error:
+        choice["tool_call_error"] = end.tool_error
+    body = {
         "id": rid,
         "object": "chat.completion",
         "created": created,
-        "model": st.model_id,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": _finish(last),
-                "logprobs": None if sampling["logprobs"] is None else chat_logprobs(backend, logprobs),
-            }
-        ],
-        "usage": _usage(last.usage),
+        "model": req.model,
+        "choices": [choice],
+        "usage": _usage(end.usage),
     }
+    return JSONResponse(body, headers=turn.headers)
+
+
+def _openai_finish(reason: str) -> str:
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
 @router.post("/completions", response_model=TextCompletion)

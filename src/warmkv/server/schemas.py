@@ -1,8 +1,9 @@
 """Request and response models (pydantic): what every endpoint accepts and returns.
 
-Requests are validated here (types, ranges); semantic checks that need the model
-(context size, known model id) happen in the routes. Unknown OpenAI fields are
-ignored so newer clients keep working; fields we cannot honour are rejected there.
+Requests are validated here (types, ranges, enums, declared in the OpenAPI schema);
+semantic checks that need the model (context size, known model id) happen in the
+routes. A field warmkv does not implement is never ignored: an unknown field is a 400
+naming it, and the few accepted without effect (user, metadata, ...) say so here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ Stop = str | list[str] | None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Request):
@@ -46,7 +47,13 @@ class _Sampling(_Request):
     regex: str | None = Field(default=None, min_length=1)  # extension: output must match this regex
     grammar: str | None = Field(default=None, min_length=1)  # extension: a Lark grammar
     speculative: int = Field(default=0, ge=0, le=32)  # extension: greedy drafts from the context per step
+    # Accepted without effect: identify the caller, or steer hosted caches and tiers warmkv does not have.
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    prompt_cache_key: str | None = None  # reuse is automatic: the longest resident token prefix
+    safety_identifier: str | None = None
+    store: Literal[False] | None = None  # nothing is stored; store=true is refused
 
 
 class ContentPart(_Request):
@@ -54,11 +61,47 @@ class ContentPart(_Request):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"  # a JSON string (OpenAI); an object is taken too
+
+
+class ToolCall(BaseModel):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls, name... reach the chat template as given
+    # Other keys an SDK echoes back with an assistant message (refusal, annotations...) are not rendered.
+    model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; calls are always constrained to it
+    strict: bool | None = None  # accepted: arguments always follow the schema
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Request):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -66,7 +109,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    modalities: list[Literal["text"]] | None = None  # text is all warmkv produces
 
 
 class CompletionRequest(_Sampling):
@@ -82,6 +128,7 @@ class EmbeddingRequest(_Request):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None  # accepted without effect
 
 
 class EmbeddingItem(BaseModel):
@@ -180,7 +227,8 @@ class UsageModel(BaseModel):
 
 class ChatChoiceMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

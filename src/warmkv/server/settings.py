@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from ..errors import InvalidConfig
+from ..tools.formats import FORMAT_NAMES
 
 LOOPBACK_NAMES = ("localhost",)
 
@@ -46,6 +47,7 @@ class ServerSettings:
     queue_timeout_s: float = 60.0
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 1024
+    tool_format: str = "auto"  # how tool calls are rendered and parsed: auto (from the template) or a format name
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
@@ -64,3 +66,5 @@ class ServerSettings:
             _positive(name, getattr(self, name), integer=False)
         for name in ("pool_size", "max_queue", "max_body_bytes", "default_max_tokens"):
             _positive(name, getattr(self, name))
+        if self.tool_format not in FORMAT_NAMES:
+            raise InvalidConfig(f"tool_format must be one of {', '.join(FORMAT_NAMES)}; got {self.tool_format!r}")

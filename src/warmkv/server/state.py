@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 
 from ..runtime import Runtime
 from ..scheduler import Scheduler
+from ..tools import ToolFormat
 from .admission import Admission
 from .errors import ApiError
 from .metrics import ServerMetrics
@@ -29,6 +30,7 @@ class ServerState:
     admission: Admission
     metrics: ServerMetrics
     model_id: str
+    tool_format: ToolFormat
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property

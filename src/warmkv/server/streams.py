@@ -73,11 +73,13 @@ async def start_decode(
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that calls on_close however it ends (done, error, client gone)."""
 
-    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(
             content,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._on_close = on_close
 

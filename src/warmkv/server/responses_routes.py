@@ -1,0 +1,305 @@
+"""POST /v1/responses: the OpenAI Responses API, stateless (no stored responses, no previous_response_id).
+
+Input items become chat messages (function_call items join the assistant turn before
+them, function_call_output items become tool results), so a Responses conversation
+renders, and reuses KV, exactly like the same conversation through Chat Completions.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from ..constraint import Constraint
+from ..errors import InvalidInput
+from ..tools import ArgsDelta, CallEnd, CallStart, TextDelta, make_tool, openai_choice
+from ..tools.spec import check_unique
+from ..types import Usage
+from .chat_turn import ChatInput, ChatTurn, TurnEnd, start_chat
+from .errors import ApiError, from_warmkv
+from .responses_schemas import FunctionCallItem, FunctionCallOutputItem, FunctionChoice, ResponsesRequest, TextPart
+from .state import State
+from .streams import SSEResponse, sse
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def _text(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """Input items as chat messages; a function_call_output must answer an earlier function_call."""
+    out: list[dict[str, Any]] = []
+    if req.instructions:
+        out.append({"role": "system", "content": req.instructions})
+    if isinstance(req.input, str):
+        return [*out, {"role": "user", "content": req.input}]
+    calls: set[str] = set()
+    for i, item in enumerate(req.input):
+        if isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            prev = out[-1] if out else None
+            if prev is not None and prev["role"] == "assistant":
+                prev.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            calls.add(item.call_id)
+        elif isinstance(item, FunctionCallOutputItem):
+            if item.call_id not in calls:
+                raise InvalidInput(
+                    f"input[{i}]: call_id {item.call_id!r} answers no earlier function_call item",
+                    param=f"input[{i}].call_id",
+                )
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+        else:
+            out.append({"role": item.role, "content": _text(item.content)})
+    return out
+
+
+def _format(req: ResponsesRequest) -> Constraint | None:
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Constraint.json()
+    if fmt.schema_ is None:
+        raise InvalidInput("text.format.schema is required for json_schema", param="text.format.schema")
+    return Constraint.json_schema(fmt.schema_)
+
+
+def _check(req: ResponsesRequest) -> None:
+    if req.previous_response_id is not None:
+        raise ApiError(
+            400,
+            "previous_response_id: warmkv does not store responses yet; send the whole conversation as input",
+            code="unsupported_parameter",
+            param="previous_response_id",
+        )
+    if req.store:
+        raise ApiError(
+            400,
+            "store: warmkv does not store responses yet; use store=false",
+            code="unsupported_parameter",
+            param="store",
+        )
+    if req.truncation == "auto":
+        raise ApiError(
+            400, "truncation: only 'disabled' is supported", code="unsupported_parameter", param="truncation"
+        )
+
+
+def _usage(u: Usage | None) -> dict[str, Any] | None:
+    if u is None:
+        return None
+    return {
+        "input_tokens": u.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "output_tokens": u.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": u.total_tokens,
+    }
+
+
+class _Shape:
+    """The response object and its output items, as they grow."""
+
+    def __init__(self, req: ResponsesRequest, tools: list[dict[str, Any]]) -> None:
+        self.req = req
+        self.id = _id("resp")
+        self.created = int(time.time())
+        self.tools = tools
+        self.output: list[dict[str, Any]] = []
+
+    def response(self, status: str, end: TurnEnd | None = None) -> dict[str, Any]:
+        r = self.req
+        choice = r.tool_choice.model_dump() if isinstance(r.tool_choice, FunctionChoice) else (r.tool_choice or "auto")
+        incomplete = {"reason": "max_output_tokens"} if end is not None and end.finish_reason == "length" else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "model": r.model,
+            "output": self.output,
+            "instructions": r.instructions,
+            "tools": self.tools,
+            "tool_choice": choice,
+            "parallel_tool_calls": r.parallel_tool_calls is not False,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "max_output_tokens": r.max_output_tokens,
+            "previous_response_id": None,
+            "store": False,
+            "truncation": "disabled",
+            "text": {"format": {"type": "text"}},
+            "metadata": r.metadata or {},
+            "error": None,
+            "incomplete_details": incomplete,
+            "usage": _usage(end.usage) if end is not None else None,
+        }
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant", "content": [part]}
+
+    @staticmethod
+    def call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        return {
+            "type": "function_call",
+            "id": _id("fc"),
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": status,
+        }
+
+
+@router.post("/responses")
+async def create_response(req: ResponsesRequest, st: State) -> Any:
+    """Generate a response; tool calls come back as function_call output items."""
+    st.check_model(req.model)
+    _check(req)
+    specs = [make_tool(t.name, t.description, t.parameters, f"tools[{i}]") for i, t in enumerate(req.tools or [])]
+    tools = check_unique(specs, "tools")
+    raw_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice
+    sampling = {
+        "constraint": _format(req),
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "seed": None if req.seed is None else req.seed % 2**32,
+    }
+    inp = ChatInput(
+        messages=_messages(req),
+        tools=tools,
+        choice=openai_choice(raw_choice, tools),
+        parallel=req.parallel_tool_calls is not False,
+        max_tokens=req.max_output_tokens,
+        sampling=sampling,
+        messages_param="input",
+    )
+    turn = await start_chat(st, inp)
+    shape = _Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []])
+    if req.stream:
+        return SSEResponse(_events(turn, shape), on_close=turn.gen.stream.cancel, headers=turn.headers)
+    end, _ = await turn.collect()
+    if end.content.strip() or not end.calls:
+        shape.output.append(shape.message(end.content.strip() if end.calls else end.content, "completed"))
+    for call_id, name, arguments in end.calls:
+        shape.output.append(shape.call(call_id, name, arguments, "completed"))
+    status = "incomplete" if end.finish_reason == "length" else "completed"
+    return JSONResponse(shape.response(status, end), headers=turn.headers)
+
+
+async def _events(turn: ChatTurn, shape: _Shape) -> AsyncIterator[bytes]:
+    """The Responses event sequence: created, output items with their deltas, completed."""
+    seq = 0
+
+    def event(kind: str, **fields: Any) -> bytes:
+        nonlocal seq
+        seq += 1
+        return sse({"type": kind, "sequence_number": seq - 1, **fields})
+
+    yield event("response.created", response=shape.response("in_progress"))
+    yield event("response.in_progress", response=shape.response("in_progress"))
+    text_item: dict[str, Any] | None = None
+    text = ""
+    calls: dict[int, dict[str, Any]] = {}
+
+    def close_text() -> list[bytes]:
+        nonlocal text_item
+        if text_item is None:
+            return []
+        item, text_item = text_item, None
+        at = shape.output.index(item)
+        item["status"] = "completed"
+        item["content"][0]["text"] = text
+        part = item["content"][0]
+        ids = {"item_id": item["id"], "output_index": at}
+        return [
+            event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]),
+            event("response.content_part.done", **ids, content_index=0, part=part),
+            event("response.output_item.done", output_index=at, item=item),
+        ]
+
+    async for step in turn.steps():
+        for e in step.events:
+            if isinstance(e, TextDelta):
+                if text_item is None:
+                    text_item = shape.message("", "in_progress")
+                    shape.output.append(text_item)
+                    at = len(shape.output) - 1
+                    yield event("response.output_item.added", output_index=at, item=text_item)
+                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                    yield event(
+                        "response.content_part.added",
+                        item_id=text_item["id"],
+                        output_index=at,
+                        content_index=0,
+                        part=part,
+                    )
+                text += e.text
+                yield event(
+                    "response.output_text.delta",
+                    item_id=text_item["id"],
+                    output_index=shape.output.index(text_item),
+                    content_index=0,
+                    delta=e.text,
+                    logprobs=[],
+                )
+            elif isinstance(e, CallStart):
+                for b in close_text():
+                    yield b
+                item = shape.call(e.id, e.name, "", "in_progress")
+                shape.output.append(item)
+                calls[e.index] = item
+                yield event("response.output_item.added", output_index=len(shape.output) - 1, item=item)
+            elif isinstance(e, ArgsDelta):
+                item = calls[e.index]
+                item["arguments"] += e.text
+                yield event(
+                    "response.function_call_arguments.delta",
+                    item_id=item["id"],
+                    output_index=shape.output.index(item),
+                    delta=e.text,
+                )
+            elif isinstance(e, CallEnd):
+                item = calls[e.index]
+                item["status"] = "completed"
+                at = shape.output.index(item)
+                yield event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=at,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+                yield event("response.output_item.done", output_index=at, item=item)
+        end = step.end
+        if end is None:
+            continue
+        for b in close_text():
+            yield b
+        if end.error is not None:
+            err = from_warmkv(end.error)
+            failed = shape.response("failed", end)
+            failed["error"] = {"code": err.code or "server_error", "message": err.message}
+            yield event("response.failed", response=failed)
+            return
+        status = "incomplete" if end.finish_reason == "length" else "completed"
+        yield event(f"response.{status}", response=shape.response(status, end))
