@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.progress import Progress
 from rich.table import Table
 
 from . import WarmkvError
@@ -49,8 +50,6 @@ def bench_coding_loop(
     threads: ThreadsOpt = None,
 ) -> None:
     """TTFT per turn of a coding-agent loop: warm session vs cold vs llama-cpp-python."""
-    from rich.progress import Progress
-
     from .bench.coding_loop import plot, run_coding_loop
     from .bench.restart import run_restart
     from .bench.workspaces import run_workspaces
@@ -220,16 +219,7 @@ def bench_serve(
     from .bench.serve import run_serve_bench
 
     levels = _positive_ints("--streams", streams, "1,4,8")
-    given = {
-        "--model": model,
-        "--backend": backend,
-        "--num-ctx": num_ctx,
-        "--kv-cache-type": kv_cache_type,
-        "--compute-dtype": compute_dtype,
-        "--device": device,
-        "--threads": threads,
-    }
-    args = [str(x) for flag, value in given.items() if value is not None for x in (flag, value)]
+    args = _serve_args(model, backend, num_ctx, kv_cache_type, compute_dtype, device, threads)
     try:
         report = run_serve_bench(levels, max_tokens=max_tokens, server_args=args)
     except RuntimeError as e:  # the server did not come up: its own error output is in the message
@@ -250,6 +240,100 @@ def bench_serve(
         )
     console.print(t)
     _write_report(json_out, report)
+
+
+@bench_app.command("agent")
+def bench_agent(
+    apis: Annotated[str, typer.Option("--apis", help="comma-separated: chat, responses, messages")] = (
+        "chat,responses,messages"
+    ),
+    turns: Annotated[int, typer.Option("--turns", min=2, max=64)] = 8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=16, max=4096)] = 96,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
+    model: ModelOpt = None,
+    backend: BackendOpt = "llamacpp",
+    num_ctx: Annotated[int, typer.Option("--num-ctx")] = 8192,
+    kv_cache_type: KvOpt = "f16",
+    compute_dtype: ComputeOpt = None,
+    device: DeviceOpt = None,
+    threads: ThreadsOpt = None,
+) -> None:
+    """A tool-calling agent loop through `warmkv serve` per API: reuse, TTFT and call validity per turn."""
+    from .bench.agent import APIS, DRIVERS, run_agent_loop
+    from .bench.server_proc import serve
+
+    chosen = [a.strip() for a in apis.split(",") if a.strip()]
+    unknown = sorted(set(chosen) - set(APIS)) or sorted(set(chosen) - set(DRIVERS))
+    if unknown or not chosen:
+        fail(ValueError(f"--apis takes {', '.join(DRIVERS)}; got {apis!r}"))
+    args = _serve_args(model, backend, num_ctx, kv_cache_type, compute_dtype, device, threads)
+    report: dict[str, Any] = {"backend": backend, "turns": turns, "apis": []}
+    try:
+        with serve(args) as server, Progress(console=err, transient=True) as progress:
+            report["model"] = server.model
+            for api in chosen:
+                task = progress.add_task(api, total=turns)
+                loop = run_agent_loop(
+                    server.base,
+                    server.model,
+                    api,
+                    turns=turns,
+                    max_tokens=max_tokens,
+                    on_turn=lambda _, task=task: progress.advance(task),
+                )
+                report["apis"].append(loop)
+    except RuntimeError as e:  # the server did not come up: its own error output is in the message
+        fail(e)
+    for loop in report["apis"]:
+        _print_agent_loop(report["model"], backend, loop)
+    _write_report(json_out, report)
+    if not all(loop["all_valid"] and loop["all_warm"] for loop in report["apis"]):
+        err.print("[bold red]a call failed to validate or a turn was not warm[/]")
+        raise typer.Exit(1)
+
+
+def _print_agent_loop(model: str, backend: str, loop: dict[str, Any]) -> None:
+    t = Table(title=f"agent loop through {loop['api']}: {model} ({backend})")
+    for col in ("turn", "prompt", "cached", "prefilled", "completion", "TTFT s", "call", "valid", "warm"):
+        t.add_column(col, justify="left" if col == "call" else "right")
+    for r in loop["turns"]:
+        warm = "-" if r["warm"] is None else ("yes" if r["warm"] else "NO")
+        call = f"{r['call']}({r['arguments']})"
+        t.add_row(
+            str(r["turn"]),
+            str(r["prompt_tokens"]),
+            str(r["cached_tokens"]),
+            str(r["prefilled_tokens"]),
+            str(r["completion_tokens"]),
+            f"{r['ttft_s']:.3f}",
+            call[:48],
+            "yes" if r["valid"] else "NO",
+            warm,
+        )
+    console.print(t)
+    console.print(f"turns 2..N reused {loop['reused_fraction']:.1%} of their prompt tokens")
+
+
+def _serve_args(
+    model: str | None,
+    backend: str,
+    num_ctx: int,
+    kv_cache_type: str,
+    compute_dtype: str | None,
+    device: str | None,
+    threads: int | None,
+) -> list[str]:
+    """The runtime options as `warmkv serve` flags, for the benchmarks that start a server."""
+    given = {
+        "--model": model,
+        "--backend": backend,
+        "--num-ctx": num_ctx,
+        "--kv-cache-type": kv_cache_type,
+        "--compute-dtype": compute_dtype,
+        "--device": device,
+        "--threads": threads,
+    }
+    return [str(x) for flag, value in given.items() if value is not None for x in (flag, value)]
 
 
 def _positive_ints(option: str, value: str, example: str) -> list[int]:

@@ -9,16 +9,15 @@ levels run against the same server in one run, so their ratios are comparable.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
+
+from .server_proc import serve
 
 TOPICS = (
     "recursion",
@@ -30,12 +29,6 @@ TOPICS = (
     "asyncio",
     "context managers",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stream(base: str, model: str, i: int, max_tokens: int) -> dict[str, float]:
@@ -104,25 +97,9 @@ def run_serve_bench(
     server_args: Sequence[str] = (),
     on_level: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
-    port = _free_port()
     n = max(levels)
-    cmd = [sys.executable, "-c", "from warmkv.cli import main; main()", "serve", "--port", str(port)]
-    cmd += ["--n-seq-max", str(n), "--pool-size", str(n), *server_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"warmkv serve exited: {proc.stderr.read() if proc.stderr else ''}")
-            try:
-                health = httpx.get(f"{base}/health", timeout=2).json()
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("warmkv serve did not start within 120 s") from None
-                time.sleep(0.2)
-        model = health["model"]
+    with serve(["--n-seq-max", str(n), "--pool-size", str(n), *server_args]) as server:
+        base, model = server.base, server.model
         _level(base, model, 1, 8)  # warm-up: first context use, caches
         rows = []
         for streams in levels:
@@ -133,10 +110,4 @@ def run_serve_bench(
         base_rate = rows[0]["tokens_per_s"] if rows and rows[0]["streams"] == 1 else None
         for row in rows:
             row["speedup_vs_1"] = row["tokens_per_s"] / base_rate if base_rate else None
-        return {"model": model, "max_tokens": max_tokens, "levels": rows, "server": health}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        return {"model": model, "max_tokens": max_tokens, "levels": rows, "server": server.health}

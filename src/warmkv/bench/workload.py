@@ -73,7 +73,7 @@ class Workload:
         return "\n".join(parts)
 
 
-def _module_source(name: str) -> str:
+def module_source(name: str) -> str:
     module = __import__(name)
     with open(inspect.getsourcefile(module) or "", encoding="utf-8") as f:
         return f.read()
@@ -119,7 +119,7 @@ def coding_workload(
     """Build the workload, trimming the last file so the system text is ~target_tokens."""
     files: dict[str, str] = {}
     for name in modules:
-        files[f"lib/{name}.py"] = _module_source(name)
+        files[f"lib/{name}.py"] = module_source(name)
         wl = Workload(SYSTEM, files, [])
         if count_tokens(wl.system_text()) >= target_tokens:
             break

@@ -1,0 +1,58 @@
+"""A `warmkv serve` child process on 127.0.0.1 for the benchmarks that drive a live server."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class LiveServer:
+    base: str  # http://127.0.0.1:PORT
+    health: dict[str, Any]
+
+    @property
+    def model(self) -> str:
+        return self.health["model"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(args: Sequence[str] = (), *, start_timeout_s: float = 120) -> Iterator[LiveServer]:
+    """Start `warmkv serve ARGS` on a free port, wait for /health, stop it afterwards."""
+    port = _free_port()
+    cmd = [sys.executable, "-c", "from warmkv.cli import main; main()", "serve", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"warmkv serve exited: {proc.stderr.read() if proc.stderr else ''}")
+            try:
+                health = httpx.get(f"{base}/health", timeout=2).json()
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"warmkv serve did not start within {start_timeout_s:.0f} s") from None
+                time.sleep(0.2)
+        yield LiveServer(base, health)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
