@@ -13,18 +13,23 @@ from ..errors import InvalidConfig
 DEFAULT_CAPACITY = 8 << 30
 
 
-def default_store_dir() -> Path:
-    """$WARMKV_CACHE_DIR/kv, else the platform's user cache dir + warmkv/kv (e.g. ~/.cache/warmkv/kv)."""
+def cache_root() -> Path:
+    """$WARMKV_CACHE_DIR, else the platform's user cache dir + warmkv (e.g. ~/.cache/warmkv)."""
     env = os.environ.get("WARMKV_CACHE_DIR")
     if env:
-        return Path(env).expanduser() / "kv"
+        return Path(env).expanduser()
     if sys.platform == "darwin":
         base = Path.home() / "Library" / "Caches"
     elif os.name == "nt":
         base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
     else:
         base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "warmkv" / "kv"
+    return base / "warmkv"
+
+
+def default_store_dir() -> Path:
+    """The persistent KV store: cache_root() / "kv"."""
+    return cache_root() / "kv"
 
 
 @dataclass(frozen=True)
