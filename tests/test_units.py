@@ -121,3 +121,14 @@ def test_lookup_draft_follows_the_latest_earlier_occurrence() -> None:
     assert lookup_draft([9, 1, 2, 7, 1, 2, 8, 1, 2], 2) == [8, 1]  # the latest occurrence wins
     assert lookup_draft([5, 6, 7, 1, 2, 3, 4, 2, 3, 4], 2) == [2, 3]  # longest n-gram first: 2,3,4 -> 2,3
     assert lookup_draft([1, 2, 3], 4) == [] and lookup_draft([5], 3) == [] and lookup_draft([], 3) == []
+
+
+def test_template_keeps_a_bos_the_runtime_does_not_add() -> None:
+    from warmkv.chat import CHATML, ChatTemplate
+
+    msgs = [{"role": "user", "content": "hi"}]
+    # SmolLM2's BOS is <|im_start|>, which its template writes first: without a BOS policy it must stay.
+    kept = ChatTemplate(CHATML, bos_token="<|im_start|>", adds_bos=False).render(msgs)
+    assert kept.startswith("<|im_start|>user\nhi")
+    dropped = ChatTemplate("{{ bos_token }}" + CHATML, bos_token="<s>", adds_bos=True).render(msgs)
+    assert dropped.startswith("<|im_start|>user")  # the runtime prepends <s> itself: no double BOS

@@ -55,7 +55,12 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
 class ChatTemplate:
     """A compiled chat template plus the special tokens it may reference."""
 
-    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "") -> None:
+    def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", adds_bos: bool = True) -> None:
+        """adds_bos: the runtime prepends BOS itself, so a BOS the template writes first is dropped.
+
+        Without that policy the template's text stays whole: SmolLM2's BOS is <|im_start|>,
+        which its template writes first and nothing else would add.
+        """
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.Undefined)
         env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent, ensure_ascii=False)
         env.globals["raise_exception"] = _raise
@@ -67,6 +72,7 @@ class ChatTemplate:
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.adds_bos = adds_bos
 
     def render(
         self,
@@ -87,7 +93,7 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise InvalidInput(f"chat template failed to render: {e}") from e
         # The runtime adds BOS by policy; a template that also writes it would double it.
-        if self.bos_token and text.startswith(self.bos_token):
+        if self.adds_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token) :]
         return text
 

@@ -270,6 +270,7 @@ class Runtime:
                 self._template_source,
                 bos_token=self.backend.token_text(bos) if bos is not None else "",
                 eos_token=self.backend.token_text(eos) if eos is not None else "",
+                adds_bos=self.default_add_bos,
             )
         return self._template
 
