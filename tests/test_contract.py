@@ -45,6 +45,23 @@ def test_changed_byte_reprefills_from_divergence_only(rt: warmkv.Runtime) -> Non
         assert "diverged at token" in p.reason
 
 
+def test_divergence_names_where_reuse_stopped(rt: warmkv.Runtime) -> None:
+    mid = len(SYSTEM) // 2
+    changed = SYSTEM[:mid] + "Z" + SYSTEM[mid + 1 :]
+    with rt.session() as s:
+        assert s.ensure_prefix(SYSTEM).divergence is None  # nothing was resident
+        assert s.ensure_prefix(SYSTEM + "More.").divergence is None  # everything resident was reused
+        p = s.ensure_prefix(changed)
+        d = p.divergence
+        assert d is not None and d.token == p.reused_tokens and d.resident == len(rt.tokenize(SYSTEM + "More."))
+        assert d.char <= mid < d.char + len(d.new) and changed[d.char :].startswith(d.new[:8])
+        assert SYSTEM[d.char :].startswith(d.old[:8]) and d.old != d.new
+        report = s.explain()
+        assert report.last_prefix is not None and report.last_prefix.divergence == d
+        assert f"reuse stopped at token {d.token}" in str(report)
+        assert report.to_dict()["last_prefix"]["divergence"]["token"] == d.token
+
+
 def test_suffix_never_alters_prefix(rt: warmkv.Runtime) -> None:
     with rt.session() as s:
         n_prefix = s.ensure_prefix(SYSTEM).prefix_tokens

@@ -33,6 +33,7 @@ from .runtime import Completion, Runtime
 from .session import Session
 from .types import (
     ContextReport,
+    Divergence,
     PrefixInput,
     PrefixStatus,
     StreamChunk,
@@ -55,6 +56,7 @@ __all__ = [
     "ContextOverflow",
     "ContextReport",
     "DecodeConfig",
+    "Divergence",
     "InvalidConfig",
     "InvalidInput",
     "InvalidModelFile",

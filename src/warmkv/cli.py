@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -261,6 +262,16 @@ def serve(
     tool_format: Annotated[
         str, typer.Option("--tool-format", help="tool calls: auto (from the chat template), generic, hermes...")
     ] = "auto",
+    model_alias: Annotated[
+        list[str] | None,
+        typer.Option("--model-alias", help="another name clients may use for the model ('*': any name)"),
+    ] = None,
+    keep_volatile: Annotated[
+        bool, typer.Option("--keep-volatile", help="keep known volatile system-prompt blocks instead of stripping")
+    ] = False,
+    log_misses: Annotated[
+        bool, typer.Option("--log-misses", help="log each request whose reuse stopped early, and where")
+    ] = False,
     kv_cache_type: KvOpt = "f16",
     compute_dtype: ComputeOpt = None,
     device: DeviceOpt = None,
@@ -282,6 +293,9 @@ def serve(
             pool_size=pool_size,
             max_queue=max_queue,
             tool_format=tool_format,
+            model_aliases=tuple(model_alias or ()),
+            keep_volatile=keep_volatile,
+            log_misses=log_misses,
         )
         with err.status(f"loading {model or 'default model'} on {backend}..."):
             rt = Runtime.load(
@@ -296,6 +310,10 @@ def serve(
         app_ = create_app(rt, settings)
     except WarmkvError as e:
         fail(e)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("warmkv").addHandler(handler)
+    logging.getLogger("warmkv").setLevel(logging.INFO)
     err.print(f"serving {rt.info.name} on http://{host}:{port}/v1 (docs: /docs, metrics: /metrics)")
     with rt:
         uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -259,28 +260,29 @@ def bench_agent(
     threads: ThreadsOpt = None,
 ) -> None:
     """A tool-calling agent loop through `warmkv serve` per API: reuse, TTFT and call validity per turn."""
-    from .bench.agent import APIS, DRIVERS, run_agent_loop
+    from .bench.agent import DRIVERS, run_agent_loop
     from .bench.server_proc import serve
 
     chosen = [a.strip() for a in apis.split(",") if a.strip()]
-    unknown = sorted(set(chosen) - set(APIS)) or sorted(set(chosen) - set(DRIVERS))
+    unknown = sorted(set(chosen) - set(DRIVERS))
     if unknown or not chosen:
         fail(ValueError(f"--apis takes {', '.join(DRIVERS)}; got {apis!r}"))
     args = _serve_args(model, backend, num_ctx, kv_cache_type, compute_dtype, device, threads)
     report: dict[str, Any] = {"backend": backend, "turns": turns, "apis": []}
     try:
-        with serve(args) as server, Progress(console=err, transient=True) as progress:
-            report["model"] = server.model
-            for api in chosen:
-                task = progress.add_task(api, total=turns)
-                loop = run_agent_loop(
-                    server.base,
-                    server.model,
-                    api,
-                    turns=turns,
-                    max_tokens=max_tokens,
-                    on_turn=lambda _, task=task: progress.advance(task),
-                )
+        with Progress(console=err, transient=True) as progress:
+            for api in chosen:  # a fresh server and disk store per API: each loop starts cold, finds only its own
+                with tempfile.TemporaryDirectory() as store, serve(args, env={"WARMKV_CACHE_DIR": store}) as server:
+                    report["model"] = server.model
+                    task = progress.add_task(api, total=turns)
+                    loop = run_agent_loop(
+                        server.base,
+                        server.model,
+                        api,
+                        turns=turns,
+                        max_tokens=max_tokens,
+                        on_turn=lambda _, task=task: progress.advance(task),
+                    )
                 report["apis"].append(loop)
     except RuntimeError as e:  # the server did not come up: its own error output is in the message
         fail(e)

@@ -161,7 +161,9 @@ class Decoding:
         self._spec = self._verified = None
         usage = Usage(prompt_tokens, len(produced), self._cached_since_decode, drafted, accepted)
         self._cached_since_decode = 0
-        yield chunk(rest, finish_reason=finish, usage=usage, error=error)
+        yield chunk(
+            rest, finish_reason=finish, usage=usage, error=error, stop_sequence=stops.matched if stop_hit else None
+        )
 
     # -- speculative decoding ---------------------------------------------------
 

@@ -40,9 +40,10 @@ from .errors import (
 )
 from .manifest import ContextManifest, hash_token_ids, sha256_bytes, validate_segments
 from .text import as_text
-from .tokens import common_prefix_len
+from .tokens import common_prefix_len, spell
 from .types import (
     ContextReport,
+    Divergence,
     PrefixInput,
     PrefixStatus,
     SuffixInput,
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from .runtime import Runtime
     from .tiers import WarmHit
 
+DIVERGENCE_TOKENS = 12  # excerpt of each side where reuse stopped
+DIVERGENCE_CHARS = 48
 SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NO_STORE = "the disk store is disabled (kv_store_mb=0) or the backend cannot move KV"
 
@@ -193,6 +196,7 @@ class Session(Decoding):
                 raise ContextOverflow("ensure_prefix", reused, len(tokens) - reused, self._num_ctx)
             reason = self._prefix_reason(same, manifest, reused, len(tokens))
             dropped = len(self._tokens) + len(self._tail) - reused
+            divergence = self._divergence(tokens, reused, add_bos) if same and reused < len(self._tokens) else None
             t0 = time.perf_counter()
             if same and reused == len(tokens) and len(self._tokens) > reused:
                 self._tail, self._logits, self._detached = [], None, reused  # keep the old suffix for reuse
@@ -239,9 +243,28 @@ class Session(Decoding):
                 reuse_source=source,
                 reason=reason,
                 prefill_s=time.perf_counter() - t0,
+                divergence=divergence,
             )
             self._last_prefix = status
             return status
+
+    def _given_tokens(self, tokens: Sequence[int]) -> list[int]:
+        n = self._backend.info.n_vocab
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
+                raise InvalidInput(f"prefix tokens[{i}] = {t!r} is out of range [0, {n})")
+        return list(tokens)
+
+    def _divergence(self, tokens: Sequence[int], reused: int, add_bos: bool) -> Divergence:
+        """Where the new prompt parted from the resident tokens (before any of them is dropped)."""
+        start = 1 if add_bos and tokens and tokens[0] == self._backend.info.bos_token_id else 0
+        return Divergence(
+            token=reused,
+            char=len(spell(self._backend, tokens[start:reused])),
+            old=spell(self._backend, self._tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
+            new=spell(self._backend, tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
+            resident=len(self._tokens),
+        )
 
     def _load_cached(self, hit: WarmHit) -> bool:
         """Replace our KV with a cached prefix's, keeping its matching tokens; False if the backend refused it."""
@@ -429,7 +452,14 @@ class Session(Decoding):
                 segments=tuple(m.to_dict()["segments"]) if m else (),  # type: ignore[arg-type]
                 last_prefix=self._last_prefix,
                 cache=self._rt.tiers.stats() if self._rt.tiers is not None else None,
+                tool_format=self._tool_format(),
             )
+
+    def _tool_format(self) -> str | None:
+        try:
+            return self._rt.tool_format().describe()
+        except WarmkvError:
+            return None  # prompt_format="raw": no chat template, no tool calls
 
     @property
     def closed(self) -> bool:

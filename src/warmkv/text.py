@@ -53,6 +53,7 @@ class StopMatcher:
         self._stops = tuple(stops)
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._buf = ""
+        self.matched: str | None = None  # the stop string that ended the text, once one has
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (safe text to emit, whether a stop string matched)."""
@@ -68,8 +69,11 @@ class StopMatcher:
         return out, False
 
     def _first_hit(self) -> int | None:
-        hits = [i for i in (self._buf.find(s) for s in self._stops) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, -len(s), s) for s in self._stops if (i := self._buf.find(s)) >= 0]
+        if not hits:
+            return None
+        at, _, self.matched = min(hits)  # the earliest; of those starting there, the longest
+        return at
 
     def _partial_len(self) -> int:
         """Length of the longest buffer suffix that is a proper prefix of a stop string."""

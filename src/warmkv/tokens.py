@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
+
+
+def spell(backend: Backend, tokens: Sequence[int]) -> str:
+    """Tokens as prompt text spells them: control tokens by their names (<|im_start|>), not as nothing."""
+    raw = b"".join(backend.token_bytes(t) or backend.token_text(t).encode() for t in tokens)
+    return raw.decode("utf-8", "replace")
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -57,6 +57,22 @@ class SuffixInput:
 
 
 @dataclass(frozen=True)
+class Divergence:
+    """Where reuse of the resident context stopped: the first resident token the new prompt did not match.
+
+    token: its index; char: where it starts in the new prompt's text; old / new: a short
+    excerpt of the resident context and of the new prompt from there; resident: how many
+    tokens were resident before (the previous request's prompt and reply).
+    """
+
+    token: int
+    char: int
+    old: str
+    new: str
+    resident: int
+
+
+@dataclass(frozen=True)
 class PrefixStatus:
     """What ensure_prefix did. reused_tokens > 0 is a warm hit."""
 
@@ -72,6 +88,7 @@ class PrefixStatus:
     reuse_source: str  # "resident" or "none"
     reason: str
     prefill_s: float
+    divergence: Divergence | None = None  # set when resident tokens past the reused prefix were dropped
 
     @property
     def warm(self) -> bool:
@@ -131,6 +148,7 @@ class StreamChunk:
     usage: Usage | None = None
     error: WarmkvError | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None  # one per token_ids entry, when DecodeConfig.logprobs is set
+    stop_sequence: str | None = None  # on the last chunk: the stop string that ended the text, if one did
 
     @property
     def done(self) -> bool:
@@ -157,6 +175,7 @@ class ContextReport:
     segments: tuple[dict[str, Any], ...] = field(default=())
     last_prefix: PrefixStatus | None = None
     cache: dict[str, Any] | None = None  # the model's shared memory and disk tiers: hits, misses, bytes...
+    tool_format: str | None = None  # how this model's chat requests render and parse tool calls
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -176,6 +195,11 @@ class ContextReport:
             lines.append(f"  segment {s['name']}: bytes [{s['start']}, {s['end']})")
         if self.last_prefix:
             lines.append(f"  last turn: {self.last_prefix.reason}")
+            d = self.last_prefix.divergence
+            if d is not None:
+                lines.append(f"  reuse stopped at token {d.token} (char {d.char}): was {d.old!r}, now {d.new!r}")
+        if self.tool_format:
+            lines.append(f"  tool calls: {self.tool_format}")
         for tier in ("memory", "disk"):
             st = (self.cache or {}).get(tier)
             if st:

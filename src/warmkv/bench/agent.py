@@ -53,7 +53,6 @@ TOOLS = [
     },
 ]
 SCHEMAS = {t["name"]: t["parameters"] for t in TOOLS}
-APIS = ("chat", "responses", "messages")
 
 
 def execute(name: str, args: dict[str, Any]) -> str:
@@ -196,7 +195,54 @@ class _Responses:
         return counts, ttft or time.perf_counter() - t0, name, arguments
 
 
-DRIVERS: dict[str, Callable[[str, str, int], Any]] = {"chat": _Chat, "responses": _Responses}
+class _Messages:
+    """Anthropic Messages through the official client (the model name is a harness's own)."""
+
+    def __init__(self, base: str, model: str, max_tokens: int) -> None:
+        import anthropic
+
+        self.client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=600)
+        self.max_tokens = max_tokens
+        self.messages: list[dict[str, Any]] = [{"role": "user", "content": TASK}]
+        self.tools = [
+            {"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in TOOLS
+        ]
+
+    def step(self) -> tuple[dict[str, int], float, str, str]:
+        t0 = time.perf_counter()
+        ttft = None
+        with self.client.messages.stream(
+            model="claude-sonnet-4-5",
+            max_tokens=self.max_tokens,
+            system=SYSTEM,
+            messages=self.messages,  # type: ignore[arg-type]
+            tools=self.tools,  # type: ignore[arg-type]
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            extra_body={"temperature": 0},
+        ) as stream:
+            for event in stream:
+                if ttft is None and event.type == "content_block_start":
+                    ttft = time.perf_counter() - t0
+            final = stream.get_final_message()
+        uses = [b for b in final.content if b.type == "tool_use"]
+        self.messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in final.content]})
+        name, arguments = (uses[0].name, json.dumps(uses[0].input)) if uses else ("", "")
+        result = execute(name, json.loads(arguments)) if _valid(name, arguments) else "error"
+        if uses:
+            block = {"type": "tool_result", "tool_use_id": uses[0].id, "content": result}
+            self.messages.append({"role": "user", "content": [block]})
+        u = final.usage
+        cached = u.cache_read_input_tokens or 0
+        prompt = u.input_tokens + cached + (u.cache_creation_input_tokens or 0)
+        return (
+            {"prompt": prompt, "cached": cached, "completion": u.output_tokens},
+            ttft or time.perf_counter() - t0,
+            name,
+            arguments,
+        )
+
+
+DRIVERS: dict[str, Callable[[str, str, int], Any]] = {"chat": _Chat, "responses": _Responses, "messages": _Messages}
 
 
 def run_agent_loop(

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +32,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def serve(args: Sequence[str] = (), *, start_timeout_s: float = 120) -> Iterator[LiveServer]:
-    """Start `warmkv serve ARGS` on a free port, wait for /health, stop it afterwards."""
+def serve(
+    args: Sequence[str] = (), *, start_timeout_s: float = 120, env: Mapping[str, str] | None = None
+) -> Iterator[LiveServer]:
+    """Start `warmkv serve ARGS` on a free port (env: extra environment), wait for /health, stop it afterwards."""
     port = _free_port()
     cmd = [sys.executable, "-c", "from warmkv.cli import main; main()", "serve", "--port", str(port), *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout_s

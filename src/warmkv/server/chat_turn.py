@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,11 +28,14 @@ from ..tools import (
     ToolSpec,
     check_history,
     for_template,
+    new_call_id,
     tool_grammar,
 )
 from ..types import StreamChunk, TokenLogprob, Usage
 from .errors import ApiError, from_warmkv
 from .generation import Generation, generate
+from .normalize import strip_volatile
+from .reuse_report import message_ends, report
 from .state import ServerState
 
 log = logging.getLogger("warmkv.server")
@@ -48,6 +51,7 @@ class ChatInput:
     parallel: bool = True
     max_tokens: int | None = None
     sampling: Mapping[str, Any] = field(default_factory=dict)
+    new_call_id: Callable[[], str] = new_call_id  # each API spells its call ids its own way
     messages_param: str = "messages"
 
 
@@ -61,6 +65,7 @@ class TurnEnd:
     calls: tuple[Call, ...]
     error: WarmkvError | None = None
     tool_error: str | None = None  # a call cut off by the token budget
+    stop_sequence: str | None = None  # the stop string that ended the reply, if one did
 
 
 @dataclass(frozen=True)
@@ -78,12 +83,8 @@ class ChatTurn:
     fmt: ToolFormat
     parser: ToolCallParser | None
     st: ServerState
-    tools_offered: bool
+    headers: dict[str, str]  # how the prompt was made and reused (tool format, normalization, x-warmkv-*)
     _text: list[str] = field(default_factory=list)
-
-    @property
-    def headers(self) -> dict[str, str]:
-        return {"x-warmkv-tool-format": self.fmt.name} if self.tools_offered else {}
 
     async def steps(self) -> AsyncIterator[TurnStep]:
         """The turn's steps, one per decode chunk; the last carries the end."""
@@ -138,7 +139,7 @@ class ChatTurn:
         tool_error = p.error if p is not None else None
         # A call cut off by the budget: the reply as written, so nothing the model wrote is lost.
         content = p.content if p is not None and tool_error is None else "".join(self._text)
-        return TurnEnd(finish, chunk.usage, content, calls, chunk.error, tool_error)
+        return TurnEnd(finish, chunk.usage, content, calls, chunk.error, tool_error, chunk.stop_sequence)
 
 
 def _special_token(st: ServerState, text: str) -> int | None:
@@ -149,25 +150,55 @@ def _special_token(st: ServerState, text: str) -> int | None:
     return None
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    text: str
+    messages: list[dict[str, Any]]  # as rendered
+    template_tools: list[dict[str, Any]] | None
+    normalized: tuple[str, ...]  # volatile-block rules that fired
+
+
+def _prepare(st: ServerState, inp: ChatInput) -> _Prompt:
+    """Check the history, strip known volatile blocks, shape it for the template, render it."""
+    rt = st.runtime
+    history = check_history(inp.messages, inp.messages_param)
+    fired: tuple[str, ...] = ()
+    if not st.settings.keep_volatile:
+        history, fired = strip_volatile(history)
+    messages, template_tools = for_template(history, inp.tools, st.tool_format, rt.raw_turn)
+    text = rt.render_chat(messages, add_generation_prompt=True, tools=template_tools)
+    return _Prompt(text, messages, template_tools, fired)
+
+
+async def prompt_of(st: ServerState, inp: ChatInput) -> str:
+    """The exact prompt text a chat request evaluates (for counting tokens and /apply-template)."""
+    return (await run_in_threadpool(_prepare, st, inp)).text
+
+
 async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
     """Render the request, start generating; input errors raise here (as 400s naming the field)."""
     rt = st.runtime
     fmt = st.tool_format
-    history = check_history(inp.messages, inp.messages_param)
     sampling = dict(inp.sampling)
     if inp.tools and inp.choice.calls and sampling.get("constraint") is not None:
         raise InvalidInput(
             "response_format, regex and grammar cannot be combined with tools unless tool_choice is 'none'",
             param="tool_choice",
         )
-    messages, template_tools = for_template(history, inp.tools, fmt, rt.raw_turn)
-    prompt = await run_in_threadpool(rt.render_chat, messages, add_generation_prompt=True, tools=template_tools)
+    prompt = await run_in_threadpool(_prepare, st, inp)
     if inp.tools and sampling.get("constraint") is None:
         sampling["constraint"] = await run_in_threadpool(
             tool_grammar, fmt, inp.tools, inp.choice, inp.parallel, lambda t: _special_token(st, t)
         )
-    gen = await generate(st, prompt, inp.max_tokens, sampling)
-    parser = ToolCallParser(fmt) if inp.tools and inp.choice.calls else None
+    gen = await generate(st, prompt.text, inp.max_tokens, sampling)
+    parser = ToolCallParser(fmt, inp.new_call_id) if inp.tools and inp.choice.calls else None
+    headers: dict[str, str] = {}
     if inp.tools:
-        log.info("tools: %d offered, choice %s, format %s", len(inp.tools), inp.choice.mode, fmt.describe())
-    return ChatTurn(gen, fmt, parser, st, bool(inp.tools))
+        headers["x-warmkv-tool-format"] = fmt.name
+        log.debug("tools: %d offered, choice %s, format %s", len(inp.tools), inp.choice.mode, fmt.describe())
+    if prompt.normalized:
+        headers["x-warmkv-normalized"] = ",".join(prompt.normalized)
+    ends = message_ends(rt.render_chat, prompt.messages, prompt.text, tools=prompt.template_tools)
+    roles = [m["role"] for m in prompt.messages]
+    headers.update(report(st, gen.status, gen.prompt_tokens, roles, ends))
+    return ChatTurn(gen, fmt, parser, st, headers)

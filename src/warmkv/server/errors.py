@@ -41,6 +41,22 @@ _HTTP_TYPES = {
 }
 
 
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def is_anthropic(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATHS)
+
+
 class ApiError(Exception):
     """An error the server answers with status and an OpenAI-style body."""
 
@@ -63,9 +79,18 @@ class ApiError(Exception):
         }
         return {"error": {**err, **self.extra}}
 
-    def response(self) -> JSONResponse:
+    @property
+    def anthropic_type(self) -> str:
+        return _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
+
+    def anthropic_body(self) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """OpenAI's error shape, or Anthropic's on the Anthropic routes."""
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+        body = self.anthropic_body() if is_anthropic(path) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=headers)
 
 
 def from_warmkv(e: WarmkvError) -> ApiError:
@@ -133,36 +158,38 @@ def install(app: FastAPI) -> None:
     """Every failure becomes an OpenAI-style body; nothing takes the server down."""
 
     @app.exception_handler(ApiError)
-    async def _api(_: Request, e: ApiError) -> JSONResponse:
-        return e.response()
+    async def _api(r: Request, e: ApiError) -> JSONResponse:
+        return e.response(r.url.path)
 
     @app.exception_handler(WarmkvError)
-    async def _warmkv(_: Request, e: WarmkvError) -> JSONResponse:
-        return from_warmkv(e).response()
+    async def _warmkv(r: Request, e: WarmkvError) -> JSONResponse:
+        return from_warmkv(e).response(r.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        # The most specific error first: of a union's failed members, the one that got furthest.
-        errs = sorted(e.errors(), key=lambda x: -len(_field_parts(tuple(x.get("loc", ())))))
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
-            return ApiError(
-                400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", code="invalid_json"
-            ).response()
-        where = _loc(tuple(first.get("loc", ())))
-        if first.get("type") == "extra_forbidden":
-            return ApiError(
-                400, f"{where}: warmkv does not support this field", code="unsupported_parameter", param=where
-            ).response()
-        msg = "; ".join(f"{_loc(tuple(x.get('loc', ())))}: {x.get('msg')}" for x in errs[:5])
-        return ApiError(400, msg or "invalid request", code="invalid_parameter", param=where).response()
+    async def _validation(r: Request, e: RequestValidationError) -> JSONResponse:
+        return _invalid(e).response(r.url.path)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+    async def _http(r: Request, e: HTTPException) -> JSONResponse:
         code = "invalid_body" if e.status_code == 400 else None
-        return ApiError(e.status_code, str(e.detail), code=code).response()
+        return ApiError(e.status_code, str(e.detail), code=code).response(r.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+    async def _unexpected(r: Request, e: Exception) -> JSONResponse:
         log.exception("unexpected error")
-        return ApiError(500, f"internal error: {type(e).__name__}", code="internal_error").response()
+        return ApiError(500, f"internal error: {type(e).__name__}", code="internal_error").response(r.url.path)
+
+
+def _invalid(e: RequestValidationError) -> ApiError:
+    """A 400 naming the field; of a union's failed members, the error of the one that got furthest."""
+    errs = sorted(e.errors(), key=lambda x: -len(_field_parts(tuple(x.get("loc", ())))))
+    first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        return ApiError(
+            400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}", code="invalid_json"
+        )
+    where = _loc(tuple(first.get("loc", ())))
+    if first.get("type") == "extra_forbidden":
+        return ApiError(400, f"{where}: warmkv does not support this field", code="unsupported_parameter", param=where)
+    msg = "; ".join(f"{_loc(tuple(x.get('loc', ())))}: {x.get('msg')}" for x in errs[:5])
+    return ApiError(400, msg or "invalid request", code="invalid_parameter", param=where)

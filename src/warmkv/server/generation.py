@@ -10,7 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..config import DecodeConfig
 from ..errors import ContextOverflow, SessionFatal
-from ..types import PrefixInput
+from ..types import PrefixInput, PrefixStatus
 from .state import ServerState
 from .streams import ChunkStream, start_decode
 
@@ -19,8 +19,12 @@ from .streams import ChunkStream, start_decode
 class Generation:
     stream: ChunkStream
     prompt_ids: tuple[int, ...]
-    cached_tokens: int
+    status: PrefixStatus  # how the prompt was made resident: reused, prefilled, where reuse stopped
     t0: float
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.status.reused_tokens
 
     @property
     def prompt_tokens(self) -> int:
@@ -59,4 +63,4 @@ async def generate(st: ServerState, prompt: str, max_tokens: int | None, samplin
     except BaseException:
         st.pool.release(session)
         raise
-    return Generation(stream, tuple(tokens), status.reused_tokens, t0)
+    return Generation(stream, tuple(tokens), status, t0)

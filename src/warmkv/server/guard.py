@@ -42,9 +42,11 @@ class Guard:
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
             err = ApiError(
-                401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                code="invalid_api_key",
             )
-            await err.response()(scope, receive, send)
+            await err.response(scope["path"])(scope, receive, send)
             return
         length = _header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
@@ -64,12 +66,15 @@ class Guard:
         await self.app(scope, _replay(bytes(body), receive), send)
 
     def _authorized(self, scope: Scope) -> bool:
-        got = _header(scope, b"authorization") or ""
-        return hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode())
+        """OpenAI clients send a Bearer token, Anthropic clients an x-api-key header: either will do."""
+        bearer = (_header(scope, b"authorization") or "").encode()
+        key = (_header(scope, b"x-api-key") or "").encode()
+        want = str(self.api_key).encode()
+        return hmac.compare_digest(bearer, b"Bearer " + want) | hmac.compare_digest(key, want)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         err = ApiError(413, f"request body exceeds {self.max_body} bytes", code="body_too_large")
-        await err.response()(scope, receive, send)
+        await err.response(scope["path"])(scope, receive, send)
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -31,6 +31,18 @@ class ServerMetrics:
             self.draft_tokens.labels(outcome)  # exported as 0 before the first speculative decode
         self.ttft = Histogram("warmkv_ttft_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r)
         self.errors = Counter("warmkv_errors", "Error responses by code", ["code"], registry=r)
+        self.reused_fraction = Histogram(
+            "warmkv_reused_fraction",
+            "Fraction of each request's prompt tokens reused from resident KV",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
+            registry=r,
+        )
+        self.misses = Counter(
+            "warmkv_cache_misses",
+            "Requests whose reuse stopped before the end of the resident context, by the role of the message there",
+            ["role"],
+            registry=r,
+        )
         self._reused = 0
         self._prefilled = 0
         self.cache_hit_rate = Gauge(
@@ -46,6 +58,9 @@ class ServerMetrics:
         self._prefilled += prefilled
         self.prompt_tokens.labels("reused").inc(reused)
         self.prompt_tokens.labels("prefilled").inc(prefilled)
+
+    def observe_reuse(self, fraction: float) -> None:
+        self.reused_fraction.observe(fraction)
 
     def observe_usage(self, usage: Usage | None) -> None:
         if usage is not None:

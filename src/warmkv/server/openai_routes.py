@@ -20,6 +20,7 @@ from .constraints import one_constraint
 from .errors import ApiError, from_warmkv
 from .generation import Generation, generate
 from .logprobs import chat_logprobs, completion_logprobs
+from .reuse_report import report
 from .schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -135,6 +136,7 @@ def _stream(
     frame: Callable[..., dict[str, Any]],
     first: dict[str, Any] | None,
     include_usage: bool,
+    headers: dict[str, str],
 ) -> SSEResponse:
     """SSE of frames: frame(delta, finish_reason, usage, chunk) builds one OpenAI chunk object."""
 
@@ -160,25 +162,23 @@ def _stream(
                         yield sse(frame(None, None, _usage(chunk.usage)))
         yield SSE_DONE
 
-    return SSEResponse(body(), on_close=gen.stream.cancel)
+    return SSEResponse(body(), on_close=gen.stream.cancel, headers=headers)
 
 
 @router.get("/models", response_model=ModelList)
 async def list_models(st: State) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [{"id": st.model_id, "object": "model", "created": st.started, "owned_by": "warmkv"}],
-    }
+    """The served model, then each name configured for it with --model-alias."""
+    names = [st.model_id, *(a for a in st.settings.model_aliases if a not in ("*", st.model_id))]
+    return {"object": "list", "data": [_card(st, name) for name in names]}
 
 
 @router.get("/models/{model_id}")
 async def get_model(model_id: str, st: State) -> dict[str, Any]:
-    st.check_model(model_id)
-    return _card(st)
+    return _card(st, st.check_model(model_id))
 
 
-def _card(st: ServerState) -> dict[str, Any]:
-    return {"id": st.model_id, "object": "model", "created": st.started, "owned_by": "warmkv"}
+def _card(st: ServerState, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": st.started, "owned_by": "warmkv"}
 
 
 def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any]) -> ChatInput:
@@ -211,7 +211,7 @@ def _tool_calls(calls: tuple[Call, ...]) -> list[dict[str, Any]]:
 @router.post("/chat/completions", response_model=ChatCompletion)
 async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
     """Chat through the model's template, with tools; a prompt sharing a prefix with a pooled session reuses its KV."""
-    st.check_model(req.model)
+    model = st.check_model(req.model)
     sampling = _sampling(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", code="invalid_value", param="top_logprobs")
@@ -226,7 +226,7 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
 
         def frame(delta: dict[str, Any] | None, finish: str | None = None, usage: Any = None, lp: Any = None) -> bytes:
             choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]
-            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model}
+            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
             return sse({**out, "choices": choices, **({"usage": usage} if usage else {})})
 
         async def body() -> AsyncIterator[bytes]:
@@ -269,7 +269,7 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
         "id": rid,
         "object": "chat.completion",
         "created": created,
-        "model": req.model,
+        "model": model,
         "choices": [choice],
         "usage": _usage(end.usage),
     }
@@ -302,6 +302,7 @@ async def completions(req: CompletionRequest, st: State) -> Any:
     if not prompt:
         raise ApiError(400, "prompt is empty", code="invalid_value", param="prompt")
     gen = await generate(st, prompt, req.max_tokens, sampling)
+    headers = report(st, gen.status, gen.prompt_tokens)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
         sent = 0  # completion characters streamed so far: text_offset counts from the start
@@ -314,21 +315,22 @@ async def completions(req: CompletionRequest, st: State) -> Any:
             lp = completion_logprobs(backend, chunk.logprobs, sent) if chunk is not None and chunk.logprobs else None
             sent += len(text)
             choices = [] if delta is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}]
-            out = {"id": rid, "object": "text_completion", "created": created, "model": st.model_id}
+            out = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
             return {**out, "choices": choices, **({"usage": usage} if usage else {})}
 
         opts = req.stream_options
-        return _stream(st, gen, frame, None, bool(opts and opts.include_usage))
+        return _stream(st, gen, frame, None, bool(opts and opts.include_usage), headers)
     text, last, logprobs = await _collect(st, gen)
     lp = None if req.logprobs is None else completion_logprobs(backend, logprobs)
-    return {
+    body = {
         "id": rid,
         "object": "text_completion",
         "created": created,
-        "model": st.model_id,
+        "model": req.model,
         "choices": [{"index": 0, "text": text, "finish_reason": _finish(last), "logprobs": lp}],
         "usage": _usage(last.usage),
     }
+    return JSONResponse(body, headers=headers)
 
 
 @router.post("/embeddings", response_model=EmbeddingList)
@@ -351,4 +353,4 @@ async def embeddings(req: EmbeddingRequest, st: State) -> Any:
         for i, v in enumerate(vectors)
     ]
     n = sum(len(t) for t in token_lists)
-    return {"object": "list", "data": data, "model": st.model_id, "usage": {"prompt_tokens": n, "total_tokens": n}}
+    return {"object": "list", "data": data, "model": req.model, "usage": {"prompt_tokens": n, "total_tokens": n}}

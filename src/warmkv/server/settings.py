@@ -48,9 +48,18 @@ class ServerSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 1024
     tool_format: str = "auto"  # how tool calls are rendered and parsed: auto (from the template) or a format name
+    # Other names clients may use for the served model ("*": any name, on every route). Without any,
+    # the Anthropic route takes any name (harnesses send their own) and the OpenAI routes only the model's.
+    model_aliases: tuple[str, ...] = ()
+    keep_volatile: bool = False  # keep known per-request volatile blocks (normalize.py) instead of stripping them
+    log_misses: bool = False  # log one line per request whose reuse stopped before the resident context's end
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
+        object.__setattr__(self, "model_aliases", tuple(self.model_aliases or ()))
+        for alias in self.model_aliases:
+            if not isinstance(alias, str) or not alias or len(alias) > 256:
+                raise InvalidConfig(f"a model alias must be a non-empty string of at most 256 characters: {alias!r}")
         if not isinstance(self.host, str) or not self.host:
             raise InvalidConfig(f"host must be a non-empty string, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:

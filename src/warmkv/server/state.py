@@ -14,6 +14,7 @@ from ..scheduler import Scheduler
 from ..tools import ToolFormat
 from .admission import Admission
 from .errors import ApiError
+from .message_log import MessageLog
 from .metrics import ServerMetrics
 from .pool import SessionPool
 from .registry import SessionRegistry
@@ -31,21 +32,28 @@ class ServerState:
     metrics: ServerMetrics
     model_id: str
     tool_format: ToolFormat
+    messages_log: MessageLog = field(default_factory=MessageLog)  # /v1/messages fingerprints for diagnostics
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def aliases(self) -> tuple[str, ...]:
+        """Every name of the served model: its id, its file's name and stem, and the configured aliases."""
         p = Path(self.runtime.info.path)
-        return (self.model_id, p.name, p.stem)
+        given = tuple(a for a in self.settings.model_aliases if a != "*")
+        return tuple(dict.fromkeys((self.model_id, p.name, p.stem, *given)))
 
-    def check_model(self, model: str) -> None:
-        if model not in self.aliases:
-            raise ApiError(
-                404,
-                f"model {model!r} is not served here; this server serves {self.model_id!r} (GET /v1/models)",
-                code="model_not_found",
-                param="model",
-            )
+    def check_model(self, model: str, route: str = "openai") -> str:
+        """The requested name (responses echo it), if it names the served model on this route; 404 otherwise."""
+        anything = "*" in self.settings.model_aliases or (route == "anthropic" and not self.settings.model_aliases)
+        if anything or model in self.aliases:
+            return model
+        raise ApiError(
+            404,
+            f"model {model!r} is not served here; this server serves {self.model_id!r} (GET /v1/models); "
+            "`warmkv serve --model-alias NAME` adds a name",
+            code="model_not_found",
+            param="model",
+        )
 
     @property
     def queue_depth(self) -> int:

@@ -1,0 +1,120 @@
+"""Request models of the Anthropic Messages API (POST /v1/messages and /v1/messages/count_tokens)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .schemas import _Request
+
+
+class CacheControl(_Request):
+    """Accepted: reuse is automatic; a marked block's prefix is what warmkv keeps warm anyway."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Request):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: list[Any] | None = None  # echoed back by clients; never produced
+
+
+class ToolUseBlock(_Request):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(_Request):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
+class Message(_Request):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None  # Anthropic's server tools (bash, web_search...) are not offered
+    cache_control: CacheControl | None = None
+
+
+class ToolChoice(_Request):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(_Request):
+    user_id: str | None = None
+
+
+class Thinking(BaseModel):
+    """Accepted without effect: the reply has no thinking blocks."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["enabled", "disabled", "adaptive"]
+
+
+class JsonFormat(_Request):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Request):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # accepted without effect
+    format: JsonFormat | None = None  # the reply is constrained to the schema
+
+
+class Diagnostics(_Request):
+    previous_message_id: str | None = None
+
+
+class _Prompt(_Request):
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+class MessagesRequest(_Prompt):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = Field(default=None, max_length=16)
+    temperature: float = Field(default=1.0, ge=0.0, le=1.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    output_config: OutputConfig | None = None
+    diagnostics: Diagnostics | None = None  # previous_message_id -> why this request's cache missed
+    # Accepted without effect: identity, routing and caching hints of the hosted API.
+    metadata: Metadata | None = None
+    cache_control: CacheControl | None = None  # reuse is automatic
+    service_tier: Literal["auto", "standard_only"] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: str | None = None
+    # warmkv extensions
+    seed: int | None = None
+    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
+
+
+class CountTokensRequest(_Prompt):
+    pass
