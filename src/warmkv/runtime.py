@@ -6,7 +6,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -17,14 +17,17 @@ from .config import DecodeConfig, RuntimeConfig
 from .constraint import Constraint, Guide, build_tokenizer
 from .embeddings import EmbedInput, l2_normalize, split_inputs
 from .errors import ContextOverflow, InvalidInput, ManifestMismatch, ModelUnloaded, Unsupported
+from .infill import ExtraFile, FimTokens, check_extra, find_fim_tokens, infill_tokens
 from .manifest import ContextManifest
 from .models import resolve_model
 from .session import NO_STORE, Session
+from .text import as_text
 from .tiers import KVTiers
+from .tokens import spell
 from .tools import Call, ToolFormat
 from .tools import resolve as resolve_tool_format
 from .turn_memory import TurnMemory
-from .types import StreamChunk, Usage
+from .types import PrefixInput, StreamChunk, Usage
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class Runtime:
         self._helper: Session | None = None
         self._llg_tokenizer: Any = None  # llguidance's vocabulary, built on the first constrained decode
         self._turns: TurnMemory | None = None  # generated turns' tokens, built on the first one remembered
+        self._fim: FimTokens | None = None
         self._helper_lock = threading.Lock()
         template = resolve_template(self.config.prompt_format, backend.info.chat_template)
         self._template_source = template
@@ -175,8 +179,6 @@ class Runtime:
     # -- tokens ---------------------------------------------------------------
 
     def tokenize(self, text: str | bytes, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
-        from .text import as_text
-
         value = as_text(text, "text")
         with self.lock:
             self._check_loaded()
@@ -298,6 +300,46 @@ class Runtime:
         prompt = self.render_chat(messages, add_generation_prompt=True)
         return self.complete(prompt, config, stream=stream, **decode)
 
+    def fim_tokens(self) -> FimTokens:
+        """The model's fill-in-the-middle tokens; Unsupported (naming what is missing) without them."""
+        if self._fim is None:
+            with self.lock:
+                self._check_loaded()
+                self._fim = find_fim_tokens(self.backend)
+        return self._fim
+
+    def infill_prompt(
+        self, prefix: str, suffix: str, extra: Sequence[ExtraFile] = (), *, repo: str | None = None
+    ) -> PrefixInput:
+        """The infill prompt as a prefix: its tokens (user text never parses as control tokens) and its text."""
+        prefix, suffix = as_text(prefix, "infill prefix"), as_text(suffix, "infill suffix")
+        files = check_extra(extra)
+        fim = self.fim_tokens()
+        with self.lock:
+            tokens = infill_tokens(self.backend, fim, prefix, suffix, files, add_bos=self.default_add_bos, repo=repo)
+            start = 1 if self.default_add_bos and tokens[0] == self.info.bos_token_id else 0
+            text = spell(self.backend, tokens[start:])
+        return PrefixInput(text=text, tokens=tuple(tokens))
+
+    def infill(
+        self,
+        prefix: str,
+        suffix: str,
+        extra: Sequence[ExtraFile] = (),
+        config: DecodeConfig | None = None,
+        *,
+        repo: str | None = None,
+        stream: bool = False,
+        **decode: Any,
+    ) -> Completion | Iterator[StreamChunk]:
+        """Fill in the code between prefix and suffix (the model's FIM tokens; extra files come first)."""
+        inp = self.infill_prompt(prefix, suffix, extra, repo=repo)
+        cfg = _decode_config(config, decode)
+        cfg = replace(cfg, stop_token_ids=(*cfg.stop_token_ids, *self.fim_tokens().stops()))
+        t0 = time.perf_counter()
+        chunks = self._stream(inp, cfg)
+        return chunks if stream else _collect(chunks, t0)
+
     def _helper_session(self) -> Session:
         if self._helper is None or self._helper.closed:
             with self.lock:
@@ -306,7 +348,7 @@ class Runtime:
                 self._helper = Session(self, acquire())
         return self._helper
 
-    def _stream(self, prompt: str | bytes, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+    def _stream(self, prompt: str | bytes | PrefixInput, cfg: DecodeConfig) -> Iterator[StreamChunk]:
         # Validate and prefill eagerly so errors raise at the call, not at iteration.
         self._helper_lock.acquire()
         try:

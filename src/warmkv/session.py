@@ -187,7 +187,10 @@ class Session(Decoding):
             )
         with self._lock():
             self._check_usable()
-            tokens = self._rt.prompt_tokens(text, add_bos=add_bos, parse_special=inp.parse_special)
+            if inp.tokens is not None:
+                tokens = self._given_tokens(inp.tokens)
+            else:
+                tokens = self._rt.prompt_tokens(text, add_bos=add_bos, parse_special=inp.parse_special)
             if not tokens:
                 raise InvalidInput("prefix text produced no tokens")
             same = self._manifest is not None and self._manifest == manifest

@@ -16,6 +16,8 @@ class PrefixInput:
     add_bos None follows the runtime's BOS policy. parse_special lets text such
     as '<|im_start|>' become special tokens (needed for chat-formatted text).
     expect_manifest, when set, must equal the runtime's manifest digest.
+    tokens, when set, are the prompt's tokens as the caller built them (an infill prompt, whose
+    user text must not parse as control tokens); text then only names them (hashes, segments).
     """
 
     text: str | bytes
@@ -23,6 +25,7 @@ class PrefixInput:
     add_bos: bool | None = None
     parse_special: bool = True
     expect_manifest: str | None = None
+    tokens: tuple[int, ...] | None = None
 
     @classmethod
     def coerce(cls, value: PrefixInput | str | bytes) -> PrefixInput:

@@ -97,7 +97,11 @@ def shape_gguf(name: str | Shape, quant: str = "q4_0", directory: Path | None = 
     return out
 
 
-def _copy_tokenizer(writer: object) -> None:
+CONTROL = 3  # GGUF token type of a control token
+
+
+def _copy_tokenizer(writer: object, extra_control: tuple[str, ...] = ()) -> None:
+    """The default model's tokenizer, with extra control tokens appended."""
     import gguf
 
     reader = gguf.GGUFReader(str(default_model_path()))
@@ -106,7 +110,14 @@ def _copy_tokenizer(writer: object) -> None:
             continue
         kind = field.types[0]
         if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1])  # type: ignore[attr-defined]
+            value = list(field.contents())
+            if key == "tokenizer.ggml.tokens":
+                value += list(extra_control)
+            elif key == "tokenizer.ggml.token_type":
+                value += [CONTROL] * len(extra_control)
+            elif key == "tokenizer.ggml.scores":
+                value += [0.0] * len(extra_control)
+            writer.add_key_value(key, value, kind, sub_type=field.types[-1])  # type: ignore[attr-defined]
         else:
             writer.add_key_value(key, field.contents(), kind)  # type: ignore[attr-defined]
 
@@ -132,11 +143,14 @@ def _tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def write_f16(shape: Shape, path: Path, seed: int = 0) -> None:
-    """Stream a random-weight F16 GGUF: matrices ~ N(0, 0.02^2) like a fresh init, norms 1, F32."""
+def write_f16(shape: Shape, path: Path, seed: int = 0, extra_control: tuple[str, ...] = ()) -> None:
+    """Stream a random-weight F16 GGUF: matrices ~ N(0, 0.02^2) like a fresh init, norms 1, F32.
+
+    extra_control: control tokens appended to the default model's vocabulary (e.g. FIM tokens).
+    """
     import gguf
 
-    vocab = len(gguf.GGUFReader(str(default_model_path())).fields["tokenizer.ggml.tokens"].data)
+    vocab = len(gguf.GGUFReader(str(default_model_path())).fields["tokenizer.ggml.tokens"].data) + len(extra_control)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"random {shape.name}")
     w.add_context_length(shape.context_length)
@@ -150,7 +164,7 @@ def write_f16(shape: Shape, path: Path, seed: int = 0) -> None:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_file_type(1)  # mostly F16
-    _copy_tokenizer(w)
+    _copy_tokenizer(w, extra_control)
     tensors = _tensors(shape, vocab)
     for name, shp in tensors:
         dtype = np.float32 if len(shp) == 1 else np.float16

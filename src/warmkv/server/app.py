@@ -18,7 +18,15 @@ from .. import __version__
 from ..errors import InvalidConfig
 from ..runtime import Runtime
 from ..scheduler import Scheduler
-from . import anthropic_routes, errors, openai_routes, responses_routes, session_routes, utility_routes
+from . import (
+    anthropic_routes,
+    errors,
+    infill_routes,
+    openai_routes,
+    responses_routes,
+    session_routes,
+    utility_routes,
+)
 from .admission import Admission
 from .guard import Guard
 from .metrics import ServerMetrics
@@ -81,6 +89,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     app.include_router(responses_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(utility_routes.router)
+    app.include_router(infill_routes.router)
     app.include_router(session_routes.router)
     app.add_api_route("/health", health, methods=["GET"], tags=["ops"])
     app.add_api_route("/metrics", metrics_route, methods=["GET"], tags=["ops"], response_class=Response)

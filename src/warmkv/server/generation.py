@@ -31,11 +31,15 @@ class Generation:
         return len(self.prompt_ids)
 
 
-async def generate(st: ServerState, prompt: str, max_tokens: int | None, sampling: dict[str, Any]) -> Generation:
-    """Start generating after prompt; errors before the first token raise here (4xx/5xx)."""
+async def generate(
+    st: ServerState, prompt: str | PrefixInput, max_tokens: int | None, sampling: dict[str, Any]
+) -> Generation:
+    """Start generating after prompt (text, or a PrefixInput that carries its own tokens);
+    errors before the first token raise here (4xx/5xx)."""
     t0 = time.perf_counter()
     rt = st.runtime
-    tokens = await run_in_threadpool(rt.tokenize, prompt)
+    inp = PrefixInput.coerce(prompt)
+    tokens = list(inp.tokens) if inp.tokens is not None else await run_in_threadpool(rt.tokenize, inp.text)
     num_ctx: int = rt.config.num_ctx  # type: ignore[assignment]
     if max_tokens is None:
         max_tokens = min(st.settings.default_max_tokens, num_ctx - len(tokens))
@@ -54,7 +58,7 @@ async def generate(st: ServerState, prompt: str, max_tokens: int | None, samplin
             st.metrics.observe_usage(final.usage)
 
     try:
-        status = await run_in_threadpool(session.ensure_prefix, PrefixInput(text=prompt))
+        status = await run_in_threadpool(session.ensure_prefix, inp)
         st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
         stream = await start_decode(st.scheduler, session, cfg, finished)
     except SessionFatal:

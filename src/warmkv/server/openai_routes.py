@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..constraint import Constraint
 from ..tools import ArgsDelta, Call, CallStart, Event, TextDelta, openai_choice, openai_tools
-from ..types import StreamChunk, TokenLogprob, Usage
+from ..types import PrefixInput, StreamChunk, TokenLogprob, Usage
 from .chat_turn import ChatInput, start_chat
 from .constraints import one_constraint
 from .errors import ApiError, from_warmkv
@@ -287,8 +287,6 @@ async def completions(req: CompletionRequest, st: State) -> Any:
     sampling = _sampling(req)
     if req.echo:
         raise _unsupported("echo", "echo is not supported")
-    if req.suffix:
-        raise _unsupported("suffix", "suffix (fill-in-the-middle) is not supported")
     if req.best_of not in (None, 1):
         raise _unsupported("best_of", "only best_of=1 is supported")
     sampling["logprobs"] = req.logprobs
@@ -299,9 +297,13 @@ async def completions(req: CompletionRequest, st: State) -> Any:
         prompt = req.prompt[0]
     else:
         prompt = req.prompt
-    if not prompt:
+    target: str | PrefixInput = prompt
+    if req.suffix is not None:  # fill in the middle: prompt is the code before the cursor, suffix after it
+        target = await run_in_threadpool(st.runtime.infill_prompt, prompt, req.suffix)
+        sampling["stop_token_ids"] = st.runtime.fim_tokens().stops()
+    elif not prompt:
         raise ApiError(400, "prompt is empty", code="invalid_value", param="prompt")
-    gen = await generate(st, prompt, req.max_tokens, sampling)
+    gen = await generate(st, target, req.max_tokens, sampling)
     headers = report(st, gen.status, gen.prompt_tokens)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:

@@ -1,0 +1,134 @@
+"""POST /infill: code completion between a prefix and a suffix, in llama.cpp server's shape.
+
+Editor clients (llama.vim, llama.vscode, Continue) send the code before and after the
+cursor and repository context (`input_extra`); warmkv builds the model's FIM prompt with
+the repository context first (runtime.infill_prompt), so only the few tokens around the
+cursor are prefilled on each keystroke. The OpenAI way to the same is /v1/completions
+with `suffix`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+from pydantic import Field
+from starlette.concurrency import run_in_threadpool
+
+from ..infill import ExtraFile
+from ..types import PrefixInput, StreamChunk
+from .errors import from_warmkv
+from .generation import Generation, generate
+from .reuse_report import report
+from .schemas import Stop, _Request
+from .state import State
+from .streams import SSEResponse, sse
+
+router = APIRouter(tags=["infill"])
+
+
+class ExtraChunk(_Request):
+    filename: str = ""
+    text: str = ""
+
+
+class InfillRequest(_Request):
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = Field(default_factory=list, max_length=256)
+    prompt: str = ""  # text already typed after the cursor's start: the middle so far
+    model: str | None = None
+    n_predict: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    temperature: float = Field(default=0.8, ge=0.0, le=2.0)
+    top_k: int = Field(default=40, ge=0)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
+    repeat_penalty: float = Field(default=1.0, gt=0.0)
+    seed: int | None = None
+    stop: Stop = None
+    # Accepted without effect (sent by llama.cpp's editor clients): caching is always on, the
+    # sampler chain is fixed, time budgets and indentation heuristics are not implemented.
+    cache_prompt: bool | None = None
+    samplers: list[str] | None = None
+    n_indent: int | None = None
+    t_max_prompt_ms: int | None = None
+    t_max_predict_ms: int | None = None
+    response_fields: list[str] | None = None
+
+
+def _final(gen: Generation, chunk: StreamChunk, content: str, model: str) -> dict[str, Any]:
+    usage = chunk.usage
+    stop_type = "word" if chunk.stop_sequence else ("limit" if chunk.finish_reason == "length" else "eos")
+    return {
+        "content": content,
+        "model": model,
+        "stop": True,
+        "stop_type": stop_type,
+        "stopping_word": chunk.stop_sequence or "",
+        "tokens_predicted": usage.completion_tokens if usage else 0,
+        "tokens_evaluated": gen.prompt_tokens,
+        "tokens_cached": gen.cached_tokens,
+        "truncated": False,
+        "timings": {
+            "prompt_n": gen.prompt_tokens - gen.cached_tokens,
+            "prompt_ms": gen.status.prefill_s * 1000,
+            "predicted_n": usage.completion_tokens if usage else 0,
+            "predicted_ms": (time.perf_counter() - gen.t0 - gen.status.prefill_s) * 1000,
+        },
+    }
+
+
+@router.post("/infill")
+async def infill(req: InfillRequest, st: State) -> Any:
+    """Fill in the middle; Unsupported (400) on a model without FIM tokens."""
+    model = st.check_model(req.model) if req.model is not None else st.model_id
+    rt = st.runtime
+    extra = [ExtraFile(c.filename, c.text) for c in req.input_extra]
+    target = await run_in_threadpool(rt.infill_prompt, req.input_prefix, req.input_suffix, extra)
+    if req.prompt:  # the middle typed so far continues the prompt
+        more = await run_in_threadpool(rt.tokenize, req.prompt, add_bos=False, parse_special=False)
+        target = PrefixInput(text=target.text + req.prompt, tokens=(*(target.tokens or ()), *more))
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    sampling = {
+        "temperature": req.temperature,
+        "top_k": req.top_k,
+        "top_p": req.top_p,
+        "min_p": req.min_p,
+        "repeat_penalty": req.repeat_penalty,
+        "seed": None if req.seed is None else req.seed % 2**32,
+        "stop": tuple(stop),
+        "stop_token_ids": rt.fim_tokens().stops(),
+    }
+    gen = await generate(st, target, req.n_predict or req.max_tokens, sampling)
+    headers = report(st, gen.status, gen.prompt_tokens)
+    if req.stream:
+
+        async def body() -> AsyncIterator[bytes]:
+            async for chunk in gen.stream:
+                if chunk.done:
+                    if chunk.error is not None:
+                        yield sse(from_warmkv(chunk.error).body())
+                    else:
+                        yield sse({**_final(gen, chunk, chunk.text, model)})
+                    return
+                if chunk.text:
+                    yield sse({"content": chunk.text, "stop": False})
+
+        return SSEResponse(body(), on_close=gen.stream.cancel, headers=headers)
+    parts: list[str] = []
+    try:
+        async for chunk in gen.stream:
+            parts.append(chunk.text)
+            if chunk.done:
+                if chunk.error is not None:
+                    raise from_warmkv(chunk.error)
+                return JSONResponse(_final(gen, chunk, "".join(parts), model), headers=headers)
+    except BaseException:
+        gen.stream.cancel()  # the client left: stop decoding for nobody
+        raise
+    raise RuntimeError("stream ended without a final chunk")
