@@ -62,6 +62,17 @@ def test_divergence_names_where_reuse_stopped(rt: warmkv.Runtime) -> None:
         assert report.to_dict()["last_prefix"]["divergence"]["token"] == d.token
 
 
+def test_a_resent_prompt_decodes_from_its_own_logits(rt: warmkv.Runtime) -> None:
+    """A full hit samples from the logits its prefill produced, bitwise: no re-evaluation of the last token."""
+    cfg = warmkv.DecodeConfig(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
+    with rt.session() as s:
+        s.ensure_prefix(SYSTEM + USER_A)
+        first = [(lp.token, lp.logprob, lp.top) for c in s.decode(cfg) for lp in c.logprobs or ()]
+        assert s.ensure_prefix(SYSTEM + USER_A).prefilled_tokens == 0
+        again = [(lp.token, lp.logprob, lp.top) for c in s.decode(cfg) for lp in c.logprobs or ()]
+    assert again == first
+
+
 def test_suffix_never_alters_prefix(rt: warmkv.Runtime) -> None:
     with rt.session() as s:
         n_prefix = s.ensure_prefix(SYSTEM).prefix_tokens

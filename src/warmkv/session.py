@@ -83,6 +83,9 @@ class Session(Decoding):
         self._tokens: list[int] = []
         self._tail: list[int] = []
         self._logits: np.ndarray | None = None  # after _tokens[-1]; None when unknown
+        # The logits after the last prefill, kept with the tokens they follow: a resent prompt samples
+        # from them instead of evaluating its last token again alone (another kernel, other rounding).
+        self._prefill_logits: tuple[int, np.ndarray] | None = None
         self._prefix_len = 0
         self._suffix_end = 0
         self._detached: int | None = None  # _tokens[_detached:] is a dropped suffix whose KV is kept
@@ -124,10 +127,13 @@ class Session(Decoding):
         if n < len(self._tokens):
             self._backend.truncate(self._seq, n)
             del self._tokens[n:]
-            self._logits = None
+            kept = self._prefill_logits
+            self._logits = kept[1] if kept is not None and kept[0] == n else None
+            if kept is not None and kept[0] > n:
+                self._prefill_logits = None
         self._tail = []
 
-    def _eval(self, tokens: Sequence[int]) -> None:
+    def _eval(self, tokens: Sequence[int], *, keep_logits: bool = False) -> None:
         """Append tokens to the KV; on failure roll back to where we were.
 
         A long prefill goes in chunks of prefill_chunk tokens and lets go of the
@@ -145,6 +151,8 @@ class Session(Decoding):
                 (logits,) = self._backend.forward([ForwardRow(self._seq, piece, len(self._tokens), want_logits=last)])
                 self._tokens.extend(piece)
                 self._logits = logits
+                if last and keep_logits and logits is not None:  # a prompt's end, not a decode step's
+                    self._prefill_logits = (len(self._tokens), logits)
                 if not last:
                     self._rt.yield_model_lock()
         except SessionFatal as e:
@@ -226,9 +234,9 @@ class Session(Decoding):
                 # entry covering every block would have been the hit above.)
                 boundary = len(keys) * tiers.block_tokens
                 if boundary > len(self._tokens):
-                    self._eval(tokens[len(self._tokens) : boundary])
+                    self._eval(tokens[len(self._tokens) : boundary], keep_logits=True)
                     tiers.remember(self._seq, keys, tokens[:boundary], manifest.digest)
-            self._eval(tokens[len(self._tokens) :])
+            self._eval(tokens[len(self._tokens) :], keep_logits=True)
             self._prefix_len = self._suffix_end = len(tokens)
             self._byte_hash = sha256_bytes(raw)
             self._token_hash = hash_token_ids(tokens)
@@ -275,9 +283,9 @@ class Session(Decoding):
             self._rt.tiers.load(hit, self._seq)  # type: ignore[union-attr]
         except WarmkvError:
             self._backend.truncate(self._seq, 0)
-            self._tokens, self._tail, self._logits = [], [], None
+            self._tokens, self._tail, self._logits, self._prefill_logits = [], [], None, None
             return False
-        self._tokens, self._tail, self._logits = list(hit.kv.tokens), [], None
+        self._tokens, self._tail, self._logits, self._prefill_logits = list(hit.kv.tokens), [], None, None
         self._truncate(hit.n_tokens)
         return True
 
@@ -321,7 +329,7 @@ class Session(Decoding):
             else:
                 self._truncate(base + reused)
                 self._detached = None
-            self._eval(new[reused:])
+            self._eval(new[reused:], keep_logits=True)
             self._suffix_end = len(self._tokens)
             self._cached_since_decode += reused
             return SuffixStatus(
@@ -418,7 +426,7 @@ class Session(Decoding):
         """Load a snapshot's KV into this (fresh) session."""
         with self._lock():
             self._backend.import_seq(self._seq, blob)
-            self._tokens, self._tail, self._logits = list(tokens), [], None
+            self._tokens, self._tail, self._logits, self._prefill_logits = list(tokens), [], None, None
             self._manifest = manifest
             self._prefix_len = int(meta.get("prefix_len", len(tokens)))
             self._suffix_end = int(meta.get("suffix_end", len(tokens)))
@@ -428,6 +436,7 @@ class Session(Decoding):
     def _adopt(self, other: Session) -> None:
         """Take over another session's bookkeeping (its KV was copied to our sequence)."""
         self._tokens, self._tail, self._logits = list(other._tokens), list(other._tail), other._logits
+        self._prefill_logits = other._prefill_logits
         self._prefix_len, self._suffix_end, self._manifest = other._prefix_len, other._suffix_end, other._manifest
         self._byte_hash, self._token_hash, self._last_prefix = other._byte_hash, other._token_hash, other._last_prefix
 
@@ -476,7 +485,7 @@ class Session(Decoding):
                 return
             self._closed = True
             self._rt._release(self, self._seq)
-            self._tokens, self._tail, self._logits = [], [], None
+            self._tokens, self._tail, self._logits, self._prefill_logits = [], [], None, None
 
     def __enter__(self) -> Session:
         return self
