@@ -236,9 +236,14 @@ def test_responses_text(client: openai.OpenAI, model: str) -> None:
     r = client.responses.create(model=model, input="Say hi.", max_output_tokens=6, temperature=0)
     assert r.output_text and r.status in ("completed", "incomplete")
     assert r.usage.output_tokens <= 6 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,  # the object closes after its one key
+    }
     r = client.responses.create(
-        model=model, input="Is 2 > 1? Answer in JSON.", max_output_tokens=24, temperature=0,
+        model=model, input="Is 2 > 1? Answer in JSON.", max_output_tokens=40, temperature=0,
         text={"format": {"type": "json_schema", "name": "answer", "schema": schema}},
     )  # fmt: skip
     assert isinstance(json.loads(r.output_text)["ok"], bool)
