@@ -61,6 +61,42 @@ class ForwardRow:
     all_logits: bool = False  # logits after every token ([len(tokens), vocab]), e.g. to verify a draft
 
 
+def check_rows(
+    rows: Sequence[ForwardRow],
+    *,
+    n_vocab: int,
+    num_ctx: int,
+    check_seq: Callable[[int], None],
+    length: Callable[[int], int],
+) -> None:
+    """Reject a forward the engine must not start; both backends call this before touching the KV.
+
+    check_seq raises unless the id is an acquired sequence; length is its resident token count.
+    Rows are one per sequence, non-empty, and continue their sequence exactly where it ends.
+    """
+    seen: set[int] = set()
+    for i, row in enumerate(rows):
+        if not isinstance(row, ForwardRow):
+            raise InvalidInput(f"forward rows must be ForwardRow, got {type(row).__name__} at row {i}")
+        check_seq(row.seq)
+        if row.seq in seen:
+            raise InvalidInput(f"sequence {row.seq} appears twice in one forward")
+        seen.add(row.seq)
+        n = len(row.tokens)
+        if n == 0:
+            raise InvalidInput(f"row {i} for sequence {row.seq} has no tokens")
+        if row.all_logits and not row.want_logits:
+            raise InvalidInput(f"row {i} for sequence {row.seq} asks for all_logits with want_logits=False")
+        have = length(row.seq)
+        if isinstance(row.start, bool) or not isinstance(row.start, int) or row.start != have:
+            raise InvalidInput(f"row for sequence {row.seq} starts at {row.start} but {have} tokens are resident")
+        for t in row.tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n_vocab:
+                raise InvalidInput(f"token id {t!r} out of range [0, {n_vocab})")
+        if row.start + n > num_ctx:
+            raise ContextOverflow("forward", row.start, n, num_ctx)
+
+
 def check_embed_tokens(tokens: Sequence[int], num_ctx: int) -> None:
     """Embedding input is 1..num_ctx tokens evaluated at once (ids are each backend's to check)."""
     if not tokens:

@@ -24,7 +24,7 @@ from ..config import DecodeConfig, RuntimeConfig
 from ..errors import InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal
 from ..manifest import file_digest
 from ..sampling import Sampler
-from .base import BlobKV, ForwardRow, ModelInfo, ModelState, check_embed_tokens
+from .base import BlobKV, ForwardRow, ModelInfo, ModelState, check_embed_tokens, check_rows
 from .compute_thread import ComputeThread, on_compute_thread
 from .llamacpp_embed import EmbeddingContext
 from .slots import SeqSlots
@@ -245,6 +245,10 @@ class LlamaCppBackend:
         self._activate()
         return self._slots.acquire_internal()
 
+    def _length(self, seq: int) -> int:
+        """Resident tokens of seq: its cells hold positions [0, n) with none missing."""
+        return lc.llama_memory_seq_pos_max(self._mem, seq) + 1
+
     def release_seq(self, seq: int) -> None:
         if self._mem is not None:
             lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
@@ -310,6 +314,9 @@ class LlamaCppBackend:
     def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:
         """Pack rows into batches of at most num_batch tokens; one llama_decode each."""
         self._activate()
+        check_rows(
+            rows, n_vocab=self._n_vocab, num_ctx=self.config.num_ctx, check_seq=self._slots.check, length=self._length
+        )
         out: list[np.ndarray | None] = [
             np.empty((len(r.tokens), self._n_vocab), dtype=np.float32) if r.all_logits else None for r in rows
         ]

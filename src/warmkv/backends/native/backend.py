@@ -12,7 +12,6 @@ import torch
 from ...config import DecodeConfig, RuntimeConfig
 from ...errors import (
     BackendUnavailable,
-    ContextOverflow,
     InvalidConfig,
     InvalidInput,
     InvalidModelFile,
@@ -22,7 +21,7 @@ from ...errors import (
     WarmkvError,
 )
 from ...manifest import file_digest
-from ..base import ForwardRow, ModelInfo, ModelState, TokenSampler, check_embed_tokens
+from ..base import ForwardRow, ModelInfo, ModelState, TokenSampler, check_embed_tokens, check_rows
 from ..compute_thread import ComputeThread, on_compute_thread
 from ..slots import SeqSlots
 from . import decode_ext
@@ -293,28 +292,12 @@ class NativeBackend:
 
     # -- evaluation ------------------------------------------------------------------
 
-    def _validate(self, rows: Sequence[ForwardRow], cache: PagedKVCache) -> None:
-        seen: set[int] = set()
-        n_ctx = self.config.num_ctx or 0
-        for row in rows:
-            if not isinstance(row, ForwardRow):
-                raise InvalidInput(f"forward rows must be ForwardRow, got {type(row).__name__}")
-            self._check_seq(row.seq)
-            if row.seq in seen:
-                raise InvalidInput(f"sequence {row.seq} appears twice in one forward")
-            seen.add(row.seq)
-            have = cache.length(row.seq)
-            if row.start != have:
-                raise InvalidInput(f"row for sequence {row.seq} starts at {row.start} but {have} tokens are resident")
-            for t in row.tokens:
-                self._tok.check(t)
-            if row.start + len(row.tokens) > n_ctx:
-                raise ContextOverflow("forward", row.start, len(row.tokens), n_ctx)
-
     @on_compute_thread
     def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:
         cache = self._activate()
-        self._validate(rows, cache)
+        check_rows(
+            rows, n_vocab=self.info.n_vocab, num_ctx=self.config.num_ctx, check_seq=self._check_seq, length=cache.length
+        )
         cache.can_append({r.seq: len(r.tokens) for r in rows})  # KVCacheFull here changes nothing
         n_vocab = self.info.n_vocab
         out: list[np.ndarray | None] = [
