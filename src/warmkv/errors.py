@@ -92,6 +92,24 @@ class SessionFatal(WarmkvError):
     """The backend failed in a way that leaves the session's KV unknown; evict the session."""
 
 
+class EngineError(WarmkvError):
+    """The engine failed a call but left every sequence's KV as it was; the call may be retried."""
+
+
+class ForwardFailed(EngineError):
+    """A forward failed inside the engine and was rolled back: the sessions are as they were before it."""
+
+    def __init__(self, backend: str, rows: int, tokens: int, reason: str) -> None:
+        self.backend = backend
+        self.rows = rows
+        self.tokens = tokens
+        self.reason = reason
+        super().__init__(
+            f"{backend} forward of {tokens} tokens in {rows} row(s) failed and was rolled back "
+            f"(the session is unchanged): {reason}"
+        )
+
+
 class ModelUnloaded(WarmkvError):
     """The runtime (and its model) was closed."""
 

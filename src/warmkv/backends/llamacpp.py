@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ import llama_cpp as lc
 import numpy as np
 
 from ..config import DecodeConfig, RuntimeConfig
-from ..errors import InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal
+from ..errors import EngineError, ForwardFailed, InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal
 from ..manifest import file_digest
 from ..sampling import Sampler
 from .base import BlobKV, ForwardRow, ModelInfo, ModelState, check_embed_tokens, check_rows
@@ -38,6 +39,7 @@ KV_TYPES = {
 }
 _FLASH = {"on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 GGUF_MAGIC = b"GGUF"
+log = logging.getLogger("warmkv.llamacpp")
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -71,6 +73,10 @@ def check_gguf(path: str) -> Path:
     if magic != GGUF_MAGIC:
         raise InvalidModelFile(f"{path} is not a GGUF file (first bytes {magic!r}, expected {GGUF_MAGIC!r})")
     return p
+
+
+class _DecodeFailed(Exception):
+    """A llama_decode inside a forward failed; the forward rolls back and raises a typed error."""
 
 
 class LlamaCppBackend:
@@ -250,39 +256,63 @@ class LlamaCppBackend:
         return lc.llama_memory_seq_pos_max(self._mem, seq) + 1
 
     def release_seq(self, seq: int) -> None:
-        if self._mem is not None:
-            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        if self._mem is not None and not lc.llama_memory_seq_rm(self._mem, seq, -1, -1):
+            # Its cells are still held: a session given this slot would find them, so keep it out of use.
+            log.warning("llama.cpp could not clear sequence %d; its slot stays reserved", seq)
+            return
         self._slots.release(seq)
 
     def truncate(self, seq: int, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidInput(f"truncate length must be an integer >= 0, got {n!r}")
         if self._mem is None:
             return
         if not lc.llama_memory_seq_rm(self._mem, seq, n, -1):
             raise SessionFatal(f"llama.cpp could not drop positions >= {n} of sequence {seq}")
 
     def copy_seq(self, src: int, dst: int, n: int) -> None:
+        self._activate()
+        self._slots.check(src)
+        self._slots.check(dst)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidInput(f"copy length must be an integer >= 0, got {n!r}")
+        want = min(n, self._length(src))
+        if not lc.llama_memory_seq_rm(self._mem, dst, -1, -1):
+            raise SessionFatal(f"llama.cpp could not clear sequence {dst} to copy {src} into it")
         # Each sequence has its own KV stream, and llama.cpp copies across streams
         # only whole buffers: copy everything, then drop what lies past n.
-        lc.llama_memory_seq_rm(self._mem, dst, -1, -1)
-        lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
-        lc.llama_memory_seq_rm(self._mem, dst, n, -1)
+        lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # returns nothing: the length check below tells
+        ok = lc.llama_memory_seq_rm(self._mem, dst, n, -1)
+        got = self._length(dst)
+        if not ok or got != want:
+            if not lc.llama_memory_seq_rm(self._mem, dst, -1, -1):
+                raise SessionFatal(f"llama.cpp left sequence {dst} half copied from {src} and could not clear it")
+            raise EngineError(f"llama.cpp copied {got} of {want} positions of sequence {src} into {dst}")
 
     def export_seq(self, seq: int) -> bytes:
         """The sequence's KV as llama.cpp state bytes (only its own cells)."""
         self._activate()
+        self._slots.check(seq)
         size = lc.llama_state_seq_get_size(self._ctx, seq)
         buf = (ctypes.c_uint8 * size)()
         n = lc.llama_state_seq_get_data(self._ctx, buf, size, seq)
+        if n != size:
+            raise EngineError(f"llama.cpp wrote {n} of the {size} bytes of sequence {seq}'s state")
         return ctypes.string_at(buf, n)
 
     def import_seq(self, seq: int, blob: bytes) -> None:
         """Replace the sequence's KV with state bytes from export_seq (same manifest)."""
         self._activate()
-        lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        self._slots.check(seq)
+        if not lc.llama_memory_seq_rm(self._mem, seq, -1, -1):
+            raise SessionFatal(f"llama.cpp could not clear sequence {seq} to import its state")
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        if lc.llama_state_seq_set_data(self._ctx, buf, len(blob), seq) == 0:
-            lc.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            raise InvalidInput(f"llama.cpp rejected {len(blob)} bytes of sequence state")
+        n = lc.llama_state_seq_set_data(self._ctx, buf, len(blob), seq)
+        if n != len(blob):
+            # 0: rejected; fewer: the blob holds more than one state. Either way seq ends empty.
+            if not lc.llama_memory_seq_rm(self._mem, seq, -1, -1):
+                raise SessionFatal(f"llama.cpp could not clear sequence {seq} after a failed import")
+            raise InvalidInput(f"llama.cpp read {n} of {len(blob)} bytes of sequence state")
 
     @on_compute_thread
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
@@ -323,20 +353,33 @@ class LlamaCppBackend:
         cap = self.config.num_batch
         pending: list[tuple[int, int, int]] = []  # (row index, token offset, batch index)
         fill = 0
-        for r, row in enumerate(rows):
-            toks = row.tokens
-            for i, tok in enumerate(toks):
-                if fill == cap:
-                    self._decode(fill, pending, rows, out)
-                    pending, fill = [], 0
-                wanted = row.all_logits or (i == len(toks) - 1 and row.want_logits)
-                self._put(fill, tok, row.start + i, row.seq, wanted)
-                if wanted:
-                    pending.append((r, i, fill))
-                fill += 1
-        if fill:
-            self._decode(fill, pending, rows, out)
+        try:
+            for r, row in enumerate(rows):
+                toks = row.tokens
+                for i, tok in enumerate(toks):
+                    if fill == cap:
+                        self._decode(fill, pending, rows, out)
+                        pending, fill = [], 0
+                    wanted = row.all_logits or (i == len(toks) - 1 and row.want_logits)
+                    self._put(fill, tok, row.start + i, row.seq, wanted)
+                    if wanted:
+                        pending.append((r, i, fill))
+                    fill += 1
+            if fill:
+                self._decode(fill, pending, rows, out)
+        except _DecodeFailed as e:
+            self._roll_back(rows, str(e))
         return out
+
+    def _roll_back(self, rows: Sequence[ForwardRow], reason: str) -> None:
+        """Drop what a failed forward wrote (earlier batches succeeded); ForwardFailed when that worked."""
+        lost = []
+        for row in rows:
+            if not lc.llama_memory_seq_rm(self._mem, row.seq, row.start, -1) or self._length(row.seq) != row.start:
+                lost.append(row.seq)
+        if lost:
+            raise SessionFatal(f"{reason}; the KV of sequence(s) {lost} could not be rolled back")
+        raise ForwardFailed(self.name, len(rows), sum(len(r.tokens) for r in rows), reason)
 
     def _put(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
         b = self._batch
@@ -350,9 +393,13 @@ class LlamaCppBackend:
         self._batch.n_tokens = n
         rc = lc.llama_decode(self._ctx, self._batch)
         if rc != 0:
-            raise SessionFatal(f"llama_decode failed with code {rc} on a batch of {n} tokens")
+            # 1: no KV slot, 2: aborted, < 0: invalid batch or engine error
+            raise _DecodeFailed(f"llama_decode returned {rc} on a batch of {n} tokens")
         for r, i, idx in pending:
-            vec = np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, idx), shape=(self._n_vocab,))
+            ptr = lc.llama_get_logits_ith(self._ctx, idx)
+            if not ptr:
+                raise _DecodeFailed(f"llama.cpp has no logits for batch index {idx} of {n}")
+            vec = np.ctypeslib.as_array(ptr, shape=(self._n_vocab,))
             if rows[r].all_logits:
                 out[r][i] = vec
             else:

@@ -12,6 +12,8 @@ from starlette.exceptions import HTTPException
 
 from ..errors import (
     ContextOverflow,
+    EngineError,
+    ForwardFailed,
     InvalidInput,
     ManifestMismatch,
     ModelUnloaded,
@@ -115,6 +117,10 @@ def from_warmkv(e: WarmkvError) -> ApiError:
         return ApiError(410, msg, code="session_closed")
     if isinstance(e, SessionLimit):
         return ApiError(429, msg, code="session_limit", open_sessions=e.open_sessions, n_seq_max=e.n_seq_max)
+    if isinstance(e, ForwardFailed):
+        return ApiError(500, msg, code="forward_failed", tokens=e.tokens)
+    if isinstance(e, EngineError):
+        return ApiError(500, msg + " (nothing was changed)", code="engine_error")
     if isinstance(e, SessionFatal):
         return ApiError(500, msg + " (the session was evicted)", code="session_fatal")
     if isinstance(e, ModelUnloaded):

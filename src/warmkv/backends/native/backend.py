@@ -12,6 +12,8 @@ import torch
 from ...config import DecodeConfig, RuntimeConfig
 from ...errors import (
     BackendUnavailable,
+    EngineError,
+    ForwardFailed,
     InvalidConfig,
     InvalidInput,
     InvalidModelFile,
@@ -315,10 +317,29 @@ class NativeBackend:
                     else:
                         out[r] = logits[i].numpy().copy()
         except Exception as e:
-            for r in rows:
-                cache.truncate(r.seq, r.start)
-            raise SessionFatal(f"native forward failed on {sum(len(r.tokens) for r in rows)} tokens: {e}") from None
+            self._roll_back(rows, cache, e)
         return out
+
+    def _roll_back(self, rows: Sequence[ForwardRow], cache: PagedKVCache, e: Exception) -> None:
+        """Drop what a failed forward appended; raise ForwardFailed (or e itself, if typed) when that worked."""
+        lost = []
+        for r in rows:
+            try:
+                cache.truncate(r.seq, r.start)
+            except Exception:
+                lost.append(r.seq)
+                continue
+            if cache.length(r.seq) != r.start:
+                lost.append(r.seq)
+        tokens = sum(len(r.tokens) for r in rows)
+        if lost:
+            raise SessionFatal(
+                f"native forward failed on {tokens} tokens ({e}) and the KV of sequence(s) {lost} "
+                "could not be rolled back"
+            ) from None
+        if isinstance(e, WarmkvError):
+            raise e
+        raise ForwardFailed(self.name, len(rows), tokens, f"{type(e).__name__}: {e}") from None
 
     @on_compute_thread
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
@@ -338,8 +359,8 @@ class NativeBackend:
                 total += h.sum(dim=0, dtype=torch.float64)
         except WarmkvError:
             raise
-        except Exception as e:
-            raise SessionFatal(f"native embedding forward failed on {len(tokens)} tokens: {e}") from None
+        except Exception as e:  # only the scratch holder was written, and it is freed below
+            raise EngineError(f"native embedding forward failed on {len(tokens)} tokens: {type(e).__name__}: {e}") from None
         finally:
             cache.free(holder)
         return (total / len(tokens)).float().cpu().numpy()
