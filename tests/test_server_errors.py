@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +12,10 @@ httpx = pytest.importorskip("httpx")
 
 import warmkv  # noqa: E402
 from server_harness import live_server  # noqa: E402
+from warmkv.errors import SchedulerClosed, StreamLimit  # noqa: E402
+from warmkv.server.admission import Admission  # noqa: E402
+from warmkv.server.errors import ApiError, from_warmkv  # noqa: E402
+from warmkv.server.pool import SessionPool  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 MSGS = [{"role": "user", "content": "Say hi."}]
@@ -164,3 +169,35 @@ def test_unknown_route_and_method(http: httpx.Client) -> None:
     assert http.get("/v1/nothing").json()["error"]["type"] == "not_found_error"
     r = http.get("/v1/chat/completions")
     assert r.status_code == 405 and "error" in r.json()
+
+
+OVERLOAD = [
+    (warmkv.KVCacheFull(8, 2, 100, 16), 503, "kv_cache_full"),
+    (warmkv.SessionLimit(4, 4), 429, "session_limit"),
+    (StreamLimit(256, 256), 429, "stream_limit"),
+    (SchedulerClosed("the scheduler is closed"), 503, "scheduler_closed"),
+    (warmkv.ForwardFailed("llamacpp", 1, 32, "llama_decode returned 2"), 500, "forward_failed"),
+]
+
+
+@pytest.mark.parametrize(("error", "status", "code"), OVERLOAD, ids=[c for _, _, c in OVERLOAD])
+def test_overload_statuses(error: warmkv.WarmkvError, status: int, code: str) -> None:
+    api = from_warmkv(error)
+    r = api.response("/v1/chat/completions")
+    assert (r.status_code, api.code) == (status, code)
+    # Overload answers say when to come back; a failed forward is not overload.
+    assert ("retry-after" in r.headers) == (status in (429, 503))
+    if code == "kv_cache_full":
+        assert api.extra["free_blocks"] == 2 and api.extra["needed_blocks"] == 8
+    if code == "forward_failed":
+        assert "unchanged" in api.message
+
+
+def test_busy_pool_is_429_with_retry_after() -> None:
+    # Every pool session busy (none idle) and the wait runs out: come back later, not a server error.
+    pool = SessionPool(None, 1, Admission(4), 0.05)  # type: ignore[arg-type]  # acquire never touches it here
+    with pytest.raises(ApiError) as e:
+        asyncio.run(pool.acquire([1, 2, 3]))
+    r = e.value.response("/v1/chat/completions")
+    assert r.status_code == 429 and r.headers["retry-after"] and e.value.code == "queue_timeout"
+    assert pool.waiting == 0

@@ -62,6 +62,19 @@ class SessionLimit(WarmkvError):
         )
 
 
+class StreamLimit(WarmkvError):
+    """The decode scheduler already runs as many streams as it may."""
+
+    def __init__(self, running: int, max_streams: int) -> None:
+        self.running = running
+        self.max_streams = max_streams
+        super().__init__(f"{running} streams are running (max_streams={max_streams}); retry when one ends")
+
+
+class SchedulerClosed(WarmkvError):
+    """The decode scheduler was stopped (the server is shutting down)."""
+
+
 class NoPrefix(WarmkvError):
     """prefill_suffix or decode was called before ensure_prefix."""
 

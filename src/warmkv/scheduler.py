@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .errors import InvalidInput, SessionFatal, WarmkvError
+from .errors import InvalidInput, SchedulerClosed, SessionFatal, StreamLimit, WarmkvError
 from .runtime import Runtime
 from .session import Session
 from .types import StreamChunk
@@ -87,9 +87,9 @@ class Scheduler:
         job = DecodeJob(session, chunks, sink, on_done)
         with self._cond:
             if self._stopped:
-                raise InvalidInput("the scheduler is closed")
+                raise SchedulerClosed("the scheduler is closed")
             if len(self._jobs) >= self.config.max_streams:
-                raise InvalidInput(f"{len(self._jobs)} streams are running (max_streams={self.config.max_streams})")
+                raise StreamLimit(len(self._jobs), self.config.max_streams)
             self._jobs.append(job)
             self._cond.notify()
         return job

@@ -15,12 +15,15 @@ from ..errors import (
     EngineError,
     ForwardFailed,
     InvalidInput,
+    KVCacheFull,
     ManifestMismatch,
     ModelUnloaded,
     NoPrefix,
+    SchedulerClosed,
     SessionClosed,
     SessionFatal,
     SessionLimit,
+    StreamLimit,
     Unsupported,
     WarmkvError,
 )
@@ -117,6 +120,21 @@ def from_warmkv(e: WarmkvError) -> ApiError:
         return ApiError(410, msg, code="session_closed")
     if isinstance(e, SessionLimit):
         return ApiError(429, msg, code="session_limit", open_sessions=e.open_sessions, n_seq_max=e.n_seq_max)
+    if isinstance(e, StreamLimit):
+        return ApiError(429, msg, code="stream_limit", running=e.running, max_streams=e.max_streams)
+    if isinstance(e, KVCacheFull):
+        # Memory frees as other streams end: a retry can succeed.
+        return ApiError(
+            503,
+            msg,
+            code="kv_cache_full",
+            needed_blocks=e.needed,
+            free_blocks=e.free,
+            total_blocks=e.total,
+            block_tokens=e.block_size,
+        )
+    if isinstance(e, SchedulerClosed):
+        return ApiError(503, msg, code="scheduler_closed")
     if isinstance(e, ForwardFailed):
         return ApiError(500, msg, code="forward_failed", tokens=e.tokens)
     if isinstance(e, EngineError):

@@ -59,7 +59,7 @@ class SessionPool:
                 fut.cancel()
                 if isinstance(e, TimeoutError):
                     raise ApiError(
-                        503, f"no session became free within {self._timeout_s:.0f}s", code="queue_timeout"
+                        429, f"no session became free within {self._timeout_s:.0f}s", code="queue_timeout"
                     ) from None
                 raise
 
