@@ -133,3 +133,10 @@ def test_detokenize_rejects_bad_ids(rt: warmkv.Runtime) -> None:
 def test_unknown_backend_option_is_typed() -> None:
     with pytest.raises(warmkv.InvalidConfig, match=r"has no option\(s\) \['bogus'\]"):
         warmkv.Runtime.load(backend_options={"bogus": 1})
+
+
+def test_backend_option_by_keyword_is_checked_against_the_backend() -> None:
+    with pytest.raises(warmkv.InvalidConfig, match=r"unknown runtime option\(s\) \['compute_dtype'\] for backend"):
+        warmkv.Runtime.load(compute_dtype="int4")
+    with pytest.raises(warmkv.InvalidConfig, match="compute_dtype must be one of"):
+        warmkv.Runtime.load(backend="native", compute_dtype="int3")

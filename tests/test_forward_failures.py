@@ -49,9 +49,7 @@ def fail_once(rt: warmkv.Runtime, *, after: int) -> Iterator[None]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_failed_forward_rolls_back_and_the_session_goes_on(backend: str) -> None:
     # 16-token batches: the 30-token suffix takes two engine steps, the first of which lands in the KV.
-    with warmkv.Runtime.load(
-        backend=backend, num_ctx=512, num_batch=16, num_ubatch=16, n_seq_max=1, **NO_TIERS
-    ) as rt:
+    with warmkv.Runtime.load(backend=backend, num_ctx=512, num_batch=16, num_ubatch=16, n_seq_max=1, **NO_TIERS) as rt:
         with rt.session() as s:
             s.ensure_prefix(SYSTEM)
             resident = s.token_ids()

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import warmkv
-from warmkv.config import RuntimeConfig
+from warmkv.backends import LlamaCppOptions, NativeOptions, make_options
+from warmkv.config import ResolvedConfig, RuntimeConfig
 from warmkv.manifest import ContextManifest
 from warmkv.sampling import Sampler
 
@@ -68,6 +69,32 @@ def test_runtime_config_resolves_auto() -> None:
     assert RuntimeConfig(kv_cache_type="q8_0").resolved(n_ctx_train=512).num_ctx == 512
     with pytest.raises(AttributeError):
         cfg.num_ctx = 5  # type: ignore[misc]
+    assert isinstance(cfg, ResolvedConfig) and isinstance(cfg, RuntimeConfig)
+    assert cfg.resolved(n_ctx_train=16) is cfg  # already concrete
+    with pytest.raises(warmkv.InvalidConfig, match="flash_attn"):
+        ResolvedConfig(flash_attn="auto")
+
+
+def test_backend_options_are_validated_records() -> None:
+    assert make_options("native") == NativeOptions()
+    opts = make_options("native", {"compute_dtype": "int4"}, device="cpu")
+    assert opts == NativeOptions(compute_dtype="int4", device="cpu")
+    assert make_options("native", opts, kv_cache_mb=64) == NativeOptions("int4", "cpu", "auto", 64)
+    assert make_options("llamacpp", use_mlock=True) == LlamaCppOptions(use_mlock=True)
+    bad = [
+        (lambda: NativeOptions(compute_dtype="float8"), "compute_dtype must be one of auto, float32"),
+        (lambda: NativeOptions(device="gpu"), "device must be 'cpu', 'cuda', 'cuda:N' or 'auto'; got 'gpu'"),
+        (lambda: NativeOptions(cpp_decode="yes"), "cpp_decode"),
+        (lambda: NativeOptions(kv_cache_mb=0), "kv_cache_mb must be a positive integer, got 0"),
+        (lambda: LlamaCppOptions(use_mmap="no"), "use_mmap must be a bool"),  # type: ignore[arg-type]
+        (lambda: make_options("llamacpp", compute_dtype="int4"), r"'llamacpp' has no option\(s\) \['compute_dtype'\]"),
+        (lambda: make_options("native", LlamaCppOptions()), "takes NativeOptions, got LlamaCppOptions"),
+    ]
+    for make, match in bad:
+        with pytest.raises(warmkv.InvalidConfig, match=match):
+            make()
+    with pytest.raises(AttributeError):
+        opts.device = "cuda"  # type: ignore[misc]
 
 
 def test_sampler_greedy_and_seeded() -> None:

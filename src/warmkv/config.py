@@ -7,7 +7,7 @@ sees the config; nothing mutates a config after construction.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 from .constraint import Constraint
 from .errors import InvalidConfig
@@ -99,7 +99,7 @@ class RuntimeConfig:
             raise InvalidConfig(f"unknown runtime option(s) {unknown}; valid: {sorted(known)}")
         return cls(**kwargs)  # type: ignore[arg-type]
 
-    def resolved(self, *, n_ctx_train: int) -> RuntimeConfig:
+    def resolved(self, *, n_ctx_train: int) -> ResolvedConfig:
         """A copy with every "auto"/None value made concrete for this model."""
         num_ctx = self.num_ctx or min(max(n_ctx_train, 16), DEFAULT_MAX_CTX)
         threads = self.num_threads or max(1, os.cpu_count() or 1)
@@ -108,7 +108,27 @@ class RuntimeConfig:
             # Quantized V needs flash attention; otherwise keep llama.cpp's
             # tested default path (off on CPU) so numerics are predictable.
             flash = "on" if self.kv_cache_type in QUANTIZED_KV else "off"
-        return replace(self, num_ctx=num_ctx, num_threads=threads, flash_attn=flash)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ResolvedConfig(**{**values, "num_ctx": num_ctx, "num_threads": threads, "flash_attn": flash})
+
+
+@dataclass(frozen=True)
+class ResolvedConfig(RuntimeConfig):
+    """A RuntimeConfig as a loaded backend uses it: num_ctx and num_threads are numbers, flash_attn on/off."""
+
+    num_ctx: int = DEFAULT_MAX_CTX
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("num_ctx", "num_threads"):
+            if getattr(self, name) is None:
+                raise InvalidConfig(f"a resolved config needs a concrete {name}")
+        if self.flash_attn == "auto":
+            raise InvalidConfig("a resolved config needs flash_attn 'on' or 'off'")
+
+    def resolved(self, *, n_ctx_train: int) -> ResolvedConfig:
+        return self
 
 
 MAX_TOP_LOGPROBS = 20

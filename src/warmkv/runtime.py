@@ -6,17 +6,17 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
-from .backends import Backend, ModelInfo, ModelState, load_backend
+from .backends import Backend, BackendOptions, ModelInfo, ModelState, load_backend, make_options, options_type
 from .chat import ChatTemplate, resolve_template
-from .config import DecodeConfig, RuntimeConfig
+from .config import DecodeConfig, ResolvedConfig, RuntimeConfig
 from .constraint import Constraint, Guide, build_tokenizer
 from .embeddings import EmbedInput, l2_normalize, split_inputs
-from .errors import ContextOverflow, InvalidInput, ManifestMismatch, ModelUnloaded, Unsupported
+from .errors import ContextOverflow, InvalidConfig, InvalidInput, ManifestMismatch, ModelUnloaded, Unsupported
 from .infill import ExtraFile, FimTokens, check_extra, find_fim_tokens, infill_tokens
 from .manifest import ContextManifest
 from .models import resolve_model
@@ -93,21 +93,31 @@ class Runtime:
         *,
         backend: str = "llamacpp",
         config: RuntimeConfig | None = None,
-        backend_options: Mapping[str, Any] | None = None,
+        backend_options: BackendOptions | Mapping[str, Any] | None = None,
         **options: Any,
     ) -> Runtime:
         """Load a model (default: the bundled SmolLM2-135M-Instruct GGUF).
 
-        Options are RuntimeConfig fields (num_ctx=8192, kv_cache_type="q8_0", ...);
-        backend_options go to the backend itself (native: compute_dtype, kv_cache_mb, device).
+        Options are RuntimeConfig fields (num_ctx=8192, kv_cache_type="q8_0", ...) and the
+        backend's own (NativeOptions: compute_dtype, device, cpp_decode, kv_cache_mb;
+        LlamaCppOptions: use_mmap, use_mlock), by name or as backend_options (a record or a mapping).
         """
-        if config is not None and options:
+        runtime_names = {f.name for f in fields(RuntimeConfig)}
+        backend_names = set(options_type(backend).names())
+        unknown = sorted(set(options) - runtime_names - backend_names)
+        if unknown:
+            valid = sorted(runtime_names | backend_names)
+            raise InvalidConfig(f"unknown runtime option(s) {unknown} for backend {backend!r}; valid: {valid}")
+        runtime_opts = {k: v for k, v in options.items() if k in runtime_names}
+        if config is not None and runtime_opts:
             raise InvalidInput("pass either config= or keyword options, not both")
-        cfg = config if config is not None else RuntimeConfig.from_kwargs(**options)
+        cfg = config if config is not None else RuntimeConfig.from_kwargs(**runtime_opts)
         if not isinstance(cfg, RuntimeConfig):
             raise InvalidInput(f"config must be RuntimeConfig, got {type(cfg).__name__}")
+        more = {k: v for k, v in options.items() if k in backend_names and k not in runtime_names}
+        opts = make_options(backend, backend_options, **more)
         path = resolve_model(model)
-        return cls(load_backend(backend, str(path), cfg, **dict(backend_options or {})))
+        return cls(load_backend(backend, str(path), cfg, opts))
 
     # -- facts ------------------------------------------------------------------
 
@@ -116,7 +126,7 @@ class Runtime:
         return self.backend.info
 
     @property
-    def config(self) -> RuntimeConfig:
+    def config(self) -> ResolvedConfig:
         return self.backend.config
 
     @property
@@ -157,8 +167,8 @@ class Runtime:
                     f"{k}: {str(theirs.get(k))[:24]} != {str(v)[:24]}" for k, v in ours.items() if theirs.get(k) != v
                 )
                 raise ManifestMismatch(f"snapshot {name!r} was taken under another manifest ({diff})")
-            if len(snap.tokens) > self.config.num_ctx:  # type: ignore[operator]
-                raise ContextOverflow("restore", 0, len(snap.tokens), self.config.num_ctx)  # type: ignore[arg-type]
+            if len(snap.tokens) > self.config.num_ctx:
+                raise ContextOverflow("restore", 0, len(snap.tokens), self.config.num_ctx)
             session = self.session()
             try:
                 session._restore(snap.tokens, snap.blob, manifest, dict(snap.meta))

@@ -79,7 +79,7 @@ class Session(Decoding):
         self._op = threading.RLock()
         self._model_lock = runtime.lock
         self._seq = seq
-        self._num_ctx: int = runtime.config.num_ctx  # type: ignore[assignment]
+        self._num_ctx: int = runtime.config.num_ctx
         self._tokens: list[int] = []
         self._tail: list[int] = []
         self._logits: np.ndarray | None = None  # after _tokens[-1]; None when unknown

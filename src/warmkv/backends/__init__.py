@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, InvalidConfig
 from .base import Backend, ForwardRow, ModelInfo, ModelState
+from .options import BackendOptions, LlamaCppOptions, NativeOptions
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,7 @@ class BackendSpec:
     module: str  # imported lazily: a backend's heavy deps load only when it is used
     requires: tuple[str, ...]
     install_hint: str
+    options: type[BackendOptions] = BackendOptions  # what the backend's load() takes
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
@@ -33,6 +36,7 @@ register(
         module="warmkv.backends.llamacpp",
         requires=("llama_cpp",),
         install_hint="pip install 'llama-cpp-python==0.3.36'",
+        options=LlamaCppOptions,
     )
 )
 register(
@@ -41,6 +45,7 @@ register(
         module="warmkv.backends.native",
         requires=("torch", "tokenizers", "gguf"),
         install_hint="pip install 'warmkv[native]' (torch==2.13.0, tokenizers, gguf, safetensors)",
+        options=NativeOptions,
     )
 )
 
@@ -65,11 +70,38 @@ def registered_backends() -> list[str]:
     return list(_REGISTRY)
 
 
-def load_backend(name: str, model_path: str, config: RuntimeConfig, **kwargs: object) -> Backend:
-    """Import the backend by name and load the model into it."""
+def options_type(name: str) -> type[BackendOptions]:
+    """The options record backend `name` takes (BackendUnavailable for an unknown name)."""
     spec = _REGISTRY.get(name)
     if spec is None:
         raise BackendUnavailable(f"unknown backend {name!r}; registered: {', '.join(_REGISTRY)}")
+    return spec.options
+
+
+def make_options(name: str, given: BackendOptions | Mapping[str, Any] | None = None, **more: Any) -> BackendOptions:
+    """Backend `name`'s typed options from a record or a mapping, plus keyword options (which win)."""
+    cls = options_type(name)
+    if isinstance(given, BackendOptions):
+        if type(given) is not cls:
+            raise InvalidConfig(f"backend {name!r} takes {cls.__name__}, got {type(given).__name__}")
+        return cls.from_kwargs(name, {**given.as_dict(), **more}) if more else given
+    if given is not None and not isinstance(given, Mapping):
+        raise InvalidConfig(f"backend options must be a mapping or {cls.__name__}, got {type(given).__name__}")
+    return cls.from_kwargs(name, {**dict(given or {}), **more})
+
+
+def load_backend(
+    name: str,
+    model_path: str,
+    config: RuntimeConfig,
+    options: BackendOptions | Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> Backend:
+    """Import the backend by name and load the model into it, with its options (a record, or by name)."""
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        raise BackendUnavailable(f"unknown backend {name!r}; registered: {', '.join(_REGISTRY)}")
+    opts = make_options(name, options, **kwargs)
     missing = _missing(spec)
     if missing:
         raise BackendUnavailable(
@@ -79,22 +111,23 @@ def load_backend(name: str, model_path: str, config: RuntimeConfig, **kwargs: ob
         module = importlib.import_module(spec.module)
     except ImportError as e:
         raise BackendUnavailable(f"backend {name!r} failed to import: {e}; {spec.install_hint}") from e
-    allowed = getattr(module, "OPTIONS", frozenset())
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        raise InvalidConfig(f"backend {name!r} has no option(s) {unknown}; valid: {sorted(allowed)}")
     loader: Callable[..., Backend] = module.load
-    return loader(model_path, config, **kwargs)
+    return loader(model_path, config, opts)
 
 
 __all__ = [
     "Backend",
+    "BackendOptions",
     "BackendSpec",
     "ForwardRow",
+    "LlamaCppOptions",
     "ModelInfo",
     "ModelState",
+    "NativeOptions",
     "available_backends",
     "load_backend",
+    "make_options",
+    "options_type",
     "register",
     "registered_backends",
 ]

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..config import DecodeConfig, RuntimeConfig
+from ..config import DecodeConfig, ResolvedConfig
 from ..errors import ContextOverflow, InvalidInput
 
 
@@ -159,7 +159,7 @@ class Backend(Protocol):
 
     name: str
     info: ModelInfo
-    config: RuntimeConfig  # resolved: no None/"auto" left
+    config: ResolvedConfig  # no None/"auto" left
 
     @property
     def state(self) -> ModelState: ...

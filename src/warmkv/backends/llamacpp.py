@@ -28,6 +28,7 @@ from ..sampling import Sampler
 from .base import BlobKV, ForwardRow, ModelInfo, ModelState, check_embed_tokens, check_rows
 from .compute_thread import ComputeThread, on_compute_thread
 from .llamacpp_embed import EmbeddingContext
+from .options import LlamaCppOptions
 from .slots import SeqSlots
 
 KV_TYPES = {
@@ -84,12 +85,15 @@ class LlamaCppBackend:
 
     name = "llamacpp"
 
-    def __init__(self, path: str, config: RuntimeConfig) -> None:
+    def __init__(self, path: str, config: RuntimeConfig, options: LlamaCppOptions | None = None) -> None:
         self._state = ModelState.COLD
         self._path = check_gguf(path)
+        self.options = options or LlamaCppOptions()
         _init_library()
         mparams = lc.llama_model_default_params()
         mparams.n_gpu_layers = config.n_gpu_layers
+        mparams.use_mmap = self.options.use_mmap
+        mparams.use_mlock = self.options.use_mlock
         model = lc.llama_model_load_from_file(str(self._path).encode(), mparams)
         if not model:
             raise InvalidModelFile(f"llama.cpp could not load {path} (unsupported or corrupt GGUF)")
@@ -424,8 +428,5 @@ class LlamaCppBackend:
         self._state = ModelState.UNLOADED
 
 
-OPTIONS: frozenset[str] = frozenset()  # backend_options this backend takes
-
-
-def load(path: str, config: RuntimeConfig) -> LlamaCppBackend:
-    return LlamaCppBackend(path, config)
+def load(path: str, config: RuntimeConfig, options: LlamaCppOptions | None = None) -> LlamaCppBackend:
+    return LlamaCppBackend(path, config, options)

@@ -40,7 +40,7 @@ async def generate(
     rt = st.runtime
     inp = PrefixInput.coerce(prompt)
     tokens = list(inp.tokens) if inp.tokens is not None else await run_in_threadpool(rt.tokenize, inp.text)
-    num_ctx: int = rt.config.num_ctx  # type: ignore[assignment]
+    num_ctx = rt.config.num_ctx
     if max_tokens is None:
         max_tokens = min(st.settings.default_max_tokens, num_ctx - len(tokens))
     if max_tokens < 1 or len(tokens) + max_tokens > num_ctx:

@@ -1,5 +1,6 @@
 """warmkv's own PyTorch engine: Llama-family models over a paged KV cache."""
 
-from .backend import OPTIONS, NativeBackend, load
+from ..options import NativeOptions
+from .backend import NativeBackend, load
 
-__all__ = ["OPTIONS", "NativeBackend", "load"]
+__all__ = ["NativeBackend", "NativeOptions", "load"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from ...errors import (
 from ...manifest import file_digest
 from ..base import ForwardRow, ModelInfo, ModelState, TokenSampler, check_embed_tokens, check_rows
 from ..compute_thread import ComputeThread, on_compute_thread
+from ..options import NativeOptions
 from ..slots import SeqSlots
 from . import decode_ext
 from .batch import BatchPlanner
@@ -111,31 +113,18 @@ class NativeBackend:
     name = "native"
 
     def __init__(
-        self,
-        path: str,
-        config: RuntimeConfig,
-        *,
-        compute_dtype: str = "float32",
-        kv_cache_mb: int | None = None,
-        device: str = "cpu",
-        cpp_decode: str = "auto",
+        self, path: str, config: RuntimeConfig, options: NativeOptions | None = None, **kwargs: object
     ) -> None:
         self._state = ModelState.COLD
+        given = options.as_dict() if options is not None else {}
+        opts = NativeOptions.from_kwargs(self.name, {**given, **kwargs}) if kwargs else options or NativeOptions()
         if config.kv_cache_type not in KV_STORAGE:
             raise Unsupported(
                 "kv_cache_type", f"{config.kv_cache_type!r} on native; use one of {', '.join(KV_STORAGE)}"
             )
-        if compute_dtype != "auto" and compute_dtype not in COMPUTE_DTYPES:
-            choices = ", ".join(("auto", *COMPUTE_DTYPES))
-            raise InvalidConfig(f"compute_dtype must be one of {choices}; got {compute_dtype!r}")
-        if kv_cache_mb is not None and (not isinstance(kv_cache_mb, int) or kv_cache_mb < 1):
-            raise InvalidConfig(f"kv_cache_mb must be a positive integer, got {kv_cache_mb!r}")
-        if cpp_decode not in decode_ext.MODES:
-            raise InvalidConfig(f"cpp_decode must be one of {', '.join(decode_ext.MODES)}; got {cpp_decode!r}")
-        self.device = pick_device(device, compute_dtype)
+        self.device = pick_device(opts.device, opts.compute_dtype)
         self._compute = ComputeThread.shared("warmkv-compute")
-        self._load(Path(path), config, compute_dtype, cpp_decode)
-        self._kv_mb = kv_cache_mb
+        self._load(Path(path), config, opts)
         self._reclaim: Callable[[], bool] | None = None
         self._cache: PagedKVCache | None = None
         self._planner: BatchPlanner | None = None
@@ -143,18 +132,21 @@ class NativeBackend:
         self._slots = SeqSlots(self.config.n_seq_max)
 
     @on_compute_thread
-    def _load(self, p: Path, config: RuntimeConfig, compute_dtype: str, cpp_decode: str) -> None:
+    def _load(self, p: Path, config: RuntimeConfig, opts: NativeOptions) -> None:
         ckpt, digest, size = _read(p)
         args = ckpt.args
         self.config = config.resolved(n_ctx_train=args.max_seq_len)
-        torch.set_num_threads(self.config.num_threads or 1)  # also this thread's OpenMP team size
-        compute_dtype = resolve_compute_dtype(compute_dtype, ckpt.layer_weight_types, self.device)
-        self._compute_dtype = compute_dtype
+        torch.set_num_threads(self.config.num_threads)  # also this thread's OpenMP team size
+        # "auto" made concrete for this checkpoint and device before anything is built from it.
+        compute_dtype = resolve_compute_dtype(opts.compute_dtype, ckpt.layer_weight_types, self.device)
         dtype, quant = COMPUTE_DTYPES[compute_dtype]
-        self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx or 1, quant, self.device)
-        module = decode_ext.extension(cpp_decode if self.device.type == "cpu" else "off")
+        self._model = Transformer(args, ckpt.weights, dtype, self.config.num_ctx, quant, self.device)
+        module = decode_ext.extension(opts.cpp_decode if self.device.type == "cpu" else "off")
         if module is not None:
             self._model.decode_loop = decode_ext.DecodeLoop(module, self._model)
+        self.options = replace(
+            opts, compute_dtype=compute_dtype, device=str(self.device), cpp_decode="on" if module else "off"
+        )
         self._tok = ckpt.tokenizer
         self._state = ModelState.WARM
         self.info = ModelInfo(
@@ -190,7 +182,7 @@ class NativeBackend:
         return {
             "kv_cache_type": self.config.kv_cache_type,
             "kv_dtype": KV_STORAGE[self.config.kv_cache_type],
-            "compute_dtype": self._compute_dtype,
+            "compute_dtype": self.options.compute_dtype,
             # The C++ loop's kernels round differently from ATen's: generated tokens' K/V differ in the last bits.
             "decode_loop": "cpp" if self._model.decode_loop is not None else "python",
             "device": self.device.type,  # kernels differ: KV made on a GPU is not bitwise the CPU's
@@ -222,10 +214,11 @@ class NativeBackend:
             a, c = self._model.args, self.config
             bs = 16
             layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, 1, bs, KV_STORAGE[c.kv_cache_type])
-            if self._kv_mb is None:
-                blocks = self._slots.total * -(-(c.num_ctx or 1) // bs)
+            kv_mb = self.options.kv_cache_mb
+            if kv_mb is None:
+                blocks = self._slots.total * -(-c.num_ctx // bs)
             else:
-                blocks = max(1, self._kv_mb * 2**20 // (layout.bytes_per_token() * bs))
+                blocks = max(1, kv_mb * 2**20 // (layout.bytes_per_token() * bs))
             layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, blocks, bs, layout.dtype)
             try:
                 self._cache = PagedKVCache(layout, self.device)
@@ -276,7 +269,7 @@ class NativeBackend:
     def import_seq(self, seq: int, blob: bytes) -> None:
         cache = self._activate()
         self._check_seq(seq)
-        import_seq(cache, seq, blob, self.config.num_ctx or 0)
+        import_seq(cache, seq, blob, self.config.num_ctx)
 
     def make_sampler(self, config: DecodeConfig) -> TokenSampler:
         # Logits reach the host as numpy (the Backend contract): sample there, on the compute thread.
@@ -344,7 +337,7 @@ class NativeBackend:
     @on_compute_thread
     def embed(self, tokens: Sequence[int]) -> np.ndarray:
         cache = self._activate()
-        check_embed_tokens(tokens, self.config.num_ctx or 0)
+        check_embed_tokens(tokens, self.config.num_ctx)
         for t in tokens:
             self._tok.check(t)
         holder = cache.new_holder()  # scratch KV, gone when done
@@ -360,7 +353,9 @@ class NativeBackend:
         except WarmkvError:
             raise
         except Exception as e:  # only the scratch holder was written, and it is freed below
-            raise EngineError(f"native embedding forward failed on {len(tokens)} tokens: {type(e).__name__}: {e}") from None
+            raise EngineError(
+                f"native embedding forward failed on {len(tokens)} tokens: {type(e).__name__}: {e}"
+            ) from None
         finally:
             cache.free(holder)
         return (total / len(tokens)).float().cpu().numpy()
@@ -384,19 +379,6 @@ class _ComputeSampler:
         return self._compute.call(self._sampler.sample, logits, history)
 
 
-OPTIONS = frozenset({"compute_dtype", "kv_cache_mb", "device", "cpp_decode"})  # backend_options this backend takes
-
-
-def load(path: str, config: RuntimeConfig, **options: object) -> NativeBackend:
-    """Load a GGUF file or HF directory.
-
-    Options: compute_dtype ("float32", the default and the exact reference; "bfloat16";
-    "int8": int8 weights with bfloat16 activations; "int4": 4-bit weights in groups of 32,
-    which are a Q4_0/Q4_1 GGUF's own codes, with an int8 output head; or "auto": "int4" on
-    the CPU for a GGUF whose layer weights are all Q4_0/Q4_1, else "float32"), kv_cache_mb
-    (KV pool budget in MiB), device ("cpu", "cuda", "cuda:N" or "auto"; int8/int4 weights are
-    CPU only), cpp_decode ("auto": decode steps run their layer loop in C++ on the CPU, built
-    on first use, else in Python; "on": C++ or an error; "off": Python; the two agree to
-    float32 rounding, and the manifest says which).
-    """
-    return NativeBackend(path, config, **options)  # type: ignore[arg-type]
+def load(path: str, config: RuntimeConfig, options: NativeOptions | None = None) -> NativeBackend:
+    """Load a GGUF file or HF directory with the native engine (options: see NativeOptions)."""
+    return NativeBackend(path, config, options)

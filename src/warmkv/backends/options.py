@@ -1,0 +1,83 @@
+"""Each backend's own options: frozen, validated dataclasses that need none of the engines' packages.
+
+Runtime.load and the CLI build them from keyword options; a name a backend does not take
+is an InvalidConfig naming it. "auto" values are resolved by the backend, against the model
+and the machine, before anything is built from them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ..errors import InvalidConfig
+
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
+CPP_DECODE = ("auto", "on", "off")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Base of the backend option records."""
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return sorted(f.name for f in fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, backend: str, options: Mapping[str, Any]) -> BackendOptions:
+        """Build from names, rejecting those this record lacks (naming them and the valid ones)."""
+        unknown = sorted(set(options) - set(cls.names()))
+        if unknown:
+            raise InvalidConfig(f"backend {backend!r} has no option(s) {unknown}; valid: {cls.names()}")
+        return cls(**options)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class NativeOptions(BackendOptions):
+    """The native engine's options.
+
+    compute_dtype: "float32" (the exact reference), "bfloat16", "int8" (int8 weights, bfloat16
+    activations), "int4" (4-bit weights in groups of 32: a Q4_0/Q4_1 GGUF's own codes) or "auto"
+    ("int4" on the CPU for a GGUF whose layer weights are all Q4_0/Q4_1, else "float32").
+    device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when present); int8/int4 run on the CPU only.
+    cpp_decode: "auto" (decode steps run their layer loop in C++ on the CPU, built on first use,
+    else in Python), "on" (C++ or an error) or "off". kv_cache_mb: the KV pool's budget in MiB
+    (None: room for num_ctx tokens in every sequence).
+    """
+
+    compute_dtype: str = "float32"
+    device: str = "cpu"
+    cpp_decode: str = "auto"
+    kv_cache_mb: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise InvalidConfig(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)}; got {self.compute_dtype!r}")
+        if not isinstance(self.device, str) or not _DEVICE.match(self.device):
+            raise InvalidConfig(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto'; got {self.device!r}")
+        if self.cpp_decode not in CPP_DECODE:
+            raise InvalidConfig(f"cpp_decode must be one of {', '.join(CPP_DECODE)}; got {self.cpp_decode!r}")
+        mb = self.kv_cache_mb
+        if mb is not None and (isinstance(mb, bool) or not isinstance(mb, int) or mb < 1):
+            raise InvalidConfig(f"kv_cache_mb must be a positive integer, got {mb!r}")
+
+
+@dataclass(frozen=True)
+class LlamaCppOptions(BackendOptions):
+    """llama.cpp's options. use_mmap: map the model file instead of reading it (pages load on use);
+    use_mlock: lock the weights in RAM so the OS never pages them out."""
+
+    use_mmap: bool = True
+    use_mlock: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("use_mmap", "use_mlock"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfig(f"{name} must be a bool, got {getattr(self, name)!r}")
