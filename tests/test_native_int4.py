@@ -59,7 +59,7 @@ def test_auto_compute_dtype_runs_4bit_ggufs_as_int4(tmp_path: Path) -> None:
     from warmkv.backends.native.backend import resolve_compute_dtype
 
     cfg = warmkv.RuntimeConfig(num_ctx=128, n_seq_max=1)
-    b = load_backend("native", str(warmkv.default_model_path()), cfg, compute_dtype="auto")  # SmolLM2 Q4_1
+    b = load_backend("native", str(warmkv.default_model_path()), cfg)  # SmolLM2 Q4_1; "auto" is the default
     try:
         assert b.numerics()["compute_dtype"] == "int4"
     finally:

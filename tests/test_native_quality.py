@@ -150,8 +150,10 @@ def test_int8_perplexity() -> None:
 def test_embeddings_agree_across_backends() -> None:
     texts = [PROMPTS[1], TEXT, "x = 1"]
     vecs = {}
-    for name in ("native", "llamacpp"):
-        with warmkv.Runtime.load(backend=name, num_ctx=256, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0) as rt:
+    for name, opts in (("native", {"compute_dtype": "float32"}), ("llamacpp", {})):
+        with warmkv.Runtime.load(
+            backend=name, num_ctx=256, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0, backend_options=opts
+        ) as rt:
             vecs[name] = rt.embed(texts)
     cos = (vecs["native"] * vecs["llamacpp"]).sum(axis=1)
     print(f"embedding cosine native vs llama.cpp: {np.round(cos, 5).tolist()}")

@@ -43,16 +43,17 @@ class BackendOptions:
 class NativeOptions(BackendOptions):
     """The native engine's options.
 
-    compute_dtype: "float32" (the exact reference), "bfloat16", "int8" (int8 weights, bfloat16
-    activations), "int4" (4-bit weights in groups of 32: a Q4_0/Q4_1 GGUF's own codes) or "auto"
-    ("int4" on the CPU for a GGUF whose layer weights are all Q4_0/Q4_1, else "float32").
+    compute_dtype: "auto", the default ("int4" on the CPU for a GGUF whose layer weights are all
+    Q4_0/Q4_1: the file's own 4-bit codes, the fastest decode; else "float32"), "float32" (the
+    exact reference, opt-in for a 4-bit file), "bfloat16", "int8" (int8 weights, bfloat16
+    activations) or "int4" (4-bit weights in groups of 32).
     device: "cpu", "cuda", "cuda:N" or "auto" (CUDA when present); int8/int4 run on the CPU only.
     cpp_decode: "auto" (decode steps run their layer loop in C++ on the CPU, built on first use,
     else in Python), "on" (C++ or an error) or "off". kv_cache_mb: the KV pool's budget in MiB
     (None: room for num_ctx tokens in every sequence).
     """
 
-    compute_dtype: str = "float32"
+    compute_dtype: str = "auto"
     device: str = "cpu"
     cpp_decode: str = "auto"
     kv_cache_mb: int | None = None
