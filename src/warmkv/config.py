@@ -20,6 +20,10 @@ PROMPT_FORMATS = ("auto", "chatml", "raw")
 # Upper bound for num_ctx when the caller leaves it to the model: keeps the
 # preallocated KV modest on small machines while fitting agent contexts.
 DEFAULT_MAX_CTX = 4096
+# `warmkv serve` out of the box: 20 resident sessions, 16 of them the pool for plain /v1
+# requests (16 concurrent streams) and SESSIONS_RESERVED for /v1/sessions.
+SERVE_N_SEQ_MAX = 20
+SESSIONS_RESERVED = 4
 
 
 def _int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:

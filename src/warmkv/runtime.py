@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Backend, BackendOptions, ModelInfo, ModelState, load_backend, make_options, options_type
+from .backends import Backend, BackendOptions, KVMemory, ModelInfo, ModelState, load_backend, make_options, options_type
 from .chat import ChatTemplate, resolve_template
 from .config import DecodeConfig, ResolvedConfig, RuntimeConfig
 from .constraint import Constraint, Guide, build_tokenizer
@@ -132,6 +132,12 @@ class Runtime:
     @property
     def state(self) -> ModelState:
         return self.backend.state
+
+    def kv_memory(self) -> KVMemory:
+        """What the KV cache costs: bytes, and sequences x tokens per sequence."""
+        with self.lock:
+            self._check_loaded()
+            return self.backend.kv_memory()
 
     def manifest(self, add_bos: bool | None = None) -> ContextManifest:
         return self._manifests[self.default_add_bos if add_bos is None else bool(add_bos)]

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, InvalidConfig
-from .base import Backend, ForwardRow, ModelInfo, ModelState
+from .base import Backend, ForwardRow, KVMemory, ModelInfo, ModelState
 from .options import BackendOptions, LlamaCppOptions, NativeOptions
 
 
@@ -120,6 +120,7 @@ __all__ = [
     "BackendOptions",
     "BackendSpec",
     "ForwardRow",
+    "KVMemory",
     "LlamaCppOptions",
     "ModelInfo",
     "ModelState",

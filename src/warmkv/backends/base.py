@@ -51,6 +51,41 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class KVMemory:
+    """What the KV cache costs: sequences x tokens_per_seq tokens at bytes_per_token each.
+
+    llama.cpp reserves every sequence's whole stream (num_ctx cells) when the first session
+    opens; the native engine allocates one paged pool that sequences take blocks from as they
+    grow, so its pool_tokens may be below sequences x tokens_per_seq (kv_cache_mb).
+    """
+
+    bytes: int  # the whole KV allocation
+    bytes_per_token: int
+    tokens_per_seq: int  # num_ctx
+    sequences: int  # n_seq_max sessions + the runtime's own
+    pool_tokens: int  # tokens the allocation holds in all
+    allocated: bool  # False until the first session opens
+
+    def to_dict(self) -> dict[str, int | bool]:
+        return {
+            "bytes": self.bytes,
+            "bytes_per_token": self.bytes_per_token,
+            "tokens_per_seq": self.tokens_per_seq,
+            "sequences": self.sequences,
+            "pool_tokens": self.pool_tokens,
+            "allocated": self.allocated,
+        }
+
+    def describe(self) -> str:
+        mib = self.bytes / 2**20
+        return (
+            f"{mib:,.1f} MiB for {self.pool_tokens:,} tokens ({self.sequences} sequences x "
+            f"{self.tokens_per_seq:,} tokens, {self.bytes_per_token:,} bytes per token)"
+            + ("" if self.allocated else ", allocated when the first session opens")
+        )
+
+
+@dataclass(frozen=True)
 class ForwardRow:
     """Tokens of one sequence to evaluate at positions [start, start + len(tokens))."""
 
@@ -182,6 +217,10 @@ class Backend(Protocol):
 
     def make_sampler(self, config: DecodeConfig) -> TokenSampler:
         """A sampler for one decode, working where this engine keeps its logits."""
+        ...
+
+    def kv_memory(self) -> KVMemory:
+        """The KV cache's size: bytes, and tokens x sequences (before the first session too)."""
         ...
 
     def acquire_seq(self) -> int:

@@ -25,7 +25,7 @@ from ..config import DecodeConfig, RuntimeConfig
 from ..errors import EngineError, ForwardFailed, InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal
 from ..manifest import file_digest
 from ..sampling import Sampler
-from .base import BlobKV, ForwardRow, ModelInfo, ModelState, check_embed_tokens, check_rows
+from .base import BlobKV, ForwardRow, KVMemory, ModelInfo, ModelState, check_embed_tokens, check_rows
 from .compute_thread import ComputeThread, on_compute_thread
 from .llamacpp_embed import EmbeddingContext
 from .options import LlamaCppOptions
@@ -39,6 +39,9 @@ KV_TYPES = {
     "bf16": 30,  # GGML_TYPE_BF16; the bindings do not export it
 }
 _FLASH = {"on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED}
+# Bytes per element of each KV type, as (numerator, denominator): q8_0 and q4_0 store blocks
+# of 32 values in 34 and 18 bytes.
+KV_TYPE_BYTES = {"f32": (4, 1), "f16": (2, 1), "bf16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
 GGUF_MAGIC = b"GGUF"
 log = logging.getLogger("warmkv.llamacpp")
 
@@ -211,6 +214,26 @@ class LlamaCppBackend:
 
     def is_eog(self, token: int) -> bool:
         return bool(lc.llama_vocab_is_eog(self._vocab, token))
+
+    def kv_memory(self) -> KVMemory:
+        # One KV stream of num_ctx cells per sequence (kv_unified off), K and V in every layer.
+        arch = self.info.architecture
+        n_head_kv = lc.llama_model_n_head_kv(self._model) if self._model else 0
+        head = self.info.n_embd // max(1, lc.llama_model_n_head(self._model)) if self._model else 0
+        k_dim = int(self.info.metadata.get(f"{arch}.attention.key_length", head) or head)
+        v_dim = int(self.info.metadata.get(f"{arch}.attention.value_length", head) or head)
+        num, den = KV_TYPE_BYTES[self.config.kv_cache_type]
+        per_token = self.info.n_layer * n_head_kv * (k_dim + v_dim) * num // den
+        cells = lc.llama_n_ctx_seq(self._ctx) if self._ctx is not None else self.config.num_ctx
+        seqs = self._slots.total
+        return KVMemory(
+            bytes=per_token * cells * seqs,
+            bytes_per_token=per_token,
+            tokens_per_seq=cells,
+            sequences=seqs,
+            pool_tokens=cells * seqs,
+            allocated=self._ctx is not None,
+        )
 
     # -- context and sequences ----------------------------------------------
 

@@ -28,6 +28,7 @@ from .cli_common import (
     fail,
     load_runtime,
 )
+from .config import SERVE_N_SEQ_MAX
 
 app = typer.Typer(help="warmkv: keep the KV cache of a stable prefix warm across agent turns.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -87,6 +88,7 @@ def info(model: ModelOpt = None, backend: BackendOpt = "llamacpp") -> None:
             ("file sha256", i.file_digest),
             ("manifest", rt.manifest().digest),
             ("state", rt.state.value),
+            ("KV memory", rt.kv_memory().describe()),
         ]:
             t.add_row(k, str(v))
         console.print(t)
@@ -254,8 +256,13 @@ def serve(
     ] = None,
     session_ttl: Annotated[float, typer.Option("--session-ttl", help="seconds before an idle session expires")] = 600,
     num_ctx: CtxOpt = None,
-    n_seq_max: Annotated[int, typer.Option("--n-seq-max", min=1, help="resident sessions (pool + /v1/sessions)")] = 8,
-    pool_size: Annotated[int, typer.Option("--pool-size", min=1, help="server sessions for plain /v1 requests")] = 4,
+    n_seq_max: Annotated[
+        int, typer.Option("--n-seq-max", min=1, help="resident sessions (pool + /v1/sessions)")
+    ] = SERVE_N_SEQ_MAX,
+    pool_size: Annotated[
+        int | None,
+        typer.Option("--pool-size", min=1, help="server sessions for plain /v1 requests (default: n-seq-max - 4)"),
+    ] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="waiting requests before 429")] = 64,
     cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="allow this browser origin")] = None,
     model_id: Annotated[str | None, typer.Option("--model-id", help="model name clients use")] = None,
@@ -315,6 +322,7 @@ def serve(
     logging.getLogger("warmkv").addHandler(handler)
     logging.getLogger("warmkv").setLevel(logging.INFO)
     err.print(f"serving {rt.info.name} on http://{host}:{port}/v1 (docs: /docs, metrics: /metrics)")
+    err.print(f"KV memory: {rt.kv_memory().describe()}")
     with rt:
         uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
 

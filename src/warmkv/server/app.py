@@ -32,7 +32,7 @@ from .guard import Guard
 from .metrics import ServerMetrics
 from .pool import SessionPool
 from .registry import SessionRegistry
-from .settings import ServerSettings
+from .settings import ServerSettings, default_pool_size
 from .state import ServerState, get_state
 
 log = logging.getLogger("warmkv.server")
@@ -42,8 +42,9 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     """An app serving `runtime`. The caller owns the runtime and closes it after the app stops."""
     cfg = settings or ServerSettings()
     n_seq = runtime.config.n_seq_max
-    if cfg.pool_size > n_seq:
-        raise InvalidConfig(f"pool_size={cfg.pool_size} exceeds the runtime's n_seq_max={n_seq}")
+    pool_size = cfg.pool_size if cfg.pool_size is not None else default_pool_size(n_seq)
+    if pool_size > n_seq:
+        raise InvalidConfig(f"pool_size={pool_size} exceeds the runtime's n_seq_max={n_seq}")
     metrics = ServerMetrics()
     tool_format = runtime.tool_format(cfg.tool_format)  # InvalidConfig-like errors before serving
     log.info("tool calls: %s", tool_format.describe())
@@ -51,9 +52,9 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         admission = Admission(cfg.max_queue)
-        pool = SessionPool(runtime, cfg.pool_size, admission, cfg.queue_timeout_s)
+        pool = SessionPool(runtime, pool_size, admission, cfg.queue_timeout_s)
         pool.open()
-        registry = SessionRegistry(runtime, n_seq - cfg.pool_size, cfg.session_ttl_s, admission, cfg.queue_timeout_s)
+        registry = SessionRegistry(runtime, n_seq - pool_size, cfg.session_ttl_s, admission, cfg.queue_timeout_s)
         scheduler = Scheduler(runtime)
         st = ServerState(
             runtime=runtime,
@@ -131,6 +132,7 @@ async def health(request: Request) -> dict[str, Any]:
         "backend": st.runtime.backend.name,
         "state": st.runtime.state.value,
         "num_ctx": st.runtime.config.num_ctx,
+        "kv_memory": st.runtime.kv_memory().to_dict(),
         "uptime_s": time.time() - st.started,
         "pool": {"size": st.pool.size, "idle": st.pool.idle, "waiting": st.pool.waiting},
         "sessions": {"open": len(st.registry), "capacity": st.registry.capacity, "expired": st.registry.expired},

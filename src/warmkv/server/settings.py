@@ -5,10 +5,17 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
+from ..config import SERVE_N_SEQ_MAX, SESSIONS_RESERVED
 from ..errors import InvalidConfig
 from ..tools.formats import FORMAT_NAMES
 
 LOOPBACK_NAMES = ("localhost",)
+__all__ = ["SERVE_N_SEQ_MAX", "ServerSettings", "default_pool_size", "is_loopback"]
+
+
+def default_pool_size(n_seq_max: int) -> int:
+    """The pool when none is set: all but SESSIONS_RESERVED slots (half, for a runtime of 8 or fewer)."""
+    return max(1, n_seq_max - min(SESSIONS_RESERVED, n_seq_max // 2))
 
 
 def is_loopback(host: str) -> bool:
@@ -32,7 +39,8 @@ class ServerSettings:
     """How `warmkv serve` listens and what it allows.
 
     pool_size server-owned sessions serve plain /v1 requests (prefix reuse without a
-    session id); the remaining n_seq_max - pool_size slots go to /v1/sessions.
+    session id), each running one stream at a time; the remaining n_seq_max - pool_size
+    slots go to /v1/sessions. None: default_pool_size(n_seq_max), 16 of serve's 20.
     max_queue requests may wait for a session; more are answered 429.
     """
 
@@ -42,7 +50,7 @@ class ServerSettings:
     cors_origins: tuple[str, ...] = ()
     model_id: str | None = None  # served model name; default: the model file's stem
     session_ttl_s: float = 600.0
-    pool_size: int = 2
+    pool_size: int | None = None
     max_queue: int = 64
     queue_timeout_s: float = 60.0
     max_body_bytes: int = 8 * 1024 * 1024
@@ -73,7 +81,9 @@ class ServerSettings:
             )
         for name in ("session_ttl_s", "queue_timeout_s"):
             _positive(name, getattr(self, name), integer=False)
-        for name in ("pool_size", "max_queue", "max_body_bytes", "default_max_tokens"):
+        if self.pool_size is not None:
+            _positive("pool_size", self.pool_size)
+        for name in ("max_queue", "max_body_bytes", "default_max_tokens"):
             _positive(name, getattr(self, name))
         if self.tool_format not in FORMAT_NAMES:
             raise InvalidConfig(f"tool_format must be one of {', '.join(FORMAT_NAMES)}; got {self.tool_format!r}")

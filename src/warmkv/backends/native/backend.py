@@ -24,7 +24,7 @@ from ...errors import (
     WarmkvError,
 )
 from ...manifest import file_digest
-from ..base import ForwardRow, ModelInfo, ModelState, TokenSampler, check_embed_tokens, check_rows
+from ..base import ForwardRow, KVMemory, ModelInfo, ModelState, TokenSampler, check_embed_tokens, check_rows
 from ..compute_thread import ComputeThread, on_compute_thread
 from ..options import NativeOptions
 from ..slots import SeqSlots
@@ -211,15 +211,8 @@ class NativeBackend:
         if self._state is ModelState.UNLOADED:
             raise SessionFatal("the model was unloaded")
         if self._cache is None:
-            a, c = self._model.args, self.config
-            bs = 16
-            layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, 1, bs, KV_STORAGE[c.kv_cache_type])
-            kv_mb = self.options.kv_cache_mb
-            if kv_mb is None:
-                blocks = self._slots.total * -(-c.num_ctx // bs)
-            else:
-                blocks = max(1, kv_mb * 2**20 // (layout.bytes_per_token() * bs))
-            layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, blocks, bs, layout.dtype)
+            layout = self._pool_layout()
+            blocks, bs = layout.num_blocks, layout.block_size
             try:
                 self._cache = PagedKVCache(layout, self.device)
             except RuntimeError as e:
@@ -228,6 +221,31 @@ class NativeBackend:
             self._planner = BatchPlanner(self._cache, self.config.num_batch)
             self._state = ModelState.ACTIVE
         return self._cache
+
+    def _pool_layout(self) -> KVLayout:
+        """The KV pool: room for num_ctx tokens in every sequence, or kv_cache_mb's worth of blocks."""
+        a, c = self._model.args, self.config
+        bs = 16
+        layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, 1, bs, KV_STORAGE[c.kv_cache_type])
+        kv_mb = self.options.kv_cache_mb
+        if kv_mb is None:
+            blocks = self._slots.total * -(-c.num_ctx // bs)
+        else:
+            blocks = max(1, kv_mb * 2**20 // (layout.bytes_per_token() * bs))
+        return KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, blocks, bs, layout.dtype)
+
+    def kv_memory(self) -> KVMemory:
+        layout = self._cache.layout if self._cache is not None else self._pool_layout()
+        per_token = layout.bytes_per_token()
+        tokens = layout.num_blocks * layout.block_size
+        return KVMemory(
+            bytes=per_token * tokens,
+            bytes_per_token=per_token,
+            tokens_per_seq=self.config.num_ctx,
+            sequences=self._slots.total,
+            pool_tokens=tokens,
+            allocated=self._cache is not None,
+        )
 
     def acquire_seq(self) -> int:
         self._activate()
