@@ -132,3 +132,42 @@ def test_run_on_native_int4_and_bad_native_options(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "compute_dtype" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, [*args, "--compute-dtype", "int4"])  # llama.cpp takes no such option
     assert r.exit_code == 2 and "compute_dtype" in r.output and "Traceback" not in r.output
+
+
+def test_every_model_command_takes_the_shared_runtime_options() -> None:
+    import typer
+
+    from warmkv.cli.options import SPECS
+
+    shared = {s.name for s in SPECS}
+    root = typer.main.get_command(app)
+    commands = {**root.commands, **{f"bench {k}": v for k, v in root.commands["bench"].commands.items()}}  # type: ignore[attr-defined]
+    for name in ("info", "run", "explain", "chat", "serve", "bench coding-loop", "bench speculative", "bench serve"):
+        params = {p.name for p in commands[name].params}
+        assert shared <= params, (name, shared - params)
+
+
+def test_explain_on_native_takes_the_same_options_as_serve(tmp_path: Path) -> None:
+    prefix = tmp_path / "prefix.txt"
+    prefix.write_text("<|im_start|>system\nYou are terse.<|im_end|>\n")
+    opts = ["--backend", "native", "--num-ctx", "128", "--n-seq-max", "2", "--kv-type", "bf16"]
+    opts += ["--compute-dtype", "int4", "--device", "cpu", "--cpp-decode", "off", "--kv-cache-mb", "16"]
+    opts += ["--threads", "1", "--prefix-cache-mb", "0", "--kv-store-mb", "0"]
+    r = runner.invoke(app, ["explain", "--prefix-file", str(prefix), "--json", *opts])
+    assert r.exit_code == 0, r.output
+    numerics = dict(json.loads(r.output)["manifest"]["numerics"])
+    assert numerics["compute_dtype"] == "int4" and numerics["kv_dtype"] == "bfloat16"
+    assert numerics["decode_loop"] == "python"
+    r = runner.invoke(app, ["explain", "--prefix-file", str(prefix), "--backend", "native", "--cpp-decode", "maybe"])
+    assert r.exit_code == 2 and "cpp_decode must be one of" in r.output and "Traceback" not in r.output
+    r = runner.invoke(
+        app, ["explain", "--prefix-file", str(prefix), "--kv-cache-mb", "16"]
+    )  # llama.cpp: no such option
+    assert r.exit_code == 2 and "kv_cache_mb" in r.output and "Traceback" not in r.output
+
+
+def test_info_states_kv_memory() -> None:
+    r = runner.invoke(app, ["info", "--num-ctx", "256", "--n-seq-max", "3"])
+    assert r.exit_code == 0, r.output
+    # 4 sequences (3 + the runtime's own) x 256 tokens x 23,040 bytes per token (f16 KV).
+    assert "4 sequences x 256 tokens" in r.output and "23,040 bytes per token" in r.output

@@ -11,26 +11,14 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from . import WarmkvError
-from .cli_common import (
-    BackendOpt,
-    ComputeOpt,
-    CtxOpt,
-    DeviceOpt,
-    KvOpt,
-    ModelOpt,
-    ThreadsOpt,
-    backend_options,
-    console,
-    err,
-    fail,
-    load_runtime,
-)
+from .. import WarmkvError
+from .options import RuntimeOptions, console, err, fail, runtime_options
 
 bench_app = typer.Typer(help="Reproducible benchmarks.", no_args_is_help=True)
 
 
 @bench_app.command("coding-loop")
+@runtime_options()
 def bench_coding_loop(
     turns: Annotated[int, typer.Option("--turns", min=1, max=1000)] = 10,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=4096)] = 32,
@@ -42,23 +30,18 @@ def bench_coding_loop(
         int, typer.Option("--workspaces", min=1, max=64, help="also run N interleaved workspaces (1: skip)")
     ] = 4,
     restart: Annotated[bool, typer.Option("--restart", help="also measure first-turn TTFT after a restart")] = False,
-    model: ModelOpt = None,
-    backend: BackendOpt = "llamacpp",
-    num_ctx: CtxOpt = None,
-    kv_cache_type: KvOpt = "f16",
-    compute_dtype: ComputeOpt = None,
-    device: DeviceOpt = None,
-    threads: ThreadsOpt = None,
+    *,
+    opts: RuntimeOptions,
 ) -> None:
     """TTFT per turn of a coding-agent loop: warm session vs cold vs llama-cpp-python."""
-    from .bench.coding_loop import plot, run_coding_loop
-    from .bench.restart import run_restart
-    from .bench.workspaces import run_workspaces
+    from ..bench.coding_loop import plot, run_coding_loop
+    from ..bench.restart import run_restart
+    from ..bench.workspaces import run_workspaces
 
     no_tiers = {"prefix_cache_mb": 0, "kv_store_mb": 0}
     try:
         # Tiers off: the cold session of each turn must really be cold.
-        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype, device, **no_tiers)
+        rt = opts.load(**no_tiers)
     except WarmkvError as e:
         fail(e)
     with rt, Progress(console=err, transient=True) as progress:
@@ -77,23 +60,13 @@ def bench_coding_loop(
                 rt,
                 target_tokens=prefix_tokens,
                 max_tokens=max_tokens,
-                backend_options=backend_options(compute_dtype, device),
+                backend_options=opts.backend_options().as_dict(),
             )
             report["summary"]["restart_over_cold"] = report["restart"]["restart_over_cold"]
     if workspaces > 1:
         # The shared memory tier on, the disk tier off: this phase measures sharing in one process.
         with (
-            load_runtime(
-                model,
-                backend,
-                num_ctx,
-                kv_cache_type,
-                threads,
-                compute_dtype,
-                device,
-                kv_store_mb=0,
-                n_seq_max=max(4, workspaces),
-            ) as wrt,
+            opts.load(kv_store_mb=0, n_seq_max=max(4, workspaces)) as wrt,
             Progress(console=err, transient=True) as progress,
         ):
             task = progress.add_task("workspaces", total=turns * workspaces)
@@ -126,11 +99,13 @@ def bench_throughput(
         "native,transformers,llamacpp"
     ),
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
-    model: ModelOpt = None,
-    threads: ThreadsOpt = None,
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M)")
+    ] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")] = None,
 ) -> None:
     """Prefill and decode tokens/s: native engine dtypes vs transformers vs llama.cpp, in one run."""
-    from .bench.throughput import run_throughput
+    from ..bench.throughput import run_throughput
 
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
     unknown = sorted(set(chosen) - {"native", "transformers", "llamacpp"})
@@ -164,24 +139,21 @@ def bench_throughput(
 
 
 @bench_app.command("speculative")
+@runtime_options(num_ctx=2048)
 def bench_speculative(
     drafts: Annotated[str, typer.Option("--drafts", help="comma-separated draft sizes")] = "3,5,8",
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=4096)] = 160,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
-    model: ModelOpt = None,
-    backend: BackendOpt = "llamacpp",
-    kv_cache_type: KvOpt = "f16",
-    compute_dtype: ComputeOpt = None,
-    device: DeviceOpt = None,
-    threads: ThreadsOpt = None,
+    *,
+    opts: RuntimeOptions,
 ) -> None:
     """Speculative decoding with drafts looked up in the context, on a copy task, vs plain greedy."""
-    from .bench.speculative import run_speculative
+    from ..bench.speculative import run_speculative
 
     sizes = tuple(_positive_ints("--drafts", drafts, "3,5,8"))
     try:
         tiers_off = {"prefix_cache_mb": 0, "kv_store_mb": 0}
-        rt = load_runtime(model, backend, 2048, kv_cache_type, threads, compute_dtype, device, **tiers_off)
+        rt = opts.load(**tiers_off)
         with rt, err.status("measuring..."):
             report = run_speculative(rt, sizes, max_tokens=max_tokens)
     except WarmkvError as e:
@@ -204,23 +176,19 @@ def bench_speculative(
 
 
 @bench_app.command("serve")
+@runtime_options(num_ctx=1024)
 def bench_serve(
     streams: Annotated[str, typer.Option("--streams", help="comma-separated concurrency levels")] = "1,4,8",
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=4096)] = 64,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
-    model: ModelOpt = None,
-    backend: BackendOpt = "llamacpp",
-    num_ctx: Annotated[int, typer.Option("--num-ctx")] = 1024,
-    kv_cache_type: KvOpt = "f16",
-    compute_dtype: ComputeOpt = None,
-    device: DeviceOpt = None,
-    threads: ThreadsOpt = None,
+    *,
+    opts: RuntimeOptions,
 ) -> None:
     """Aggregate decode tokens/s of `warmkv serve` at several concurrent stream counts, in one run."""
-    from .bench.serve import run_serve_bench
+    from ..bench.serve import run_serve_bench
 
     levels = _positive_ints("--streams", streams, "1,4,8")
-    args = _serve_args(model, backend, num_ctx, kv_cache_type, compute_dtype, device, threads)
+    args = opts.flags()
     try:
         report = run_serve_bench(levels, max_tokens=max_tokens, server_args=args)
     except RuntimeError as e:  # the server did not come up: its own error output is in the message
@@ -244,6 +212,7 @@ def bench_serve(
 
 
 @bench_app.command("agent")
+@runtime_options(num_ctx=8192)
 def bench_agent(
     apis: Annotated[str, typer.Option("--apis", help="comma-separated: chat, responses, messages")] = (
         "chat,responses,messages"
@@ -251,24 +220,19 @@ def bench_agent(
     turns: Annotated[int, typer.Option("--turns", min=2, max=64)] = 8,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=16, max=4096)] = 96,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
-    model: ModelOpt = None,
-    backend: BackendOpt = "llamacpp",
-    num_ctx: Annotated[int, typer.Option("--num-ctx")] = 8192,
-    kv_cache_type: KvOpt = "f16",
-    compute_dtype: ComputeOpt = None,
-    device: DeviceOpt = None,
-    threads: ThreadsOpt = None,
+    *,
+    opts: RuntimeOptions,
 ) -> None:
     """A tool-calling agent loop through `warmkv serve` per API: reuse, TTFT and call validity per turn."""
-    from .bench.agent import DRIVERS, run_agent_loop
-    from .bench.server_proc import serve
+    from ..bench.agent import DRIVERS, run_agent_loop
+    from ..bench.server_proc import serve
 
     chosen = [a.strip() for a in apis.split(",") if a.strip()]
     unknown = sorted(set(chosen) - set(DRIVERS))
     if unknown or not chosen:
         fail(ValueError(f"--apis takes {', '.join(DRIVERS)}; got {apis!r}"))
-    args = _serve_args(model, backend, num_ctx, kv_cache_type, compute_dtype, device, threads)
-    report: dict[str, Any] = {"backend": backend, "turns": turns, "apis": []}
+    args = opts.flags()
+    report: dict[str, Any] = {"backend": opts.backend, "turns": turns, "apis": []}
     try:
         with Progress(console=err, transient=True) as progress:
             for api in chosen:  # a fresh server and disk store per API: each loop starts cold, finds only its own
@@ -287,7 +251,7 @@ def bench_agent(
     except RuntimeError as e:  # the server did not come up: its own error output is in the message
         fail(e)
     for loop in report["apis"]:
-        _print_agent_loop(report["model"], backend, loop)
+        _print_agent_loop(report["model"], opts.backend, loop)
     _write_report(json_out, report)
     if not all(loop["all_valid"] and loop["all_warm"] for loop in report["apis"]):
         err.print("[bold red]a call failed to validate or a turn was not warm[/]")
@@ -314,28 +278,6 @@ def _print_agent_loop(model: str, backend: str, loop: dict[str, Any]) -> None:
         )
     console.print(t)
     console.print(f"turns 2..N reused {loop['reused_fraction']:.1%} of their prompt tokens")
-
-
-def _serve_args(
-    model: str | None,
-    backend: str,
-    num_ctx: int,
-    kv_cache_type: str,
-    compute_dtype: str | None,
-    device: str | None,
-    threads: int | None,
-) -> list[str]:
-    """The runtime options as `warmkv serve` flags, for the benchmarks that start a server."""
-    given = {
-        "--model": model,
-        "--backend": backend,
-        "--num-ctx": num_ctx,
-        "--kv-cache-type": kv_cache_type,
-        "--compute-dtype": compute_dtype,
-        "--device": device,
-        "--threads": threads,
-    }
-    return [str(x) for flag, value in given.items() if value is not None for x in (flag, value)]
 
 
 def _positive_ints(option: str, value: str, example: str) -> list[int]:

@@ -1,10 +1,8 @@
-"""`warmkv` command line: chat, run, explain, info, serve, stats; bench lives in cli_bench."""
+"""`warmkv` commands that work on a model: info, run, explain, chat; and stats of the KV store."""
 
 from __future__ import annotations
 
 import json
-import logging
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -12,26 +10,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from . import Constraint, DecodeConfig, InvalidInput, Runtime, WarmkvError, available_backends, registered_backends
-from .cli_bench import bench_app
-from .cli_common import (
-    BackendOpt,
-    ComputeOpt,
-    CtxOpt,
-    DeviceOpt,
-    KvOpt,
-    ModelOpt,
-    ThreadsOpt,
-    backend_options,
-    console,
-    err,
-    fail,
-    load_runtime,
-)
-from .config import SERVE_N_SEQ_MAX
-
-app = typer.Typer(help="warmkv: keep the KV cache of a stable prefix warm across agent turns.", no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
+from .. import Constraint, DecodeConfig, InvalidInput, WarmkvError, available_backends, registered_backends
+from .options import RuntimeOptions, console, err, fail, runtime_options
 
 
 def _decode_cfg(
@@ -64,11 +44,11 @@ def _stream(session: Any, cfg: DecodeConfig, t0: float) -> tuple[float | None, A
     return ttft, last
 
 
-@app.command()
-def info(model: ModelOpt = None, backend: BackendOpt = "llamacpp") -> None:
-    """Show the model's metadata and the backends installed here."""
+@runtime_options()
+def info(opts: RuntimeOptions) -> None:
+    """Show the model's metadata, its KV memory and the backends installed here."""
     try:
-        rt = load_runtime(model, backend, None)
+        rt = opts.load()
     except WarmkvError as e:
         fail(e)
     with rt:
@@ -88,7 +68,6 @@ def info(model: ModelOpt = None, backend: BackendOpt = "llamacpp") -> None:
             ("file sha256", i.file_digest),
             ("manifest", rt.manifest().digest),
             ("state", rt.state.value),
-            ("KV memory", rt.kv_memory().describe()),
         ]:
             t.add_row(k, str(v))
         console.print(t)
@@ -100,9 +79,10 @@ def info(model: ModelOpt = None, backend: BackendOpt = "llamacpp") -> None:
             b.add_row(name, "yes" if name in avail else "no (extra not installed)")
         console.print(b)
         console.print(f"config: {rt.config}")
+        console.print(f"KV memory: {rt.kv_memory().describe()}", soft_wrap=True)
 
 
-@app.command()
+@runtime_options()
 def run(
     prefix_file: Annotated[Path, typer.Option("--prefix-file", help="file holding the stable prefix")],
     suffix: Annotated[str, typer.Option("--suffix", help="the volatile suffix text")] = "",
@@ -114,19 +94,14 @@ def run(
         Path | None, typer.Option("--json-schema", help="output must match this JSON schema file")
     ] = None,
     regex: Annotated[str | None, typer.Option("--regex", help="output must match this regex")] = None,
-    model: ModelOpt = None,
-    backend: BackendOpt = "llamacpp",
-    num_ctx: CtxOpt = None,
-    kv_cache_type: KvOpt = "f16",
-    compute_dtype: ComputeOpt = None,
-    device: DeviceOpt = None,
-    threads: ThreadsOpt = None,
+    *,
+    opts: RuntimeOptions,
 ) -> None:
     """One shot: prefill a prefix file and a suffix, stream the continuation."""
     try:
         prefix = prefix_file.read_bytes()
         cfg = _decode_cfg(max_tokens, temperature, seed, stop, _constraint(json_schema, regex))
-        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype, device)
+        rt = opts.load()
     except OSError as e:
         fail(e)
     except WarmkvError as e:
@@ -147,19 +122,18 @@ def run(
         )
 
 
-@app.command()
+@runtime_options()
 def explain(
     prefix_file: Annotated[Path, typer.Option("--prefix-file", help="file holding the stable prefix")],
     suffix: Annotated[str, typer.Option("--suffix")] = "",
-    model: ModelOpt = None,
-    backend: BackendOpt = "llamacpp",
-    num_ctx: CtxOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    *,
+    opts: RuntimeOptions,
 ) -> None:
     """Load a prefix (and suffix) and show what is resident and under which manifest."""
     try:
         prefix = prefix_file.read_bytes()
-        rt = load_runtime(model, backend, num_ctx)
+        rt = opts.load()
     except (OSError, WarmkvError) as e:
         fail(e)
     with rt, rt.session() as s:
@@ -176,7 +150,7 @@ def explain(
             console.print(str(report), markup=False, highlight=False)
 
 
-@app.command()
+@runtime_options()
 def chat(
     system: Annotated[str | None, typer.Option("--system", help="system prompt")] = None,
     prefix_file: Annotated[
@@ -185,13 +159,8 @@ def chat(
     max_tokens: Annotated[int, typer.Option("--max-tokens", "-n")] = 256,
     temperature: float = 0.7,
     seed: int | None = None,
-    model: ModelOpt = None,
-    backend: BackendOpt = "llamacpp",
-    num_ctx: CtxOpt = None,
-    kv_cache_type: KvOpt = "f16",
-    compute_dtype: ComputeOpt = None,
-    device: DeviceOpt = None,
-    threads: ThreadsOpt = None,
+    *,
+    opts: RuntimeOptions,
 ) -> None:
     """Interactive chat, warm across turns. /explain shows the context, /exit leaves."""
     try:
@@ -199,7 +168,7 @@ def chat(
             "\n\n" + prefix_file.read_text() if prefix_file else ""
         )
         cfg = _decode_cfg(max_tokens, temperature, seed, None)
-        rt = load_runtime(model, backend, num_ctx, kv_cache_type, threads, compute_dtype, device)
+        rt = opts.load()
     except (OSError, WarmkvError) as e:
         fail(e)
     history: list[dict[str, str]] = [{"role": "system", "content": sys_text}]
@@ -245,89 +214,6 @@ def chat(
             err.print(f"[dim]reused {reused}, prefilled {prefilled} tokens; TTFT {ttft or 0:.3f}s[/]")
 
 
-@app.command()
-def serve(
-    model: ModelOpt = None,
-    backend: BackendOpt = "llamacpp",
-    host: Annotated[str, typer.Option("--host", help="address to bind (non-loopback needs --api-key)")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8000,
-    api_key: Annotated[
-        str | None, typer.Option("--api-key", envvar="WARMKV_API_KEY", help="require 'Authorization: Bearer KEY'")
-    ] = None,
-    session_ttl: Annotated[float, typer.Option("--session-ttl", help="seconds before an idle session expires")] = 600,
-    num_ctx: CtxOpt = None,
-    n_seq_max: Annotated[
-        int, typer.Option("--n-seq-max", min=1, help="resident sessions (pool + /v1/sessions)")
-    ] = SERVE_N_SEQ_MAX,
-    pool_size: Annotated[
-        int | None,
-        typer.Option("--pool-size", min=1, help="server sessions for plain /v1 requests (default: n-seq-max - 4)"),
-    ] = None,
-    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="waiting requests before 429")] = 64,
-    cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="allow this browser origin")] = None,
-    model_id: Annotated[str | None, typer.Option("--model-id", help="model name clients use")] = None,
-    tool_format: Annotated[
-        str, typer.Option("--tool-format", help="tool calls: auto (from the chat template), generic, hermes...")
-    ] = "auto",
-    model_alias: Annotated[
-        list[str] | None,
-        typer.Option("--model-alias", help="another name clients may use for the model ('*': any name)"),
-    ] = None,
-    keep_volatile: Annotated[
-        bool, typer.Option("--keep-volatile", help="keep known volatile system-prompt blocks instead of stripping")
-    ] = False,
-    log_misses: Annotated[
-        bool, typer.Option("--log-misses", help="log each request whose reuse stopped early, and where")
-    ] = False,
-    kv_cache_type: KvOpt = "f16",
-    compute_dtype: ComputeOpt = None,
-    device: DeviceOpt = None,
-    threads: ThreadsOpt = None,
-) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API with persistent sessions."""
-    import uvicorn
-
-    from .server import ServerSettings, create_app
-
-    try:
-        settings = ServerSettings(
-            host=host,
-            port=port,
-            api_key=api_key,
-            cors_origins=tuple(cors_origin or ()),
-            model_id=model_id,
-            session_ttl_s=session_ttl,
-            pool_size=pool_size,
-            max_queue=max_queue,
-            tool_format=tool_format,
-            model_aliases=tuple(model_alias or ()),
-            keep_volatile=keep_volatile,
-            log_misses=log_misses,
-        )
-        with err.status(f"loading {model or 'default model'} on {backend}..."):
-            rt = Runtime.load(
-                model,
-                backend=backend,
-                num_ctx=num_ctx,
-                n_seq_max=n_seq_max,
-                kv_cache_type=kv_cache_type,
-                num_threads=threads,
-                backend_options=backend_options(compute_dtype, device),
-            )
-        app_ = create_app(rt, settings)
-    except WarmkvError as e:
-        fail(e)
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger("warmkv").addHandler(handler)
-    logging.getLogger("warmkv").setLevel(logging.INFO)
-    err.print(f"serving {rt.info.name} on http://{host}:{port}/v1 (docs: /docs, metrics: /metrics)")
-    err.print(f"KV memory: {rt.kv_memory().describe()}")
-    with rt:
-        uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
-
-
-@app.command()
 def stats(
     store_dir: Annotated[str | None, typer.Option("--dir", help="KV store directory (default: user cache dir)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
@@ -335,7 +221,7 @@ def stats(
     """Show the persistent KV store: entries, bytes, snapshots."""
     from dataclasses import asdict
 
-    from .cache import KVStore
+    from ..cache import KVStore
 
     try:
         store = KVStore(store_dir)
@@ -354,10 +240,3 @@ def stats(
         console.print(
             f"snapshot {s['name']}: {s['n_tokens']} tokens, {s['size']:,} bytes, manifest {s['manifest_digest'][:16]}"
         )
-
-
-def main() -> None:  # pragma: no cover - console entry
-    try:
-        app()
-    except KeyboardInterrupt:
-        sys.exit(130)

@@ -1,0 +1,27 @@
+"""The `warmkv` Typer app: every command wired in one place."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from . import commands
+from .bench import bench_app
+from .serve import serve
+
+app = typer.Typer(help="warmkv: keep the KV cache of a stable prefix warm across agent turns.", no_args_is_help=True)
+app.command()(commands.info)
+app.command()(commands.run)
+app.command()(commands.explain)
+app.command()(commands.chat)
+app.command()(serve)
+app.command()(commands.stats)
+app.add_typer(bench_app, name="bench")
+
+
+def main() -> None:  # pragma: no cover - console entry
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

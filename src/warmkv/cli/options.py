@@ -1,0 +1,173 @@
+"""The options every `warmkv` command that loads a model shares, added by one decorator.
+
+@runtime_options() gives a command the model, backend, context, KV, store and backend
+options (--model, --backend, --num-ctx, --n-seq-max, --kv-cache-type, --compute-dtype,
+--device, --prefix-cache-mb, ...) and hands them to it as one RuntimeOptions; from them it
+builds RuntimeConfig and the backend's typed options, which validate every value.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from ..backends import BackendOptions, make_options
+from ..config import RuntimeConfig
+from ..runtime import Runtime
+
+console = Console()
+err = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One shared option: its parameter name, flags, type, help, and where it goes."""
+
+    name: str
+    flags: tuple[str, ...]
+    type: Any
+    help: str
+    target: str  # "runtime" (a RuntimeConfig field), "backend" (a backend option) or "" (model, backend)
+    field: str = ""  # the RuntimeConfig / backend option name when it differs from name
+
+    @property
+    def key(self) -> str:
+        return self.field or self.name
+
+
+SPECS = (
+    Spec("model", ("--model", "-m"), str, "GGUF file or HF directory (default: bundled SmolLM2-135M)", ""),
+    Spec("backend", ("--backend", "-b"), str, "llamacpp or native", ""),
+    Spec(
+        "num_ctx",
+        ("--num-ctx",),
+        int,
+        "context window of each session (default: the model's, capped at 4096)",
+        "runtime",
+    ),
+    Spec("n_seq_max", ("--n-seq-max",), int, "resident sessions; each holds num_ctx tokens of KV", "runtime"),
+    Spec("kv_cache_type", ("--kv-cache-type", "--kv-type"), str, "KV type: f16, bf16, f32, q8_0 or q4_0", "runtime"),
+    Spec("flash_attn", ("--flash-attn",), str, "auto, on or off", "runtime"),
+    Spec("n_gpu_layers", ("--n-gpu-layers",), int, "llama.cpp: layers offloaded to the GPU (-1: all)", "runtime"),
+    Spec("num_batch", ("--num-batch",), int, "tokens per engine step", "runtime"),
+    Spec("threads", ("--threads",), int, "CPU threads (default: all)", "runtime", "num_threads"),
+    Spec("prefill_chunk", ("--prefill-chunk",), int, "tokens prefilled between other sessions' steps", "runtime"),
+    Spec("prefix_cache_mb", ("--prefix-cache-mb",), int, "shared prefix cache in RAM, MiB (0: off)", "runtime"),
+    Spec("kv_store_dir", ("--kv-store-dir",), str, "persistent KV store directory (default: user cache)", "runtime"),
+    Spec("kv_store_mb", ("--kv-store-mb",), int, "persistent KV store cap, MiB (0: off)", "runtime"),
+    Spec(
+        "compute_dtype",
+        ("--compute-dtype",),
+        str,
+        "native: auto (the default: int4 for a Q4_0/Q4_1 GGUF on the CPU, else float32), float32, bfloat16, "
+        "int8 or int4",
+        "backend",
+    ),
+    Spec("device", ("--device",), str, "native: cpu, cuda, cuda:N or auto", "backend"),
+    Spec("cpp_decode", ("--cpp-decode",), str, "native: auto, on or off (the C++ CPU decode loop)", "backend"),
+    Spec(
+        "kv_cache_mb",
+        ("--kv-cache-mb",),
+        int,
+        "native: KV pool budget in MiB (default: num_ctx per session)",
+        "backend",
+    ),
+    Spec("use_mmap", ("--mmap/--no-mmap",), bool, "llama.cpp: map the model file (default: on)", "backend"),
+    Spec("use_mlock", ("--mlock/--no-mlock",), bool, "llama.cpp: lock the weights in RAM (default: off)", "backend"),
+)
+NAMES = frozenset(s.name for s in SPECS)
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """What the command line said about the model and how to load it (None: not given)."""
+
+    model: str | None = None
+    backend: str = "llamacpp"
+    runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields given
+    backend_given: dict[str, Any] = field(default_factory=dict)  # backend option names given
+
+    @classmethod
+    def from_params(cls, values: dict[str, Any]) -> RuntimeOptions:
+        by = {s.name: s for s in SPECS}
+        runtime = {by[k].key: v for k, v in values.items() if v is not None and by[k].target == "runtime"}
+        backend = {by[k].key: v for k, v in values.items() if v is not None and by[k].target == "backend"}
+        return cls(values.get("model"), values.get("backend") or "llamacpp", runtime, backend)
+
+    def config(self, **overrides: Any) -> RuntimeConfig:
+        return RuntimeConfig.from_kwargs(**{**self.runtime, **overrides})
+
+    def backend_options(self) -> BackendOptions:
+        return make_options(self.backend, **self.backend_given)
+
+    def load(self, **overrides: Any) -> Runtime:
+        """Load the runtime these options describe; overrides replace RuntimeConfig fields."""
+        config, options = self.config(**overrides), self.backend_options()  # InvalidConfig before loading
+        with err.status(f"loading {self.model or 'default model'} on {self.backend}..."):
+            return Runtime.load(self.model, backend=self.backend, config=config, backend_options=options)
+
+    def flags(self, **overrides: Any) -> list[str]:
+        """These options as command-line flags (for the benchmarks that start `warmkv serve`)."""
+        values: dict[str, Any] = {"model": self.model, "backend": self.backend}
+        by_key = {s.key: s for s in SPECS}
+        for key, v in {**self.runtime, **overrides, **self.backend_given}.items():
+            values[by_key[key].name] = v
+        out: list[str] = []
+        for s in SPECS:
+            v = values.get(s.name)
+            if v is None:
+                continue
+            if s.type is bool:
+                on, off = s.flags[0].split("/")
+                out.append(on if v else off)
+            else:
+                out += [s.flags[0], str(v)]
+        return out
+
+
+def runtime_options(**defaults: Any) -> Callable[[F], F]:
+    """Give a command the shared runtime options; it receives them as `opts: RuntimeOptions`.
+
+    defaults sets a command's own default for an option (e.g. serve's n_seq_max=20).
+    """
+    unknown = set(defaults) - NAMES
+    if unknown:
+        raise TypeError(f"runtime_options has no option(s) {sorted(unknown)}")
+
+    def wrap(fn: F) -> F:
+        sig = inspect.signature(fn, eval_str=True)  # typer reads Annotated options from the signature
+        own = [p for p in sig.parameters.values() if p.name != "opts"]
+        shared = []
+        for s in SPECS:
+            default = defaults.get(s.name, "llamacpp" if s.name == "backend" else None)
+            kind = s.type if s.name == "backend" else s.type | None
+            help_ = s.help + (f" [default: {default}]" if s.name in defaults else "")
+            option = typer.Option(*s.flags, help=help_, show_default=s.name == "backend")
+            shared.append(
+                inspect.Parameter(
+                    s.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, option]
+                )
+            )
+
+        @functools.wraps(fn)
+        def command(*args: Any, **kwargs: Any) -> Any:
+            values = {name: kwargs.pop(name) for name in list(kwargs) if name in NAMES}
+            return fn(*args, opts=RuntimeOptions.from_params(values), **kwargs)
+
+        command.__signature__ = sig.replace(parameters=[*own, *shared])  # type: ignore[attr-defined]
+        return command  # type: ignore[return-value]
+
+    return wrap
+
+
+def fail(e: Exception) -> None:
+    err.print(f"[bold red]error:[/] {e}")
+    raise typer.Exit(2)

@@ -1,0 +1,77 @@
+"""`warmkv serve`: the model over OpenAI- and Anthropic-compatible HTTP, 16 streams at once by default."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import typer
+
+from .. import WarmkvError
+from ..config import SERVE_N_SEQ_MAX
+from .options import RuntimeOptions, err, fail, runtime_options
+
+
+@runtime_options(n_seq_max=SERVE_N_SEQ_MAX)
+def serve(
+    host: Annotated[str, typer.Option("--host", help="address to bind (non-loopback needs --api-key)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8000,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", envvar="WARMKV_API_KEY", help="require 'Authorization: Bearer KEY'")
+    ] = None,
+    session_ttl: Annotated[float, typer.Option("--session-ttl", help="seconds before an idle session expires")] = 600,
+    pool_size: Annotated[
+        int | None,
+        typer.Option("--pool-size", min=1, help="server sessions for plain /v1 requests (default: n-seq-max - 4)"),
+    ] = None,
+    max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="waiting requests before 429")] = 64,
+    cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="allow this browser origin")] = None,
+    model_id: Annotated[str | None, typer.Option("--model-id", help="model name clients use")] = None,
+    tool_format: Annotated[
+        str, typer.Option("--tool-format", help="tool calls: auto (from the chat template), generic, hermes...")
+    ] = "auto",
+    model_alias: Annotated[
+        list[str] | None,
+        typer.Option("--model-alias", help="another name clients may use for the model ('*': any name)"),
+    ] = None,
+    keep_volatile: Annotated[
+        bool, typer.Option("--keep-volatile", help="keep known volatile system-prompt blocks instead of stripping")
+    ] = False,
+    log_misses: Annotated[
+        bool, typer.Option("--log-misses", help="log each request whose reuse stopped early, and where")
+    ] = False,
+    *,
+    opts: RuntimeOptions,
+) -> None:
+    """Serve the model over an OpenAI-compatible HTTP API with persistent sessions."""
+    import uvicorn
+
+    from ..server import ServerSettings, create_app
+
+    try:
+        settings = ServerSettings(
+            host=host,
+            port=port,
+            api_key=api_key,
+            cors_origins=tuple(cors_origin or ()),
+            model_id=model_id,
+            session_ttl_s=session_ttl,
+            pool_size=pool_size,
+            max_queue=max_queue,
+            tool_format=tool_format,
+            model_aliases=tuple(model_alias or ()),
+            keep_volatile=keep_volatile,
+            log_misses=log_misses,
+        )
+        rt = opts.load()
+        app_ = create_app(rt, settings)
+    except WarmkvError as e:
+        fail(e)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("warmkv").addHandler(handler)
+    logging.getLogger("warmkv").setLevel(logging.INFO)
+    err.print(f"serving {rt.info.name} on http://{host}:{port}/v1 (docs: /docs, metrics: /metrics)")
+    err.print(f"KV memory: {rt.kv_memory().describe()}")
+    with rt:
+        uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
