@@ -1,0 +1,231 @@
+"""The KV store's one writer: a thread that owns store writes, fed by a bounded queue.
+
+A store write (blob file, fsync, rename, directory fsync, SQLite commit) takes
+milliseconds to seconds on a busy disk, so it never runs under the model lock. A
+caller copies the KV bytes while it holds the lock (in memory), lets go of it,
+and hands the bytes here:
+
+    submit_entry(...)    a spilled prefix; never waits: dropped (and counted) when the
+                         queue is full, which only costs a later cold prefill
+    put_snapshot(...)    waits for room and returns once the snapshot is durable
+    flush()              waits until everything queued before the call is written
+    pending_match(...)   the queued, not yet written entry sharing the most full
+                         blocks with a prompt: lookups see queued entries
+
+Calls that wait (put_snapshot, flush, close, submit_entry(wait=True)) refuse to run
+while the calling thread holds the lock named by `held` (the model lock): see the
+lock order in warmkv.runtime. The writer thread itself takes no lock but its own
+and the store's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidConfig, WarmkvError
+from ..tokens import common_prefix_len
+from .store import KVStore
+from .store_types import SnapshotInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PendingEntry:
+    """A prefix entry queued for the store: its block keys, tokens and export_seq blob."""
+
+    keys: tuple[str, ...]
+    manifest_digest: str
+    tokens: tuple[int, ...]
+    blob: bytes
+
+
+@dataclass(frozen=True)
+class PendingMatch:
+    n_tokens: int  # tokens of entry.tokens shared with the prompt (at least its matched full blocks)
+    entry: PendingEntry
+
+
+@dataclass
+class _SnapshotJob:
+    args: tuple[Any, ...]
+    done: threading.Event = field(default_factory=threading.Event)
+    info: SnapshotInfo | None = None
+    error: BaseException | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.args[4])
+
+
+@dataclass(frozen=True)
+class WriterStats:
+    queued: int  # jobs waiting or being written
+    queued_bytes: int
+    written: int  # prefix entries written
+    dropped: int  # prefix entries not queued: the queue was full
+    failed: int  # prefix entries the store refused (full, I/O error)
+
+
+def _shared(a: Sequence[str], b: Sequence[str]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class StoreWriter:
+    """The thread writing to one KVStore; see the module docstring."""
+
+    def __init__(self, store: KVStore, *, max_pending_bytes: int, held: Callable[[], bool] | None = None) -> None:
+        if isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int) or max_pending_bytes < 1:
+            raise InvalidConfig(f"max_pending_bytes must be an integer >= 1, got {max_pending_bytes!r}")
+        self.store = store
+        self._max = max_pending_bytes
+        self._held = held or (lambda: False)
+        self._cond = threading.Condition()
+        self._queue: deque[PendingEntry | _SnapshotJob] = deque()
+        self._pending: dict[str, PendingEntry] = {}  # last block key -> entry, until it is written
+        self._bytes = 0  # of queued jobs and the one being written
+        self._submitted = self._finished = 0
+        self._written = self._dropped = self._failed = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="warmkv-store-writer", daemon=True)
+        self._thread.start()
+
+    # -- callers -------------------------------------------------------------
+
+    def submit_entry(
+        self, keys: Sequence[str], manifest_digest: str, tokens: Sequence[int], blob: bytes, *, wait: bool = False
+    ) -> bool:
+        """Queue a prefix entry; False (dropped) when the queue is full and wait is False, or closed."""
+        entry = PendingEntry(tuple(keys), manifest_digest, tuple(tokens), blob)
+        if wait:
+            self._check_not_held("submit_entry(wait=True)")
+        with self._cond:
+            if wait:
+                self._wait_room(len(blob))
+            if self._closed or not self._fits(len(blob)):
+                self._dropped += 1
+                return False
+            self._pending[entry.keys[-1]] = entry
+            self._push(entry, len(blob))
+        return True
+
+    def put_snapshot(
+        self,
+        name: str,
+        manifest_digest: str,
+        manifest: Mapping[str, object],
+        tokens: Sequence[int],
+        blob: bytes,
+        meta: Mapping[str, object] | None = None,
+    ) -> SnapshotInfo:
+        """KVStore.put_snapshot through the writer: returns once the snapshot is durable (or raises its error)."""
+        self._check_not_held("put_snapshot")
+        job = _SnapshotJob((name, manifest_digest, manifest, tokens, blob, meta))
+        with self._cond:
+            self._wait_room(job.nbytes)
+            if self._closed:
+                raise WarmkvError("the KV store writer is closed")
+            self._push(job, job.nbytes)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.info is not None
+        return job.info
+
+    def pending_match(
+        self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], block_size: int
+    ) -> PendingMatch | None:
+        """The queued entry sharing the most full blocks with tokens (keys = their block keys), or None."""
+        with self._cond:
+            entries = list(self._pending.values())
+        best: PendingMatch | None = None
+        for e in entries:
+            if e.manifest_digest != manifest_digest:
+                continue
+            depth = _shared(e.keys, keys)
+            n = common_prefix_len(e.tokens, tokens)
+            if depth and n >= depth * block_size and (best is None or n > best.n_tokens):
+                best = PendingMatch(n, e)
+        return best
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every job queued before this call is written; False on timeout."""
+        self._check_not_held("flush")
+        with self._cond:
+            target = self._submitted
+            return self._cond.wait_for(lambda: self._finished >= target, timeout)
+
+    def stats(self) -> WriterStats:
+        with self._cond:
+            queued = self._submitted - self._finished
+            return WriterStats(queued, self._bytes, self._written, self._dropped, self._failed)
+
+    def close(self) -> None:
+        """Write everything queued, then stop the thread. Idempotent."""
+        self._check_not_held("close")
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    # -- internals -----------------------------------------------------------
+
+    def _check_not_held(self, what: str) -> None:
+        if self._held():
+            # A bug, not a user error: waiting here would stall every stream of the model.
+            raise RuntimeError(f"lock order: StoreWriter.{what} waits for the disk and must not hold the model lock")
+
+    def _fits(self, nbytes: int) -> bool:
+        return self._bytes == 0 or self._bytes + nbytes <= self._max  # one oversized job alone still goes
+
+    def _wait_room(self, nbytes: int) -> None:
+        self._cond.wait_for(lambda: self._closed or self._fits(nbytes))
+
+    def _push(self, job: PendingEntry | _SnapshotJob, nbytes: int) -> None:
+        self._queue.append(job)
+        self._bytes += nbytes
+        self._submitted += 1
+        self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closed)
+                if not self._queue:
+                    return  # closed and drained
+                job = self._queue[0]  # stays counted in _bytes until written
+            self._write(job)
+            with self._cond:
+                self._queue.popleft()
+                if isinstance(job, PendingEntry):
+                    if self._pending.get(job.keys[-1]) is job:
+                        del self._pending[job.keys[-1]]
+                    self._bytes -= len(job.blob)
+                else:
+                    self._bytes -= job.nbytes
+                self._finished += 1
+                self._cond.notify_all()
+
+    def _write(self, job: PendingEntry | _SnapshotJob) -> None:
+        if isinstance(job, _SnapshotJob):
+            try:
+                job.info = self.store.put_snapshot(*job.args)
+            except BaseException as e:  # handed to the waiting caller
+                job.error = e
+            job.done.set()
+            return
+        try:
+            self.store.put(job.keys[-1], job.manifest_digest, job.tokens, job.blob, block_keys=job.keys)
+            self._written += 1
+        except WarmkvError as e:  # a spilled prefix that cannot be stored only costs a later prefill
+            self._failed += 1
+            log.warning("kv store write failed: %s", e)
+        except Exception:
+            self._failed += 1
+            log.exception("kv store write failed")
