@@ -1,4 +1,27 @@
-"""The runtime: loads one model into a backend, opens sessions, offers helpers."""
+"""The runtime: loads one model into a backend, opens sessions, offers helpers.
+
+Lock order (the one place it is written; other modules refer here):
+
+1. A session's op lock (`Session._op`: one operation on that session at a time)
+   comes before the model lock (`Runtime.lock`: every backend call, the KV pool,
+   the memory tier). Never take an op lock while holding the model lock: close,
+   restore and fork's error path take the op lock first, then the model lock.
+   A thread may hold two op locks only as fork does: its own session's, then the
+   op lock of the child it has just created and nobody else can reach yet.
+2. The model lock may be let go and taken back inside an operation (prefill
+   chunks, the disk read of a tier lookup) with the op lock still held, so a
+   session's state is consistent at every such point.
+3. The KV store's writer thread (cache.store_writer) takes no lock but its own
+   and the store's. Its queue is never waited on while holding the model lock:
+   spills copy the KV bytes under the lock and queue them without waiting
+   (dropped when the queue is full); snapshot writes, flush and close wait with
+   only the op lock held (or none). The writer refuses, with RuntimeError, a
+   waiting call from a thread that holds the model lock.
+4. Store reads (restore, disk-tier hits) run without the model lock: the blob is
+   read and verified first, then the lock is taken to load it.
+
+Lock-free helpers: `Session.cancel`; `Session.token_ids` takes the model lock only.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -68,6 +92,8 @@ class Runtime:
                 memory_mb=c.prefix_cache_mb,
                 store_dir=c.kv_store_dir,
                 store_mb=c.kv_store_mb,
+                unlocked=self.model_unlocked,
+                held=self.lock._is_owned,  # type: ignore[attr-defined]
             )
             if callable(getattr(backend, "keep_seq", None)) and (c.prefix_cache_mb or c.kv_store_mb)
             else None
@@ -157,31 +183,34 @@ class Runtime:
             return s
 
     def restore(self, name: str) -> Session:
-        """A new session holding a snapshot's context, under this runtime's manifest only."""
+        """A new session holding a snapshot's context, under this runtime's manifest only.
+
+        The snapshot is read and verified before the model lock is taken (lock order: module doc).
+        """
         if not isinstance(name, str) or not name:
             raise InvalidInput(f"snapshot name must be a non-empty string, got {name!r}")
-        with self.lock:
-            self._check_loaded()
-            if self.tiers is None or self.tiers.store is None:
-                raise Unsupported("restore", NO_STORE)
-            snap = self.tiers.store.get_snapshot(name)
-            manifest = next((m for m in self._manifests.values() if m.digest == snap.manifest_digest), None)
-            if manifest is None:
-                theirs = dict(snap.manifest)
-                ours = self.manifest().identity()
-                diff = "; ".join(
-                    f"{k}: {str(theirs.get(k))[:24]} != {str(v)[:24]}" for k, v in ours.items() if theirs.get(k) != v
-                )
-                raise ManifestMismatch(f"snapshot {name!r} was taken under another manifest ({diff})")
-            if len(snap.tokens) > self.config.num_ctx:
-                raise ContextOverflow("restore", 0, len(snap.tokens), self.config.num_ctx)
-            session = self.session()
-            try:
-                session._restore(snap.tokens, snap.blob, manifest, dict(snap.meta))
-            except BaseException:
-                session.close()
-                raise
-            return session
+        self._check_loaded()
+        tiers = self.tiers
+        if tiers is None or tiers.store is None:
+            raise Unsupported("restore", NO_STORE)
+        snap = tiers.store.get_snapshot(name)
+        manifest = next((m for m in self._manifests.values() if m.digest == snap.manifest_digest), None)
+        if manifest is None:
+            theirs = dict(snap.manifest)
+            ours = self.manifest().identity()
+            diff = "; ".join(
+                f"{k}: {str(theirs.get(k))[:24]} != {str(v)[:24]}" for k, v in ours.items() if theirs.get(k) != v
+            )
+            raise ManifestMismatch(f"snapshot {name!r} was taken under another manifest ({diff})")
+        if len(snap.tokens) > self.config.num_ctx:
+            raise ContextOverflow("restore", 0, len(snap.tokens), self.config.num_ctx)
+        session = self.session()
+        try:
+            session._restore(snap.tokens, snap.blob, manifest, dict(snap.meta))  # its op lock, then the model lock
+        except BaseException:
+            session.close()
+            raise
+        return session
 
     @property
     def sessions(self) -> list[Session]:
@@ -386,18 +415,43 @@ class Runtime:
         """
         self._lock_handoff.wait(timeout=0.0005)
 
+    @contextmanager
+    def model_unlocked(self) -> Iterator[None]:
+        """Let go of the model lock completely (whatever the recursion depth) for the block, if held.
+
+        For waits on the disk inside an operation: the caller keeps its op lock, so its
+        session's state must be consistent here (lock order: module doc).
+        """
+        lock: Any = self.lock
+        if not lock._is_owned():
+            yield
+            return
+        state = lock._release_save()
+        try:
+            yield
+        finally:
+            lock._acquire_restore(state)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued KV store write is on disk; False on timeout. Not under the model lock."""
+        tiers = self.tiers
+        return True if tiers is None else tiers.flush(timeout)
+
     def close(self) -> None:
         # Sessions first, without the model lock: closing one waits for its running call.
         for s in list(self._sessions.values()):
             s.close()
         if self._helper is not None:
             self._helper.close()
+        tiers = None
         with self.lock:
             if self.tiers is not None:
                 self.backend.set_reclaimer(None)
-                self.tiers.close()
-                self.tiers = None
+                self.tiers.spill_all()  # copies the memory tier's KV while the backend is alive
+                tiers, self.tiers = self.tiers, None
             self.backend.close()
+        if tiers is not None:
+            tiers.close()  # writes to disk without the model lock
 
     def __enter__(self) -> Runtime:
         return self

@@ -389,38 +389,46 @@ class Session(Decoding):
 
         The child gets its own sequence (SessionLimit when none is free) and a copy
         of the parent's KV, so either may prefill or decode without touching the other.
+        Locks: ours, then the model's; a failed copy closes the child after letting go
+        of the model lock (lock order: warmkv.runtime).
         """
-        with self._lock():
-            self._check_usable()
-            self._settle()
+        with self._op:
+            with self._model_lock:
+                self._check_usable()
             child = self._rt.session()
             try:
-                self._backend.copy_seq(self._seq, child._seq, len(self._tokens))
+                with self._model_lock:
+                    self._check_usable()
+                    self._settle()
+                    self._backend.copy_seq(self._seq, child._seq, len(self._tokens))
+                    child._adopt(self)
             except BaseException:
                 child.close()
                 raise
-            child._adopt(self)
             return child
 
     def snapshot(self, name: str) -> SnapshotInfo:
         """Write the resident context (tokens, KV, manifest) to the disk store under `name`.
 
         `Runtime.restore(name)` brings it back, also in another process after a crash.
+        The KV is copied under the model lock and written without it: other sessions keep
+        stepping while the disk works; this call returns once the snapshot is durable.
         """
         if not isinstance(name, str) or not SNAPSHOT_NAME.fullmatch(name):
             raise InvalidInput(f"snapshot name must match {SNAPSHOT_NAME.pattern}, got {name!r}")
-        with self._lock():
-            self._check_usable()
-            tiers = self._rt.tiers
-            if tiers is None or tiers.store is None:
-                raise Unsupported("snapshot", NO_STORE)
-            if self._manifest is None or not self._tokens:
-                raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
-            self._settle()
-            meta = {"prefix_len": self._prefix_len, "suffix_end": self._suffix_end, "byte_hash": self._byte_hash}
-            blob = self._backend.export_seq(self._seq)
-            m = self._manifest
-            return tiers.store.put_snapshot(name, m.digest, m.to_dict(), self._tokens, blob, meta)
+        with self._op:  # held through the write: this session's state cannot change meanwhile
+            with self._model_lock:
+                self._check_usable()
+                tiers = self._rt.tiers
+                if tiers is None or tiers.store is None:
+                    raise Unsupported("snapshot", NO_STORE)
+                if self._manifest is None or not self._tokens:
+                    raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
+                self._settle()
+                meta = {"prefix_len": self._prefix_len, "suffix_end": self._suffix_end, "byte_hash": self._byte_hash}
+                blob = self._backend.export_seq(self._seq)
+                m, tokens = self._manifest, list(self._tokens)
+            return tiers.write_snapshot(name, m.digest, m.to_dict(), tokens, blob, meta)
 
     def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
         """Load a snapshot's KV into this (fresh) session."""

@@ -8,21 +8,31 @@ fastest first: the session's own resident tokens, the in-memory PrefixCache
 processes and restarts). An entry evicted from memory is spilled to disk as an
 `export_seq` blob; closing the runtime spills everything. When the native KV
 pool runs short it asks for pinned blocks back (`reclaim`): LRU entries spill.
+
+Disk I/O runs off the model lock (see the lock order in warmkv.runtime): a spill
+copies the KV bytes under the lock, lets go of the pins and queues the bytes for
+the store's writer thread (cache.store_writer); `lookup` matches memory under the
+lock, then reads and verifies a disk blob with the lock let go. Entries queued but
+not yet written are disk hits too, served from the queued bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .backends.base import Backend, BlobKV, KeptKV
-from .cache import EvictedEntry, KVStore, PrefixCache, PrefixCacheConfig, StoreConfig, block_keys
+from .cache import EvictedEntry, KVStore, PrefixCache, PrefixCacheConfig, SnapshotInfo, StoreConfig, block_keys
+from .cache.store_writer import PendingEntry, StoreWriter
 from .errors import WarmkvError
 from .tokens import common_prefix_len
 
 log = logging.getLogger(__name__)
+MIN_QUEUE_BYTES = 64 << 20  # the writer's queue holds at least this much (or the memory tier's budget)
 
 
 @dataclass(frozen=True)
@@ -42,41 +52,86 @@ class WarmHit:
 
 
 class KVTiers:
-    """Owner of the memory cache and the disk store of one loaded model."""
+    """Owner of the memory cache, the disk store and its writer thread, for one loaded model.
+
+    unlocked: a context manager that lets go of the model lock for its block (lookup's
+    disk read); held: whether the calling thread holds the model lock (waits on the
+    writer refuse to run then). Both come from the Runtime; the defaults suit a caller
+    with no model lock.
+    """
 
     def __init__(
-        self, backend: Backend, *, block_tokens: int, memory_mb: int, store_dir: str | None, store_mb: int
+        self,
+        backend: Backend,
+        *,
+        block_tokens: int,
+        memory_mb: int,
+        store_dir: str | None,
+        store_mb: int,
+        unlocked: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
+        held: Callable[[], bool] | None = None,
     ) -> None:
         self._backend = backend
         self.block_tokens = block_tokens
+        self._unlocked = unlocked
         self.memory = (
             PrefixCache(PrefixCacheConfig(capacity_bytes=memory_mb << 20), on_evict=self._spill) if memory_mb else None
         )
         self.store = KVStore(store_dir, StoreConfig(capacity_bytes=store_mb << 20)) if store_mb else None
+        self.writer = (
+            StoreWriter(self.store, max_pending_bytes=max(memory_mb << 20, MIN_QUEUE_BYTES), held=held)
+            if self.store is not None
+            else None
+        )
+        self._held_back: list[PendingEntry] | None = None  # spills copied by spill_all, written by close
 
     def keys(self, manifest_digest: str, tokens: Sequence[int]) -> list[str]:
         return block_keys(manifest_digest, tokens, self.block_tokens)
 
     def lookup(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> WarmHit | None:
-        """The longest cached prefix of `tokens` longer than `beat` tokens, memory first."""
-        if len(keys) * self.block_tokens <= beat:
+        """The longest cached prefix of `tokens` longer than `beat` tokens, memory first.
+
+        Called with the session's op lock and the model lock held; the disk read lets go
+        of the model lock (like a prefill between chunks), so the caller's state must be
+        consistent at this call.
+        """
+        hit = self.lookup_memory(tokens, keys, beat)
+        if hit is not None or self.writer is None or len(keys) * self.block_tokens <= beat:
+            return hit
+        with self._unlocked():
+            return self.read_disk(manifest_digest, tokens, keys, beat)
+
+    def lookup_memory(self, tokens: Sequence[int], keys: Sequence[str], beat: int) -> WarmHit | None:
+        """The memory tier's longest prefix of `tokens` longer than `beat` (under the model lock)."""
+        if self.memory is None or len(keys) * self.block_tokens <= beat:
             return None
-        if self.memory is not None:
-            m = self.memory.match(keys)
-            if m.entry is not None:
-                kv: CachedKV = m.entry.payload  # type: ignore[assignment]
-                n = common_prefix_len(kv.tokens, tokens)
-                if n > beat:
-                    return WarmHit("memory", n, kv)
-        if self.store is not None:
-            try:
-                s = self.store.longest_prefix(manifest_digest, tokens, keys, block_size=self.block_tokens)
-            except WarmkvError as e:  # a broken store degrades to a cold prefill, never to wrong KV
-                log.warning("kv store lookup failed: %s", e)
-                return None
-            if s is not None and s.n_tokens > beat:
-                kv = CachedKV(tuple(s.entry.tokens), BlobKV(self._backend, s.entry.blob), manifest_digest)
-                return WarmHit("disk", s.n_tokens, kv)
+        m = self.memory.match(keys)
+        if m.entry is not None:
+            kv: CachedKV = m.entry.payload  # type: ignore[assignment]
+            n = common_prefix_len(kv.tokens, tokens)
+            if n > beat:
+                return WarmHit("memory", n, kv)
+        return None
+
+    def read_disk(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> WarmHit | None:
+        """The disk tier's longest prefix longer than `beat`, read and verified (without the model lock).
+
+        Entries still queued for the writer are found first, from their queued bytes.
+        """
+        if self.writer is None or self.store is None or len(keys) * self.block_tokens <= beat:
+            return None
+        queued = self.writer.pending_match(manifest_digest, tokens, keys, self.block_tokens)
+        if queued is not None and queued.n_tokens > beat:
+            e = queued.entry
+            return WarmHit("disk", queued.n_tokens, CachedKV(e.tokens, BlobKV(self._backend, e.blob), manifest_digest))
+        try:
+            s = self.store.longest_prefix(manifest_digest, tokens, keys, block_size=self.block_tokens)
+        except WarmkvError as e:  # a broken store degrades to a cold prefill, never to wrong KV
+            log.warning("kv store lookup failed: %s", e)
+            return None
+        if s is not None and s.n_tokens > beat:
+            kv = CachedKV(tuple(s.entry.tokens), BlobKV(self._backend, s.entry.blob), manifest_digest)
+            return WarmHit("disk", s.n_tokens, kv)
         return None
 
     def load(self, hit: WarmHit, seq: int) -> None:
@@ -92,15 +147,13 @@ class KVTiers:
             return
         cached = CachedKV(tuple(tokens), self._backend.keep_seq(seq), manifest_digest)
         if self.memory is None:
-            self._put(keys, cached)
-            cached.kv.release()
+            self._queue(keys, cached)
             return
         try:
             result = self.memory.insert(keys, cached, cached.kv.nbytes)
         except WarmkvError as e:  # too big for the budget: keep it on disk only
             log.info("prefix not cached in memory: %s", e)
-            self._put(keys, cached)
-            cached.kv.release()
+            self._queue(keys, cached)
             return
         if not result.inserted:
             cached.kv.release()
@@ -111,20 +164,40 @@ class KVTiers:
 
     def _spill(self, evicted: EvictedEntry) -> None:
         cached: CachedKV = evicted.payload  # type: ignore[assignment]
-        try:
-            # A superseded entry's tokens live on in the longer entry that replaced it.
-            if evicted.reason != "superseded":
-                self._put(evicted.keys, cached)
-        finally:
+        if evicted.reason == "superseded":  # its tokens live on in the longer entry that replaced it
             cached.kv.release()
+        else:
+            self._queue(evicted.keys, cached)
 
-    def _put(self, keys: Sequence[str], kv: CachedKV) -> None:
-        if self.store is None:
-            return
+    def _queue(self, keys: Sequence[str], kv: CachedKV) -> None:
+        """Copy kv's bytes (model lock held), let go of its KV, and queue the bytes for the writer."""
         try:
-            self.store.put(keys[-1], kv.manifest_digest, kv.tokens, kv.kv.to_bytes(), block_keys=keys)
-        except WarmkvError as e:
-            log.warning("kv store write failed: %s", e)
+            if self.writer is None:
+                return
+            entry = PendingEntry(tuple(keys), kv.manifest_digest, kv.tokens, kv.kv.to_bytes())
+        finally:
+            kv.kv.release()
+        if self._held_back is not None:
+            self._held_back.append(entry)
+        elif not self.writer.submit_entry(entry.keys, entry.manifest_digest, entry.tokens, entry.blob):
+            log.info("kv store writer queue full: a %d-token prefix was not spilled", len(entry.tokens))
+
+    def write_snapshot(
+        self,
+        name: str,
+        manifest_digest: str,
+        manifest: dict[str, object],
+        tokens: Sequence[int],
+        blob: bytes,
+        meta: dict[str, object],
+    ) -> SnapshotInfo:
+        """Write a snapshot through the writer and wait until it is durable (never under the model lock)."""
+        assert self.writer is not None
+        return self.writer.put_snapshot(name, manifest_digest, manifest, tokens, blob, meta)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued store write is done (not under the model lock); False on timeout."""
+        return True if self.writer is None else self.writer.flush(timeout)
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"block_tokens": self.block_tokens}
@@ -132,11 +205,28 @@ class KVTiers:
             out["memory"] = asdict(self.memory.stats())
         if self.store is not None:
             out["disk"] = asdict(self.store.stats())
+        if self.writer is not None:
+            out["writer"] = asdict(self.writer.stats())
         return out
 
-    def close(self) -> None:
-        """Spill every memory entry to disk, then close the store."""
+    def spill_all(self) -> None:
+        """Copy every memory entry's bytes and let go of its KV (under the model lock): close's first half."""
+        if self._held_back is None:
+            self._held_back = []
         if self.memory is not None:
             self.memory.clear()
+
+    def close(self) -> None:
+        """Write what spill_all copied (calling it first if nobody did), drain the writer, close the store.
+
+        Never under the model lock: it waits for the disk.
+        """
+        if self._held_back is None:
+            self.spill_all()
+        held, self._held_back = self._held_back or [], []
+        if self.writer is not None:
+            for e in held:
+                self.writer.submit_entry(e.keys, e.manifest_digest, e.tokens, e.blob, wait=True)
+            self.writer.close()
         if self.store is not None:
             self.store.close()

@@ -1,0 +1,161 @@
+"""Disk I/O runs off the model lock: a running decode keeps producing tokens while the store works.
+
+The store is the real SQLite store with every read and write slowed down by
+DELAY_S; the model is the real default one. Under the old design (writes and
+reads under the model lock) the decode stream produced no token in those windows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import warmkv
+import warmkv.tiers
+from conftest import USER_A
+from warmkv.cache import KVStore
+
+DELAY_S = 2.0
+# Tokens the stream must produce inside each slowed store call. With the call under the
+# model lock it makes at most one (a step that began before); an idle host makes dozens.
+MIN_TOKENS = 2
+# Two ~150-token prefixes sharing their first two 64-token blocks.
+RULES = "<|im_start|>system\nYou review patches.\n" + "".join(f"Rule {i}: keep functions short.\n" for i in range(18))
+PREFIX_A = RULES + "## a.py\ndef area(w, h):\n    return w * h\n<|im_end|>\n"
+PREFIX_B = RULES + "## b.py\ndef perimeter(w, h):\n    return 2 * (w + h)\n<|im_end|>\n"
+
+
+class SlowStore(KVStore):
+    """KVStore whose put/get sleep first, recording when each call ran."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.windows: list[tuple[str, float, float]] = []
+
+    def _slow(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        time.sleep(DELAY_S)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.windows.append((what, t0, time.perf_counter()))
+
+    def put(self, *a: Any, **kw: Any) -> None:
+        self._slow("put", super().put, *a, **kw)
+
+    def put_snapshot(self, *a: Any, **kw: Any) -> Any:
+        return self._slow("put_snapshot", super().put_snapshot, *a, **kw)
+
+    def get_snapshot(self, *a: Any, **kw: Any) -> Any:
+        return self._slow("get_snapshot", super().get_snapshot, *a, **kw)
+
+    def longest_prefix(self, *a: Any, **kw: Any) -> Any:
+        return self._slow("longest_prefix", super().longest_prefix, *a, **kw)
+
+
+class Stream:
+    """A decode running on its own thread, recording when each token arrived."""
+
+    def __init__(self, session: warmkv.Session) -> None:
+        self.session = session
+        self.times: list[float] = []
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while len(self.times) < 3 and time.monotonic() < deadline and self.error is None:
+            time.sleep(0.01)
+        assert len(self.times) >= 3, f"decode did not start: {self.error!r}"
+
+    def _run(self) -> None:
+        try:
+            for chunk in self.session.decode(warmkv.DecodeConfig(temperature=0.0, ignore_eos=True)):
+                self.times.extend([time.perf_counter()] * len(chunk.token_ids))
+        except BaseException as e:
+            self.error = e
+
+    def tokens_between(self, t0: float, t1: float) -> int:
+        return sum(t0 <= t <= t1 for t in self.times)
+
+    def rate(self) -> str:
+        span = self.times[-1] - self.times[0]
+        return f"stream: {len(self.times)} tokens at {(len(self.times) - 1) / span:.1f} tok/s overall"
+
+    def stop(self) -> None:
+        self.session.cancel()
+        self._thread.join(30)
+        assert not self._thread.is_alive()
+        assert self.error is None
+
+
+@pytest.fixture()
+def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[warmkv.Runtime]:
+    monkeypatch.setattr(warmkv.tiers, "KVStore", SlowStore)
+    r = warmkv.Runtime.load(num_ctx=2048, n_seq_max=4, kv_store_dir=str(tmp_path / "kv"), prefix_cache_mb=0)
+    yield r
+    r.close()
+
+
+def streaming(rt: warmkv.Runtime) -> Stream:
+    s = rt.session()
+    s.ensure_prefix("<|im_start|>system\nCount from one to a thousand, one number a line.<|im_end|>\n")
+    s.prefill_suffix(USER_A)
+    return Stream(s)
+
+
+def window(store: SlowStore, what: str, after: float) -> tuple[float, float]:
+    """The first store call named `what` that started after `after`: (start, end)."""
+    return next((t0, t1) for name, t0, t1 in store.windows if name == what and t0 >= after)
+
+
+def test_snapshot_and_restore_io_do_not_stop_a_running_decode(rt: warmkv.Runtime) -> None:
+    store: SlowStore = rt.tiers.store  # type: ignore[union-attr, assignment]
+    with rt.session() as other:
+        other.ensure_prefix(PREFIX_A)
+        stream = streaming(rt)
+        t0 = time.perf_counter()
+        try:
+            info = other.snapshot("slow")  # returns once durable: it waited for the slow write
+            with rt.restore("slow") as restored:  # the slow read runs before the model lock is taken
+                assert restored.explain().resident_tokens == info.n_tokens
+        finally:
+            stream.stop()
+    assert info.n_tokens == len(rt.tokenize(PREFIX_A))
+    write, read = window(store, "put_snapshot", t0), window(store, "get_snapshot", t0)
+    during_write, during_read = stream.tokens_between(*write), stream.tokens_between(*read)
+    print(
+        f"tokens during a {write[1] - write[0]:.2f}s snapshot write: {during_write}; "
+        f"during a {read[1] - read[0]:.2f}s snapshot read: {during_read}; {stream.rate()}"
+    )
+    assert during_write >= MIN_TOKENS and during_read >= MIN_TOKENS
+
+
+def test_spills_and_disk_hits_do_not_stop_a_running_decode(rt: warmkv.Runtime) -> None:
+    store: SlowStore = rt.tiers.store  # type: ignore[union-attr, assignment]
+    stream = streaming(rt)
+    t0 = time.perf_counter()
+    try:
+        with rt.session() as b:
+            b.ensure_prefix(PREFIX_A)  # keeps its full blocks: queued for the slow writer, not written here
+        with rt.session() as c:
+            p = c.ensure_prefix(PREFIX_B)  # a disk hit, from the queue or (once written) the store
+            assert p.reuse_source == "disk" and p.reused_tokens >= 2 * rt.config.cache_block_tokens
+        assert rt.flush(60)
+        t1 = time.perf_counter()
+        with rt.session() as d:
+            p = d.ensure_prefix(PREFIX_A)  # now read (slowly) from the store, without the model lock
+            assert p.reuse_source == "disk"
+    finally:
+        stream.stop()
+    put, read = window(store, "put", t0), window(store, "longest_prefix", t1)
+    during_put, during_read = stream.tokens_between(*put), stream.tokens_between(*read)
+    print(
+        f"tokens during a {put[1] - put[0]:.2f}s spill write: {during_put}; "
+        f"during a {read[1] - read[0]:.2f}s disk-tier read: {during_read}; {stream.rate()}"
+    )
+    assert during_put >= MIN_TOKENS and during_read >= MIN_TOKENS
