@@ -67,6 +67,7 @@ def test_a_short_pool_takes_pinned_blocks_back(tmp_path: Path, expected: list[in
             c.ensure_prefix(other)  # would be KVCacheFull if the pin kept its blocks
             c.prefill_suffix(USER_A)
             greedy_tokens(c)
+        assert rt.flush(30)  # the spill was queued for the store's writer thread
         stats = rt.tiers.stats()
         assert stats["memory"]["evictions"] >= 1 and stats["disk"]["entries"] >= 1
         with rt.session() as b:
