@@ -124,17 +124,20 @@ async def _expire_loop(registry: SessionRegistry) -> None:
 
 
 async def health(request: Request) -> dict[str, Any]:
-    """Liveness plus what is in use: sessions, streams, queue."""
+    """Liveness plus what is in use: sessions, streams, queue; `degraded` says what runs short, and why."""
     st = get_state(request)
+    degraded = st.pool.degraded
     return {
         "status": "ok",
+        "degraded": degraded is not None,
+        "degraded_reason": degraded,
         "model": st.model_id,
         "backend": st.runtime.backend.name,
         "state": st.runtime.state.value,
         "num_ctx": st.runtime.config.num_ctx,
         "kv_memory": st.runtime.kv_memory().to_dict(),
         "uptime_s": time.time() - st.started,
-        "pool": {"size": st.pool.size, "idle": st.pool.idle, "waiting": st.pool.waiting},
+        "pool": {"size": st.pool.size, "idle": st.pool.idle, "waiting": st.pool.waiting, "missing": st.pool.missing},
         "sessions": {"open": len(st.registry), "capacity": st.registry.capacity, "expired": st.registry.expired},
         "active_streams": st.scheduler.active,
         "scheduler": {"steps": st.scheduler.steps, "batched_rows": st.scheduler.batched_rows},

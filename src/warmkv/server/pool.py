@@ -4,11 +4,18 @@ Each request goes to the idle session whose resident tokens share the longest to
 prefix with its prompt, so a client that resends the same long system prompt (or
 the whole conversation so far) lands where that prefix is already warm. All methods
 run on the event loop; release() may be scheduled there from other threads.
+
+A session whose KV is unknown (SessionFatal) or that was closed is replaced by a
+fresh one. When opening the fresh one fails (no free sequence, model unloaded) the
+pool is *degraded*: it runs with fewer sessions, says why (`degraded`, /health),
+and tries again on the next request; with no session left, requests get a 503 at
+once instead of waiting for one that will never come.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from starlette.concurrency import run_in_threadpool
@@ -18,6 +25,8 @@ from ..session import Session
 from ..tokens import common_prefix_len
 from .admission import Admission
 from .errors import ApiError
+
+log = logging.getLogger("warmkv.server")
 
 
 class SessionPool:
@@ -29,9 +38,23 @@ class SessionPool:
         self._idle: list[Session] = []
         self._last_used: dict[str, float] = {}
         self._waiters: list[asyncio.Future[Session]] = []
+        self._missing = 0  # sessions lost and not yet replaced
+        self._opening = 0  # replacements being opened
+        self._reason: str | None = None  # why the last replacement failed
 
     def open(self) -> None:
         self._idle = [self._rt.session() for _ in range(self.size)]
+
+    @property
+    def missing(self) -> int:
+        return self._missing
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the pool runs short of sessions, or None when it holds all of them (or is replacing them)."""
+        if self._missing == 0:
+            return None
+        return f"{self._missing} of {self.size} pooled sessions lost: {self._reason}"
 
     @property
     def idle(self) -> int:
@@ -43,8 +66,11 @@ class SessionPool:
 
     async def acquire(self, tokens: list[int]) -> Session:
         """The idle session sharing the longest prefix with tokens; waits (bounded) when none is idle."""
+        self._refill()
         if self._idle:
             return await self._best(tokens)
+        if self._missing == self.size and not self._opening:
+            raise self._unavailable()
         with self._admission.wait():
             fut: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
@@ -54,7 +80,7 @@ class SessionPool:
                 # Timed out or the client left: a session handed over meanwhile goes back.
                 if fut in self._waiters:
                     self._waiters.remove(fut)
-                if fut.done() and not fut.cancelled():
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
                     self.release(fut.result())
                 fut.cancel()
                 if isinstance(e, TimeoutError):
@@ -78,7 +104,10 @@ class SessionPool:
         return best
 
     def release(self, session: Session) -> None:
-        """Give a session back; a waiting request gets it first."""
+        """Give a session back; a waiting request gets it first. A closed one is replaced."""
+        if session.closed:
+            self.replace(session)
+            return
         self._last_used[session.id] = time.monotonic()
         while self._waiters:
             fut = self._waiters.pop(0)
@@ -90,13 +119,51 @@ class SessionPool:
     def replace(self, session: Session) -> None:
         """Evict a session whose KV is unknown (backend failure) and put a fresh one in its place."""
         self._last_used.pop(session.id, None)
+        self._open_one(session)
+
+    def _refill(self) -> None:
+        """Try again to open the sessions that earlier replacements failed to open."""
+        for _ in range(self._missing - self._opening):
+            self._open_one(None)
+
+    def _open_one(self, old: Session | None) -> None:
+        self._opening += 1
         loop = asyncio.get_running_loop()
 
-        def swap() -> None:  # both calls wait for the model lock: not on the loop
-            session.close()
-            loop.call_soon_threadsafe(self.release, self._rt.session())
+        def swap() -> Session:  # both calls wait for the model lock: not on the loop
+            if old is not None:
+                old.close()
+            return self._rt.session()
 
-        loop.run_in_executor(None, swap)
+        loop.run_in_executor(None, swap).add_done_callback(lambda fut: self._opened(fut, old is None))
+
+    def _opened(self, fut: asyncio.Future[Session], refill: bool) -> None:
+        """On the loop: a replacement was opened (it joins the pool) or failed (the pool is short of one)."""
+        self._opening -= 1
+        error = None if fut.cancelled() else fut.exception()
+        if fut.cancelled() or error is not None:
+            self._missing += 0 if refill else 1
+            self._reason = f"opening a replacement failed: {error!r}" if error is not None else "replacement cancelled"
+            log.warning("session pool degraded: %s", self.degraded)
+            self._fail_waiters()
+            return
+        if refill:
+            self._missing -= 1
+        if self._missing == 0:
+            self._reason = None
+        self.release(fut.result())
+
+    def _unavailable(self) -> ApiError:
+        return ApiError(503, f"no pooled session is available: {self.degraded}", code="pool_degraded")
+
+    def _fail_waiters(self) -> None:
+        """With no session left nor coming, waiting requests get the reason now, not a timeout later."""
+        if self._missing < self.size or self._opening:
+            return
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(self._unavailable())
+        self._waiters = []
 
     def close(self) -> None:
         for fut in self._waiters:
