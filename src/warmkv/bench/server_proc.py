@@ -25,6 +25,20 @@ class LiveServer:
         return self.health["model"]
 
 
+_CLI = "from warmkv.cli import main; main()"
+
+
+def serve_has_option(option: str) -> bool:
+    """Whether `warmkv serve` takes option (e.g. "--max-step-tokens"), read from its --help."""
+    env = {**os.environ, "COLUMNS": "400", "NO_COLOR": "1", "TERM": "dumb"}  # no wrapped or cut option names
+    out = subprocess.run(
+        [sys.executable, "-c", _CLI, "serve", "--help"], capture_output=True, text=True, env=env, timeout=120
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"warmkv serve --help failed: {out.stderr.strip()[-500:]}")
+    return any(word.strip(",") == option for word in out.stdout.split())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,7 +51,7 @@ def serve(
 ) -> Iterator[LiveServer]:
     """Start `warmkv serve ARGS` on a free port (env: extra environment), wait for /health, stop it afterwards."""
     port = _free_port()
-    cmd = [sys.executable, "-c", "from warmkv.cli import main; main()", "serve", "--port", str(port), *args]
+    cmd = [sys.executable, "-c", _CLI, "serve", "--port", str(port), *args]
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env)
     base = f"http://127.0.0.1:{port}"

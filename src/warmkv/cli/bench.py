@@ -176,38 +176,40 @@ def bench_speculative(
 
 
 @bench_app.command("serve")
-@runtime_options(num_ctx=1024)
+@runtime_options(num_ctx=4096)
 def bench_serve(
-    streams: Annotated[str, typer.Option("--streams", help="comma-separated concurrency levels")] = "1,4,8",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=4096)] = 64,
+    streams: Annotated[str, typer.Option("--streams", help="comma-separated concurrency levels")] = "1,4,8,16",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, max=4096)] = 64,
+    long_prompt_tokens: Annotated[
+        int, typer.Option("--long-prompt-tokens", min=0, help="prompt prefilled beside 3 streams (0: skip)")
+    ] = 3000,
+    max_step_tokens: Annotated[
+        int | None, typer.Option("--max-step-tokens", min=1, help="passed to `warmkv serve --max-step-tokens`")
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
     *,
     opts: RuntimeOptions,
 ) -> None:
-    """Aggregate decode tokens/s of `warmkv serve` at several concurrent stream counts, in one run."""
-    from ..bench.serve import run_serve_bench
+    """Decode tokens/s and inter-token gaps of `warmkv serve` per stream count and beside a long prefill.
 
-    levels = _positive_ints("--streams", streams, "1,4,8")
-    args = opts.flags()
+    --backend takes a comma list (llama.cpp,native): each backend runs on a fresh server."""
+    from ..bench.serve import ServeBenchConfig, backend_names, run_serve_bench
+    from ..bench.serve_table import print_serve_report
+
+    levels = _positive_ints("--streams", streams, "1,4,8,16")
     try:
-        report = run_serve_bench(levels, max_tokens=max_tokens, server_args=args)
-    except RuntimeError as e:  # the server did not come up: its own error output is in the message
-        fail(e)
-    t = Table(title=f"warmkv serve: {report['model']}, {max_tokens} greedy tokens per stream")
-    for col in ("streams", "tokens", "wall s", "tokens/s", "decode tokens/s", "median TTFT s", "x vs 1 stream"):
-        t.add_column(col, justify="right")
-    for r in report["levels"]:
-        x = f"{r['speedup_vs_1']:.2f}" if r["speedup_vs_1"] else "-"
-        t.add_row(
-            str(r["streams"]),
-            str(r["completion_tokens"]),
-            f"{r['wall_s']:.2f}",
-            f"{r['tokens_per_s']:.1f}",
-            f"{r['decode_tokens_per_s']:.1f}",
-            f"{r['median_ttft_s']:.3f}",
-            x,
+        cfg = ServeBenchConfig(
+            streams=tuple(levels),
+            backends=backend_names([opts.backend]),
+            max_tokens=max_tokens,
+            long_prompt_tokens=long_prompt_tokens,
+            num_ctx=opts.runtime["num_ctx"],
+            max_step_tokens=max_step_tokens,
         )
-    console.print(t)
+        report = run_serve_bench(cfg, opts.flags(), on_progress=lambda s: err.print(s))
+    except (WarmkvError, RuntimeError) as e:  # RuntimeError: the server did not come up, or a request failed
+        fail(e)
+    print_serve_report(console, report)
     _write_report(json_out, report)
 
 

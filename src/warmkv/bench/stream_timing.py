@@ -1,0 +1,92 @@
+"""One streamed request to a live server, with a timestamp per chunk; gaps and percentiles of them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class TimedStream:
+    """A streamed request as the client saw it: when it was sent, when each text chunk came, when it ended."""
+
+    start: float = 0.0
+    chunks: list[float] = field(default_factory=list)
+    end: float | None = None
+    completion_tokens: int | None = None  # from the final usage; None when the client stopped it early
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def first(self) -> float | None:
+        return self.chunks[0] if self.chunks else None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first is None else self.first - self.start
+
+    def gaps(self) -> list[tuple[float, float]]:
+        """(previous chunk, chunk) for each chunk after the first: the inter-token intervals."""
+        return list(pairwise(self.chunks))
+
+
+async def stream_request(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    rec: TimedStream,
+    stop: asyncio.Event | None = None,
+) -> TimedStream:
+    """POST body (stream=true) to url, recording into rec; leaving early (stop set) closes the
+    connection, which cancels the decode on the server."""
+    rec.start = time.perf_counter()
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise RuntimeError(f"POST {url} answered {r.status_code}: {r.text[:500]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"POST {url} failed mid-stream: {event['error'].get('message')}")
+            if any(c.get("text") or (c.get("delta") or {}).get("content") for c in event.get("choices", ())):
+                rec.chunks.append(now)
+            if usage := event.get("usage"):
+                rec.completion_tokens = usage["completion_tokens"]
+                rec.prompt_tokens = usage["prompt_tokens"]
+                rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if stop is not None and stop.is_set():
+                break
+    rec.end = time.perf_counter()
+    return rec
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def gap_stats(gaps: Iterable[tuple[float, float]]) -> dict[str, float | int | None]:
+    """p50, p99 and max of the gaps' lengths in seconds, and how many there were."""
+    lengths = [b - a for a, b in gaps]
+    return {
+        "gaps": len(lengths),
+        "p50_s": percentile(lengths, 50),
+        "p99_s": percentile(lengths, 99),
+        "max_s": max(lengths) if lengths else None,
+    }

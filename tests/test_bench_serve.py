@@ -1,0 +1,46 @@
+"""`warmkv bench serve`, run tiny against a real server on the default model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from warmkv.cli import app
+
+runner = CliRunner()
+
+
+def test_bench_serve_tiny_reports_rates_gaps_and_the_long_prompt(tmp_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    args = ["bench", "serve", "--streams", "1,2", "--max-tokens", "8", "--long-prompt-tokens", "200"]
+    r = runner.invoke(app, [*args, "--backend", "llama.cpp", "--num-ctx", "1024", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "ITL p99" in r.output and "TTFT beside / alone" in r.output
+    data = json.loads(out.read_text())
+    assert data["streams"] == [1, 2] and data["max_step_tokens"] is None
+    [b] = data["backends"]
+    assert b["backend"] == "llamacpp" and b["server"]["num_ctx"] == 1024
+    assert [lv["streams"] for lv in b["levels"]] == [1, 2]
+    for lv in b["levels"]:
+        assert lv["completion_tokens"] == 8 * lv["streams"]  # EOS ignored: every stream decodes all its tokens
+        for key in ("tokens_per_s", "decode_tokens_per_s", "median_ttft_s", "itl_p50_s", "itl_p99_s"):
+            assert lv[key] > 0, key
+        assert lv["itl_p50_s"] <= lv["itl_p99_s"] <= lv["itl_max_s"]
+    assert b["levels"][0]["speedup_vs_1"] == 1.0
+    lp = b["long_prompt"]
+    assert abs(lp["prompt_tokens"] - 200) <= 4 and lp["cached_tokens"] < 8  # new to every cache: prefilled whole
+    for key in ("ttft_alone_s", "ttft_beside_s", "ttft_ratio", "itl_p99_s_before", "itl_p99_s_during_prefill"):
+        assert lp[key] > 0, key
+    # Each of the 3 streams decoded before the prompt came and after its first token: a gap spans the prefill.
+    assert lp["streams_outlasted_prefill"] and lp["gaps_during_prefill"] >= 3
+
+
+def test_bench_serve_rejects_what_cannot_run_before_starting_a_server() -> None:
+    r = runner.invoke(app, ["bench", "serve", "--long-prompt-tokens", "5000", "--num-ctx", "4096"])
+    assert r.exit_code == 2 and "num_ctx 4096" in r.output
+    r = runner.invoke(app, ["bench", "serve", "--backend", "llama.cpp,vllm"])
+    assert r.exit_code == 2 and "vllm" in r.output
+    r = runner.invoke(app, ["bench", "serve", "--streams", "0,2"])
+    assert r.exit_code == 2 and "--streams" in r.output
