@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import threading
 
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from warmkv.cache import EvictedEntry, PrefixCache, PrefixCacheConfig, block_keys
-from warmkv.errors import CacheEntryGone, CacheFull, InvalidConfig, InvalidInput
+from warmkv.cache.cache_integrity import check_cache
+from warmkv.errors import CacheCorrupt, CacheEntryGone, CacheFull, InvalidConfig, InvalidInput
 
 
 def chain(path: str) -> list[str]:
@@ -75,6 +77,29 @@ def test_longer_entry_supersedes_unlocked_prefix() -> None:
     cache.insert(chain("abcdef"), "longer", 30)
     assert long.alive  # locked entries are never superseded
     assert cache.check_integrity()
+
+
+def test_state_is_a_copy_and_the_check_catches_broken_bookkeeping() -> None:
+    cache, _ = make()
+    first = cache.insert(chain("abc"), "P", 10).entry
+    cache.insert(chain("abd"), "Q", 10)
+    s = cache.state()
+    check_cache(s)
+    assert set(s.entries) == {first.id, first.id + 1} and s.stats.bytes == 20
+    cache.remove(first)
+    assert first.id in s.entries and first.id not in cache.state().entries  # taken at one moment, kept
+    broken = {
+        "sum of entries": dataclasses.replace(s, stats=dataclasses.replace(s.stats, bytes=21)),
+        "LRU list": dataclasses.replace(s, lru=s.lru[1:]),
+        "access order": dataclasses.replace(s, lru=s.lru[::-1]),
+        "max_entries 1": dataclasses.replace(s, max_entries=1),
+        "broken parent link": dataclasses.replace(
+            s, nodes={i: dataclasses.replace(n, key="x") if n.depth == 1 else n for i, n in s.nodes.items()}
+        ),
+    }
+    for why, state in broken.items():
+        with pytest.raises(CacheCorrupt, match=why):
+            check_cache(state)
 
 
 def test_lru_order_and_budget() -> None:

@@ -1,7 +1,16 @@
 """Shared prefix cache (in memory) and persistent KV store (on disk), independent of any engine."""
 
 from .block_hash import block_keys, seed_key
-from .cache_types import CacheEntry, CacheStats, EvictedEntry, InsertResult, PrefixMatch
+from .cache_types import (
+    CacheEntry,
+    CacheState,
+    CacheStats,
+    EntryState,
+    EvictedEntry,
+    InsertResult,
+    NodeState,
+    PrefixMatch,
+)
 from .container import BlobHeader, ContainerError, read_container, write_container
 from .prefix_cache import PrefixCache, PrefixCacheConfig
 from .store import KVStore
@@ -10,11 +19,14 @@ from .store_types import Snapshot, SnapshotInfo, StoreConfig, StoreEntry, StoreM
 __all__ = [
     "BlobHeader",
     "CacheEntry",
+    "CacheState",
     "CacheStats",
     "ContainerError",
+    "EntryState",
     "EvictedEntry",
     "InsertResult",
     "KVStore",
+    "NodeState",
     "PrefixCache",
     "PrefixCacheConfig",
     "PrefixMatch",

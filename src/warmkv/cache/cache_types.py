@@ -77,3 +77,45 @@ class CacheStats:
     entries: int
     locked_entries: int
     capacity_bytes: int
+
+
+@dataclass(frozen=True, eq=False)
+class EntryState:
+    """One entry's bookkeeping in a CacheState. The same entry object is the same EntryState throughout
+    one snapshot, so `is` tells whether two places hold the same entry."""
+
+    id: int
+    keys: tuple[str, ...]
+    nbytes: int
+    locks: int
+    tick: int  # last use; the LRU list is in tick order
+    node: int | None  # NodeState.id of its last block; None once released
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(frozen=True, eq=False)
+class NodeState:
+    """One trie node in a CacheState; links are NodeState ids."""
+
+    id: int
+    key: str
+    depth: int
+    parent: int | None  # None: the root
+    children: dict[str, int]  # block key -> child id, as the node indexes them
+    entries: dict[int, EntryState]  # the entries whose path passes through this node
+    end: EntryState | None  # the entry whose last block this is
+
+
+@dataclass(frozen=True, eq=False)
+class CacheState:
+    """A copy of the prefix cache's bookkeeping, taken under its lock: what check_cache reads."""
+
+    entries: dict[int, EntryState]  # as the cache indexes them, by id
+    lru: tuple[tuple[int, EntryState], ...]  # unlocked entries, least recently used first, with their index id
+    nodes: dict[int, NodeState]
+    root: int
+    stats: CacheStats
+    max_entries: int | None

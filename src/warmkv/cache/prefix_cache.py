@@ -13,7 +13,8 @@ Contract (all methods thread-safe, one lock; a rejected call changes nothing):
     insert(keys, payload, nbytes, lock=False) -> InsertResult  may evict LRU to make room
     evict(nbytes) -> [EvictedEntry]      LRU over unlocked entries until nbytes are freed
     remove(entry) / clear()              let go of one / every unlocked entry
-    stats() -> CacheStats ; check_integrity() -> True or raises CacheCorrupt
+    stats() -> CacheStats ; state() -> CacheState (a copy, for checks)
+    check_integrity() -> True or raises CacheCorrupt
 
 Every payload the cache lets go (budget eviction, superseded by a longer entry,
 remove, clear) is handed to `on_evict` exactly once, after the cache lock is
@@ -29,7 +30,16 @@ from dataclasses import dataclass
 
 from ..errors import CacheEntryGone, CacheFull, InvalidConfig, InvalidInput
 from .cache_integrity import check_cache
-from .cache_types import CacheEntry, CacheStats, EvictedEntry, InsertResult, PrefixMatch
+from .cache_types import (
+    CacheEntry,
+    CacheState,
+    CacheStats,
+    EntryState,
+    EvictedEntry,
+    InsertResult,
+    NodeState,
+    PrefixMatch,
+)
 
 
 @dataclass(frozen=True)
@@ -288,21 +298,62 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(
-                hits=self._hits,
-                misses=self._misses,
-                hit_blocks=self._hit_blocks,
-                inserts=self._inserts,
-                evictions=self._evictions,
-                bytes=self._bytes,
-                locked_bytes=self._locked_bytes,
-                entries=len(self._entries),
-                locked_entries=len(self._entries) - len(self._evictable),
-                capacity_bytes=self.config.capacity_bytes,
-            )
+            return self._stats()
+
+    def _stats(self) -> CacheStats:
+        return CacheStats(
+            hits=self._hits,
+            misses=self._misses,
+            hit_blocks=self._hit_blocks,
+            inserts=self._inserts,
+            evictions=self._evictions,
+            bytes=self._bytes,
+            locked_bytes=self._locked_bytes,
+            entries=len(self._entries),
+            locked_entries=len(self._entries) - len(self._evictable),
+            capacity_bytes=self.config.capacity_bytes,
+        )
+
+    def state(self) -> CacheState:
+        """A copy of the bookkeeping (entries, LRU order, trie, counters), consistent as of one moment."""
+        with self._lock:
+            return _snapshot(self._root, self._entries, self._evictable, self._stats(), self.config.max_entries)
 
     def check_integrity(self) -> bool:
         """True when every invariant holds; raises CacheCorrupt naming the first broken one."""
-        with self._lock:
-            check_cache(self)
+        check_cache(self.state())
         return True
+
+
+def _snapshot(
+    root: _Node,
+    entries: dict[int, CacheEntry],
+    lru: OrderedDict[int, CacheEntry],
+    stats: CacheStats,
+    max_entries: int | None,
+) -> CacheState:
+    """Copy the trie and entries as they are linked, broken links included: check_cache judges them."""
+    node_ids: dict[int, int] = {}
+    seen: dict[int, EntryState] = {}
+
+    def nid(node: object) -> int:
+        return node_ids.setdefault(id(node), len(node_ids))
+
+    def entry(e: CacheEntry) -> EntryState:
+        if id(e) not in seen:
+            node = None if e._node is None else nid(e._node)
+            seen[id(e)] = EntryState(e.id, e.keys, e.nbytes, e._locks, e._tick, node)
+        return seen[id(e)]
+
+    nodes: dict[int, NodeState] = {}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        parent = None if n.parent is None else nid(n.parent)
+        children = {k: nid(c) for k, c in n.children.items()}
+        on_path = {k: entry(e) for k, e in n.entries.items()}
+        end = None if n.end is None else entry(n.end)
+        nodes[nid(n)] = NodeState(nid(n), n.key, n.depth, parent, children, on_path, end)
+        stack.extend(n.children.values())
+    indexed = {k: entry(e) for k, e in entries.items()}
+    return CacheState(indexed, tuple((k, entry(e)) for k, e in lru.items()), nodes, nid(root), stats, max_entries)
