@@ -25,6 +25,7 @@ from .anthropic_schemas import CountTokensRequest, MessagesRequest
 from .chat_turn import ChatInput, ChatTurn, TurnEnd, prompt_of, start_chat
 from .errors import from_warmkv
 from .message_log import Fingerprint, cache_miss_reason
+from .sampling import sampling_fields, usage_body
 from .state import ServerState, State
 from .streams import SSEResponse
 
@@ -95,17 +96,6 @@ def _tools(req: Any) -> tuple[tuple[ToolSpec, ...], ToolChoice, bool]:
     return tools, choice_for(tools, mode, c.name, "tool_choice"), not c.disable_parallel_tool_use
 
 
-def _usage(u: Usage | None) -> dict[str, int]:
-    if u is None:
-        return {"input_tokens": 0, "output_tokens": 0}
-    return {
-        "input_tokens": u.prompt_tokens - u.cached_tokens,  # prefilled by this request
-        "cache_read_input_tokens": u.cached_tokens,
-        "cache_creation_input_tokens": 0,
-        "output_tokens": u.completion_tokens,
-    }
-
-
 def _stop(end: TurnEnd) -> tuple[str, str | None]:
     if end.stop_sequence is not None:
         return "stop_sequence", end.stop_sequence
@@ -119,17 +109,8 @@ def _toolu() -> str:
 def _chat_input(req: MessagesRequest) -> ChatInput:
     tools, choice, parallel = _tools(req)
     fmt = req.output_config.format if req.output_config is not None else None
-    sampling = {
-        "constraint": Constraint.json_schema(fmt.schema_) if fmt is not None else None,
-        "temperature": req.temperature,
-        "top_p": req.top_p if req.top_p is not None else 1.0,
-        "top_k": req.top_k if req.top_k is not None else 40,
-        "min_p": req.min_p,
-        "seed": None if req.seed is None else req.seed % 2**32,
-        "stop": tuple(req.stop_sequences or ()),
-    }
-    if any(not s for s in sampling["stop"]):
-        raise InvalidInput("stop_sequences: a stop sequence must not be empty", param="stop_sequences")
+    constraint = Constraint.json_schema(fmt.schema_) if fmt is not None else None
+    sampling = {**sampling_fields(req, stop="stop_sequences", defaults={"top_p": 1.0}), "constraint": constraint}
     return ChatInput(_messages(req), tools, choice, parallel, req.max_tokens, sampling, new_call_id=_toolu)
 
 
@@ -159,7 +140,7 @@ async def create_message(req: MessagesRequest, st: State) -> Any:
         "content": content,
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": _usage(end.usage),
+        "usage": usage_body(end.usage, "messages"),
     }
     if diagnostics is not None:
         body["diagnostics"] = diagnostics
@@ -183,9 +164,7 @@ def _diagnose(st: ServerState, req: MessagesRequest, mid: str, turn: ChatTurn) -
 
 async def _events(turn: ChatTurn, mid: str, model: str, diagnostics: dict[str, Any] | None) -> AsyncIterator[bytes]:
     """message_start, content blocks (start, deltas, stop), message_delta, message_stop; ping after the start."""
-    start_usage = {"input_tokens": turn.gen.prompt_tokens - turn.gen.cached_tokens,
-                   "cache_read_input_tokens": turn.gen.cached_tokens, "cache_creation_input_tokens": 0,
-                   "output_tokens": 0}  # fmt: skip
+    start_usage = usage_body(Usage(turn.gen.prompt_tokens, 0, turn.gen.cached_tokens), "messages")
     message = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
                "stop_reason": None, "stop_sequence": None, "usage": start_usage,
                **({"diagnostics": diagnostics} if diagnostics is not None else {})}  # fmt: skip
@@ -229,7 +208,7 @@ async def _events(turn: ChatTurn, mid: str, model: str, diagnostics: dict[str, A
             yield _event("error", {"error": {"type": err.anthropic_type, "message": err.message}})
             return
         reason, sequence = _stop(end)
-        usage = _usage(end.usage)
+        usage = usage_body(end.usage, "messages")
         yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage})
         yield _event("message_stop", {})
 

@@ -32,7 +32,8 @@ from ..tools import (
     tool_grammar,
 )
 from ..types import StreamChunk, TokenLogprob, Usage
-from .errors import ApiError, from_warmkv
+from .collect import collect
+from .errors import ApiError
 from .generation import Generation, generate
 from .normalize import strip_volatile
 from .reuse_report import message_ends, report
@@ -112,14 +113,18 @@ class ChatTurn:
 
     async def collect(self) -> tuple[TurnEnd, list[TokenLogprob]]:
         """Run the turn to its end (non-streamed responses); raises its error as an ApiError."""
-        logprobs: list[TokenLogprob] = []
-        async for step in self.steps():
-            logprobs.extend(step.chunk.logprobs or ())
-            if step.end is not None:
-                if step.end.error is not None:
-                    raise from_warmkv(step.end.error)
-                return step.end, logprobs
-        raise ApiError(500, "stream ended without a final chunk", code="internal_error")
+        end: TurnEnd | None = None
+
+        async def chunks() -> AsyncIterator[StreamChunk]:
+            nonlocal end
+            async for step in self.steps():
+                end = step.end
+                yield step.chunk
+
+        got = await collect(chunks(), self.gen.stream.cancel)
+        if end is None:  # collect returns at the final chunk, and its step carries the end
+            raise ApiError(500, "the final chunk came without the turn's end", code="internal_error")
+        return end, got.logprobs
 
     def _parse(self, text: str) -> list[Event]:
         self._text.append(text)

@@ -20,9 +20,11 @@ from starlette.concurrency import run_in_threadpool
 
 from ..infill import ExtraFile
 from ..types import PrefixInput, StreamChunk
+from .collect import collect
 from .errors import from_warmkv
 from .generation import Generation, generate
 from .reuse_report import report
+from .sampling import sampling_fields
 from .schemas import Stop, _Request
 from .state import State
 from .streams import SSEResponse, sse
@@ -93,17 +95,7 @@ async def infill(req: InfillRequest, st: State) -> Any:
     if req.prompt:  # the middle typed so far continues the prompt
         more = await run_in_threadpool(rt.tokenize, req.prompt, add_bos=False, parse_special=False)
         target = PrefixInput(text=target.text + req.prompt, tokens=(*(target.tokens or ()), *more))
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    sampling = {
-        "temperature": req.temperature,
-        "top_k": req.top_k,
-        "top_p": req.top_p,
-        "min_p": req.min_p,
-        "repeat_penalty": req.repeat_penalty,
-        "seed": None if req.seed is None else req.seed % 2**32,
-        "stop": tuple(stop),
-        "stop_token_ids": rt.fim_tokens().stops(),
-    }
+    sampling = {**sampling_fields(req), "stop_token_ids": rt.fim_tokens().stops()}
     gen = await generate(st, target, req.n_predict or req.max_tokens, sampling)
     headers = report(st, gen.status, gen.prompt_tokens)
     if req.stream:
@@ -120,15 +112,5 @@ async def infill(req: InfillRequest, st: State) -> Any:
                     yield sse({"content": chunk.text, "stop": False})
 
         return SSEResponse(body(), on_close=gen.stream.cancel, headers=headers)
-    parts: list[str] = []
-    try:
-        async for chunk in gen.stream:
-            parts.append(chunk.text)
-            if chunk.done:
-                if chunk.error is not None:
-                    raise from_warmkv(chunk.error)
-                return JSONResponse(_final(gen, chunk, "".join(parts), model), headers=headers)
-    except BaseException:
-        gen.stream.cancel()  # the client left: stop decoding for nobody
-        raise
-    raise RuntimeError("stream ended without a final chunk")
+    got = await collect(gen.stream, gen.stream.cancel)
+    return JSONResponse(_final(gen, got.final, got.text, model), headers=headers)

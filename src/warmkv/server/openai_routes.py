@@ -14,13 +14,15 @@ from starlette.concurrency import run_in_threadpool
 
 from ..constraint import Constraint
 from ..tools import ArgsDelta, Call, CallStart, Event, TextDelta, openai_choice, openai_tools
-from ..types import PrefixInput, StreamChunk, TokenLogprob, Usage
+from ..types import PrefixInput, StreamChunk
 from .chat_turn import ChatInput, start_chat
+from .collect import collect
 from .constraints import one_constraint
 from .errors import ApiError, from_warmkv
 from .generation import Generation, generate
 from .logprobs import chat_logprobs, completion_logprobs
 from .reuse_report import report
+from .sampling import sampling_fields, usage_body
 from .schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -54,21 +56,7 @@ def _sampling(req: _Sampling) -> dict[str, Any]:
         raise _unsupported("frequency_penalty", "frequency/presence penalties are not supported; use repeat_penalty")
     if req.logit_bias:
         raise _unsupported("logit_bias", "logit_bias is not supported")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stop) > 16:
-        raise _unsupported("stop", f"at most 16 stop strings, got {len(stop)}")
-    return {
-        "constraint": _constraint(req),
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "repeat_penalty": req.repeat_penalty,
-        "seed": None if req.seed is None else req.seed % 2**32,
-        "stop": tuple(stop),
-        "ignore_eos": req.ignore_eos,
-        "speculative": req.speculative,
-    }
+    return {**sampling_fields(req), "constraint": _constraint(req)}
 
 
 def _constraint(req: _Sampling) -> Constraint | None:
@@ -94,40 +82,8 @@ def _format_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
     raise _unsupported("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
 
 
-def _usage(u: Usage | None) -> dict[str, Any] | None:
-    if u is None:
-        return None
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
-
-
 def _finish(chunk: StreamChunk) -> str:
     return "length" if chunk.finish_reason == "length" else "stop"
-
-
-async def _collect(st: ServerState, gen: Generation) -> tuple[str, StreamChunk, list[TokenLogprob]]:
-    parts: list[str] = []
-    logprobs: list[TokenLogprob] = []
-    first = True
-    try:
-        async for chunk in gen.stream:
-            if first:
-                st.metrics.ttft.observe(time.perf_counter() - gen.t0)
-                first = False
-            parts.append(chunk.text)
-            logprobs.extend(chunk.logprobs or ())
-            if chunk.done:
-                if chunk.error is not None:
-                    raise from_warmkv(chunk.error)
-                return "".join(parts), chunk, logprobs
-    except BaseException:
-        gen.stream.cancel()  # the client left (or a bug): stop decoding for nobody
-        raise
-    raise ApiError(500, "stream ended without a final chunk", code="internal_error")
 
 
 def _stream(
@@ -159,7 +115,7 @@ def _stream(
                     # the chunk's logprobs went out with its text, if it had any
                     yield sse(frame({}, _finish(chunk), None, None if chunk.text else chunk))
                     if include_usage:
-                        yield sse(frame(None, None, _usage(chunk.usage)))
+                        yield sse(frame(None, None, usage_body(chunk.usage, "chat")))
         yield SSE_DONE
 
     return SSEResponse(body(), on_close=gen.stream.cancel, headers=headers)
@@ -249,7 +205,7 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
                 else:
                     yield frame({}, _openai_finish(end.finish_reason), lp=lp)
                     if include_usage:
-                        yield frame(None, usage=_usage(end.usage))
+                        yield frame(None, usage=usage_body(end.usage, "chat"))
             yield SSE_DONE
 
         return SSEResponse(body(), on_close=turn.gen.stream.cancel, headers=turn.headers)
@@ -271,7 +227,7 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": _usage(end.usage),
+        "usage": usage_body(end.usage, "chat"),
     }
     return JSONResponse(body, headers=turn.headers)
 
@@ -322,15 +278,15 @@ async def completions(req: CompletionRequest, st: State) -> Any:
 
         opts = req.stream_options
         return _stream(st, gen, frame, None, bool(opts and opts.include_usage), headers)
-    text, last, logprobs = await _collect(st, gen)
-    lp = None if req.logprobs is None else completion_logprobs(backend, logprobs)
+    got = await collect(gen.stream, gen.stream.cancel, lambda: st.metrics.ttft.observe(time.perf_counter() - gen.t0))
+    lp = None if req.logprobs is None else completion_logprobs(backend, got.logprobs)
     body = {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": req.model,
-        "choices": [{"index": 0, "text": text, "finish_reason": _finish(last), "logprobs": lp}],
-        "usage": _usage(last.usage),
+        "choices": [{"index": 0, "text": got.text, "finish_reason": _finish(got.final), "logprobs": lp}],
+        "usage": usage_body(got.final.usage, "chat"),
     }
     return JSONResponse(body, headers=headers)
 

@@ -19,10 +19,10 @@ from ..constraint import Constraint
 from ..errors import InvalidInput
 from ..tools import ArgsDelta, CallEnd, CallStart, TextDelta, make_tool, openai_choice
 from ..tools.spec import check_unique
-from ..types import Usage
 from .chat_turn import ChatInput, ChatTurn, TurnEnd, start_chat
 from .errors import ApiError, from_warmkv
 from .responses_schemas import FunctionCallItem, FunctionCallOutputItem, FunctionChoice, ResponsesRequest, TextPart
+from .sampling import sampling_fields, usage_body
 from .state import State
 from .streams import SSEResponse, sse
 
@@ -102,18 +102,6 @@ def _check(req: ResponsesRequest) -> None:
         )
 
 
-def _usage(u: Usage | None) -> dict[str, Any] | None:
-    if u is None:
-        return None
-    return {
-        "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens},
-        "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": u.total_tokens,
-    }
-
-
 class _Shape:
     """The response object and its output items, as they grow."""
 
@@ -149,7 +137,7 @@ class _Shape:
             "metadata": r.metadata or {},
             "error": None,
             "incomplete_details": incomplete,
-            "usage": _usage(end.usage) if end is not None else None,
+            "usage": usage_body(end.usage, "responses") if end is not None else None,
         }
 
     def message(self, text: str, status: str) -> dict[str, Any]:
@@ -176,14 +164,7 @@ async def create_response(req: ResponsesRequest, st: State) -> Any:
     specs = [make_tool(t.name, t.description, t.parameters, f"tools[{i}]") for i, t in enumerate(req.tools or [])]
     tools = check_unique(specs, "tools")
     raw_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice
-    sampling = {
-        "constraint": _format(req),
-        "temperature": req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "min_p": req.min_p,
-        "seed": None if req.seed is None else req.seed % 2**32,
-    }
+    sampling = {**sampling_fields(req), "constraint": _format(req)}
     inp = ChatInput(
         messages=_messages(req),
         tools=tools,

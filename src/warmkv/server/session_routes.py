@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
@@ -15,11 +15,13 @@ from ..constraint import Constraint
 from ..errors import SessionFatal
 from ..manifest import Segment
 from ..session import Session
-from ..types import PrefixInput, StreamChunk, SuffixInput
+from ..types import PrefixInput, StreamChunk, SuffixInput, TokenLogprob
+from .collect import collect
 from .constraints import one_constraint
 from .errors import from_warmkv, not_implemented
 from .openai_routes import ERRORS
 from .registry import Entry
+from .sampling import sampling_fields, usage_body
 from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
 from .state import ServerState, State
 from .streams import SSE_DONE, ChunkStream, SSEResponse, sse, start_decode
@@ -27,22 +29,18 @@ from .streams import SSE_DONE, ChunkStream, SSEResponse, sse, start_decode
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERRORS)
 
 
+def _logprobs(items: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    return [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in items]
+
+
 def _chunk(c: StreamChunk) -> dict[str, Any]:
     out: dict[str, Any] = {"text": c.text, "token_ids": list(c.token_ids)}
     if c.logprobs is not None:
-        out["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in c.logprobs]
+        out["logprobs"] = _logprobs(c.logprobs)
     if c.done:
         out["finish_reason"] = c.finish_reason
         if c.usage is not None:
-            u = c.usage
-            out["usage"] = {
-                "prompt_tokens": u.prompt_tokens,
-                "completion_tokens": u.completion_tokens,
-                "total_tokens": u.total_tokens,
-                "cached_tokens": u.cached_tokens,
-                "draft_tokens": u.draft_tokens,
-                "accepted_tokens": u.accepted_tokens,
-            }
+            out["usage"] = usage_body(c.usage, "sessions")
     return out
 
 
@@ -103,26 +101,15 @@ async def prefill_suffix(sid: str, req: SuffixRequest, st: State) -> dict[str, A
 @router.post("/{sid}/decode")
 async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
     """Generate: SSE of {text, token_ids} deltas, the last with finish_reason and usage; or one JSON."""
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     cfg = DecodeConfig(
         max_tokens=req.max_tokens,
-        temperature=req.temperature,
-        top_k=req.top_k,
-        top_p=req.top_p,
-        min_p=req.min_p,
-        repeat_penalty=req.repeat_penalty,
-        repeat_last_n=req.repeat_last_n,
-        seed=req.seed,
-        stop=tuple(stop),
-        stop_token_ids=tuple(req.stop_token_ids),
-        ignore_eos=req.ignore_eos,
         logprobs=req.logprobs,
         constraint=one_constraint(
             json_schema=Constraint.json_schema(req.json_schema) if req.json_schema is not None else None,
             regex=Constraint.regex(req.regex) if req.regex is not None else None,
             grammar=Constraint.lark(req.grammar) if req.grammar is not None else None,
         ),
-        speculative=req.speculative,
+        **sampling_fields(req),
     )
     t0 = time.perf_counter()
     entry = await st.registry.lock(sid)
@@ -141,7 +128,11 @@ async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
         st.registry.unlock(entry)
         raise
     if not req.stream:
-        return await _collect(st, stream, t0)
+        got = await collect(stream, stream.cancel, lambda: st.metrics.ttft.observe(time.perf_counter() - t0))
+        out = {**_chunk(got.final), "text": got.text, "token_ids": got.token_ids}
+        if req.logprobs is not None:  # every token's, not only the final chunk's
+            out["logprobs"] = _logprobs(got.logprobs)
+        return out
 
     async def body() -> AsyncIterator[bytes]:
         first = True
@@ -156,25 +147,6 @@ async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
         yield SSE_DONE
 
     return SSEResponse(body(), on_close=stream.cancel)
-
-
-async def _collect(st: ServerState, stream: ChunkStream, t0: float) -> dict[str, Any]:
-    parts: list[str] = []
-    ids: list[int] = []
-    try:
-        async for chunk in stream:
-            if not parts and not ids:
-                st.metrics.ttft.observe(time.perf_counter() - t0)
-            parts.append(chunk.text)
-            ids.extend(chunk.token_ids)
-            if chunk.done:
-                if chunk.error is not None:
-                    raise from_warmkv(chunk.error)
-                return {**_chunk(chunk), "text": "".join(parts), "token_ids": ids}
-    except BaseException:
-        stream.cancel()
-        raise
-    raise RuntimeError("stream ended without a final chunk")
 
 
 @router.get("/{sid}")
