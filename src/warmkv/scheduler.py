@@ -1,14 +1,21 @@
-"""Batched decoding: one worker thread steps every running decode together.
+"""The engine loop: one worker thread owns every running turn and steps them together.
 
-Each step gathers the pending row of every running decode (its sampled token, not
-yet evaluated), evaluates them all in one backend.forward -- one llama_decode over
-several sequence ids -- hands each session its logits, then advances every decode
-generator by one token. With one KV stream per sequence the rows do not interact,
-so a batched greedy stream equals the same stream decoded alone, token for token.
+A turn (Session.turn: a prompt plan and a decode state) waits in a FIFO queue, then
+prefills, then decodes. Each step, under the model lock:
 
-Requests still prefill on their own threads (Session.ensure_prefix takes the model
-lock for the whole prefill); the worker releases the lock between steps so a
-prefill waits at most one step and running streams resume right after it.
+1. decode: the next row of every decoding turn (its pending token, or that token and a
+   draft to verify) goes into ONE backend.forward: one step's worth of tokens each, even
+   for a turn that emits no text this step;
+2. prefill: the waiting turns, oldest first, get cold-aligned prefill pieces under the
+   step's token budget (max_step_tokens less the decode rows; SARATHI-style chunked
+   prefill), at least one piece per step so a prompt always advances. Each piece is its
+   own forward: batched with other rows, a piece would be split at other places by the
+   native engine's num_batch planner and run through GEMMs of other shapes, so its numbers
+   (and a greedy turn's tokens) would depend on what else was running;
+3. every decoding turn takes its logits (DecodeState.take) and its chunk goes to its sink.
+
+The model lock is let go between steps, so Python-API calls on other sessions get in.
+With one KV stream per sequence the decode rows do not interact.
 """
 
 from __future__ import annotations
@@ -17,74 +24,100 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from .backends.base import ForwardRow
+from .decode_state import DecodeState
 from .errors import InvalidInput, SchedulerClosed, SessionFatal, StreamLimit, WarmkvError
+from .prefix_plan import PrefixLoad
 from .runtime import Runtime
-from .session import Session
-from .types import StreamChunk
+from .session import Session, Turn
+from .types import PrefixStatus, StreamChunk
 
 Sink = Callable[[StreamChunk], None]
+Prefilled = Callable[[PrefixStatus | WarmkvError | None], None]
 log = logging.getLogger("warmkv.scheduler")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """max_streams bounds running decodes; rate_window_s is the window of the tokens/s figure."""
+    """max_streams bounds turns (waiting and running); max_step_tokens is a step's token budget
+    (decode rows first, prefill pieces in what is left; 256 by default, to be tuned by benchmark);
+    rate_window_s is the window of the tokens/s figure."""
 
     max_streams: int = 256
+    max_step_tokens: int = 256
     rate_window_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_streams, bool) or not isinstance(self.max_streams, int) or self.max_streams < 1:
-            raise InvalidInput(f"max_streams must be an integer >= 1, got {self.max_streams!r}")
+        for name in ("max_streams", "max_step_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidInput(f"{name} must be an integer >= 1, got {v!r}")
         if not self.rate_window_s > 0:
             raise InvalidInput(f"rate_window_s must be > 0, got {self.rate_window_s!r}")
 
 
-@dataclass
-class DecodeJob:
-    """One running decode: its session, its chunk generator, where chunks go."""
+@dataclass(eq=False)
+class Job:
+    """One submitted turn: its session, where its chunks go, and how far it is."""
 
     session: Session
-    chunks: Iterator[StreamChunk]
+    turn: Turn
     sink: Sink
     on_done: Callable[[], None] | None = None
+    on_prefilled: Prefilled | None = None
+    load: PrefixLoad | None = None  # while prefilling
+    decoding: bool = False
     tokens: int = 0
     done: bool = False
     started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def state(self) -> DecodeState:
+        return self.turn.state
 
     def cancel(self) -> None:
         self.session.cancel()
 
 
 class Scheduler:
-    """Owner of the running-decode list; one worker thread, one forward per step."""
+    """Owner of the turn queue and the running list; one worker thread."""
 
     def __init__(self, runtime: Runtime, config: SchedulerConfig | None = None) -> None:
         self._rt = runtime
         self.config = config or SchedulerConfig()
-        self._jobs: list[DecodeJob] = []
+        self._jobs: list[Job] = []
         self._cond = threading.Condition()
         self._stopped = False
+        self._closing = False
         self._rate: deque[tuple[float, int]] = deque()
         self.steps = 0
         self.batched_rows = 0
         self.decoded_tokens = 0
+        self.prefilled_tokens = 0
         self._thread = threading.Thread(target=self._run, name="warmkv-scheduler", daemon=True)
         self._thread.start()
 
     # -- public door -------------------------------------------------------------
 
     def submit(
-        self, session: Session, chunks: Iterator[StreamChunk], sink: Sink, on_done: Callable[[], None] | None = None
-    ) -> DecodeJob:
-        """Run a decode generator (from session.decode) on the worker; chunks go to sink.
+        self,
+        turn: Turn,
+        sink: Sink,
+        on_done: Callable[[], None] | None = None,
+        on_prefilled: Prefilled | None = None,
+    ) -> Job:
+        """Queue a turn (from Session.turn); its chunks go to sink, one per step.
 
-        sink and on_done are called on the worker thread; on_done once, after the final chunk.
+        on_prefilled(status or error) runs once its prompt is resident (at once for a turn
+        without a prompt); on_done once, after the final chunk. All run on the worker thread.
+        StreamLimit when max_streams turns are queued or running, SchedulerClosed after close().
         """
-        job = DecodeJob(session, chunks, sink, on_done)
+        job = Job(turn.session, turn, sink, on_done, on_prefilled)
         with self._cond:
             if self._stopped:
                 raise SchedulerClosed("the scheduler is closed")
@@ -96,7 +129,18 @@ class Scheduler:
 
     @property
     def active(self) -> int:
+        """Turns queued or running."""
         return len(self._jobs)
+
+    @property
+    def running(self) -> int:
+        """Turns decoding."""
+        return sum(1 for j in self._jobs if j.decoding and not j.done)
+
+    @property
+    def waiting(self) -> int:
+        """Turns whose prompt is not resident yet (queued or prefilling)."""
+        return sum(1 for j in self._jobs if not j.decoding and not j.done)
 
     def tokens_per_s(self) -> float:
         """Aggregate decode tokens/s over the last rate_window_s seconds."""
@@ -107,8 +151,9 @@ class Scheduler:
         return n / self.config.rate_window_s
 
     def close(self) -> None:
-        """Cancel running decodes, let them finish, stop the worker."""
+        """Cancel every turn, let them finish, stop the worker."""
         with self._cond:
+            self._closing = True
             for job in self._jobs:
                 job.cancel()
         deadline = time.monotonic() + 10
@@ -133,8 +178,15 @@ class Scheduler:
                 if self._stopped:
                     return
                 jobs = list(self._jobs)
-            self._forward(jobs)
-            n = sum(self._advance(job) for job in jobs)
+            try:
+                out = self._step(jobs)
+            except Exception as e:  # a bug must not kill the worker: end every turn of this step
+                log.exception("scheduler step failed")
+                err = SessionFatal(f"scheduler step failed: {e!r}")
+                out = [(j, _error_chunk(err)) for j in jobs if not j.done]
+            n = 0
+            for job, chunk in out:
+                n += self._deliver(job, chunk)
             with self._cond:
                 self._jobs = [j for j in self._jobs if not j.done]
                 self.steps += 1
@@ -143,46 +195,114 @@ class Scheduler:
                 self._rate.append((now, n))
                 self._trim(now)
 
-    def _forward(self, jobs: list[DecodeJob]) -> None:
-        """Evaluate every pending row in one forward; a failed batch leaves rows to their generators."""
-        backend = self._rt.backend
+    def _step(self, jobs: list[Job]) -> list[tuple[Job, StreamChunk]]:
+        """One engine step (see the module docstring); the chunks to deliver."""
+        out: list[tuple[Job, StreamChunk]] = []
         with self._rt.lock:
-            rows = [(job, row) for job in jobs if (row := job.session.pending_row()) is not None]
-            if not rows:
-                return
-            try:
-                logits = backend.forward([row for _, row in rows])
-            except SessionFatal as e:
-                for job, _ in rows:
-                    job.session.fail_row(str(e))
-                return
-            except WarmkvError:
-                return  # nothing was evaluated; each generator retries alone and reports its own error
-            for (job, row), out in zip(rows, logits, strict=True):
-                job.session.accept_row(row, out)
-            self.batched_rows += len(rows)
+            decoding = [j for j in jobs if j.decoding]
+            rows: list[tuple[Job, ForwardRow]] = []
+            results: dict[int, np.ndarray | WarmkvError | None] = {}
+            for job in decoding:
+                err = job.session.usable_error()
+                if err is not None:
+                    results[id(job)] = err
+                elif (row := job.state.next_row()) is not None:
+                    rows.append((job, row))
+            self._forward_decode(rows, results)
+            budget = self.config.max_step_tokens - sum(len(r.tokens) for _, r in rows)
+            prefilled = False
+            for job in jobs:
+                if not job.decoding:
+                    budget = self._prefill(job, budget, first=not prefilled, out=out)
+                    prefilled = True
+                    if budget <= 0:
+                        break
+            for job in decoding:
+                out.append((job, job.state.take(results.get(id(job)))))
+        return out
 
-    def _advance(self, job: DecodeJob) -> int:
-        """One token of one decode; returns the tokens it produced."""
+    def _forward_decode(
+        self, rows: list[tuple[Job, ForwardRow]], results: dict[int, np.ndarray | WarmkvError | None]
+    ) -> None:
+        if not rows:
+            return
         try:
-            chunk = next(job.chunks)
-        except StopIteration:
-            chunk = StreamChunk(
-                text="", finish_reason="error", error=SessionFatal("decode ended without a final chunk")
-            )
-        except Exception as e:  # a bug or backend crash must not kill the worker
-            chunk = StreamChunk(text="", finish_reason="error", error=SessionFatal(f"decode failed: {e!r}"))
+            logits = self._rt.backend.forward([row for _, row in rows])
+        except SessionFatal as e:
+            for job, _ in rows:
+                job.session.ctx.fatal = str(e)
+                results[id(job)] = e
+            return
+        except WarmkvError as e:  # nothing was evaluated (KVCacheFull...): each turn ends with the error
+            for job, _ in rows:
+                results[id(job)] = e
+            return
+        for (job, _), x in zip(rows, logits, strict=True):
+            results[id(job)] = x
+        self.batched_rows += len(rows)
+
+    def _prefill(self, job: Job, budget: int, *, first: bool, out: list[tuple[Job, StreamChunk]]) -> int:
+        """Give one waiting turn prefill pieces under the budget; what is left of the budget."""
+        session = job.session
+        if session._cancel.is_set():  # the client left, or the scheduler is closing
+            if job.load is not None:
+                job.load.fail()
+            out.append((job, job.state.take(None)))  # a "cancelled" end
+            return budget
+        try:
+            err = session.usable_error()
+            if err is not None:
+                raise err
+            if job.load is None:
+                plan = job.turn.plan
+                if plan is None:  # nothing to prefill: decode after what is resident
+                    self._start_decoding(job, None)
+                    return budget
+                job.load = session.begin_load(plan)
+            load = job.load
+            while (row := load.next_row()) is not None and (budget > 0 or first):
+                load.accept(row, session.ctx.forward(row))
+                budget -= len(row.tokens)
+                self.prefilled_tokens += len(row.tokens)
+                first = False
+            if load.done:
+                self._start_decoding(job, session.loaded(load, job.state))
+        except WarmkvError as e:
+            if job.load is not None:
+                job.load.fail()
+            out.append((job, job.state.take(e)))
+        return budget
+
+    def _start_decoding(self, job: Job, status: PrefixStatus | None) -> None:
+        job.load, job.decoding = None, True
+        if job.on_prefilled is not None:
+            _call(job.on_prefilled, status)
+            job.on_prefilled = None
+
+    def _deliver(self, job: Job, chunk: StreamChunk) -> int:
         job.tokens += len(chunk.token_ids)
         try:
             job.sink(chunk)
         except Exception:
-            job.cancel()  # nobody is listening any more: stop at the next token
+            job.cancel()  # nobody is listening any more: stop at the next step
         finally:
             if chunk.done:
                 job.done = True
+                if job.on_prefilled is not None:  # it ended before its prompt was resident
+                    err = chunk.error or (SchedulerClosed("the scheduler closed") if self._closing else None)
+                    _call(job.on_prefilled, err or WarmkvError(f"the turn ended ({chunk.finish_reason}) unprefilled"))
+                    job.on_prefilled = None
                 if job.on_done is not None:
-                    try:
-                        job.on_done()
-                    except Exception:
-                        log.exception("on_done callback failed")
+                    _call(job.on_done)
         return len(chunk.token_ids)
+
+
+def _error_chunk(err: WarmkvError) -> StreamChunk:
+    return StreamChunk(text="", finish_reason="error", error=err)
+
+
+def _call(fn: Callable[..., None], *args: object) -> None:
+    try:
+        fn(*args)
+    except Exception:
+        log.exception("scheduler callback failed")

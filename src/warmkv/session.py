@@ -1,17 +1,20 @@
 """A persistent session: one sequence of resident KV kept warm across turns.
 
-Region map of the resident tokens (KV positions):
+A thin facade over three owners:
 
-    [0, prefix_len) prefix | [prefix_len, suffix_end) suffix | [suffix_end, resident) generated
+- `ResidentContext` (context.py): the resident tokens, their regions and logits, and
+  `truncate`, the one rollback primitive;
+- `PrefixPlan` / `PrefixLoad` (prefix_plan.py): making a prompt resident, planned first
+  (reused, loaded from a tier, prefilled), then executed piece by piece;
+- `DecodeState` (decode_state.py): one decode's plain data and its step.
 
-plus at most one sampled token not yet evaluated (`_tail`): it is fed to the
-model only if generation continues, so a turn that ends never pays for it.
+`decode()` drives one DecodeState for this session alone; the Scheduler drives many,
+with prefill pieces of waiting prompts in the same steps.
 
-When ensure_prefix finds its whole prefix resident, the old suffix and
-generated tokens are dropped logically but their KV stays *detached* until the
-next call that needs the room: prefill_suffix reuses the part of it the new
-suffix shares (a resent conversation history, a repeated header) and every
-other call drops it first (`_settle`).
+When ensure_prefix finds its whole prefix resident, the old suffix and generated tokens
+are dropped logically but their KV stays *detached* until the next call that needs the
+room: prefill_suffix reuses the part of it the new suffix shares (a resent conversation
+history, a repeated header) and every other call drops it first (`settle`).
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from .backends.base import ForwardRow
-from .decoding import Decoding
+from .config import DecodeConfig
+from .context import ResidentContext
+from .decode_state import DecodeState
 from .errors import (
     ContextOverflow,
     InvalidInput,
@@ -38,7 +41,8 @@ from .errors import (
     Unsupported,
     WarmkvError,
 )
-from .manifest import ContextManifest, hash_token_ids, sha256_bytes, validate_segments
+from .manifest import ContextManifest, hash_token_ids, validate_segments
+from .prefix_plan import PrefixLoad, PrefixPlan
 from .text import as_text
 from .tokens import common_prefix_len, spell
 from .types import (
@@ -46,6 +50,7 @@ from .types import (
     Divergence,
     PrefixInput,
     PrefixStatus,
+    StreamChunk,
     SuffixInput,
     SuffixStatus,
 )
@@ -53,7 +58,6 @@ from .types import (
 if TYPE_CHECKING:
     from .cache import SnapshotInfo
     from .runtime import Runtime
-    from .tiers import WarmHit
 
 DIVERGENCE_TOKENS = 12  # excerpt of each side where reuse stopped
 DIVERGENCE_CHARS = 48
@@ -61,7 +65,16 @@ SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NO_STORE = "the disk store is disabled (kv_store_mb=0) or the backend cannot move KV"
 
 
-class Session(Decoding):
+@dataclass(frozen=True)
+class Turn:
+    """One request's work: make its prompt resident (plan None: it already is), then decode (state)."""
+
+    session: Session
+    plan: PrefixPlan | None
+    state: DecodeState
+
+
+class Session:
     """ensure_prefix -> prefill_suffix -> decode, with explain() and close().
 
     Every method validates its input before touching KV, so a rejected call
@@ -73,114 +86,72 @@ class Session(Decoding):
         self.id = secrets.token_hex(8)
         self._rt = runtime
         self._backend = runtime.backend
-        # Two locks, always taken in this order: the session's own (one operation on
-        # this session at a time) and the model's (every backend call). A prefill
-        # lets go of the second between chunks, never of the first.
+        # Lock order, everywhere: the session's own lock (one operation on this session at a
+        # time), then the model lock (every backend call). A prefill lets go of the second
+        # between pieces, never of the first. The Scheduler takes only the model lock.
         self._op = threading.RLock()
         self._model_lock = runtime.lock
-        self._seq = seq
         self._num_ctx: int = runtime.config.num_ctx
-        self._tokens: list[int] = []
-        self._tail: list[int] = []
-        self._logits: np.ndarray | None = None  # after _tokens[-1]; None when unknown
-        # The logits after the last prefill, kept with the tokens they follow: a resent prompt samples
-        # from them instead of evaluating its last token again alone (another kernel, other rounding).
-        self._prefill_logits: tuple[int, np.ndarray] | None = None
-        self._prefix_len = 0
-        self._suffix_end = 0
-        self._detached: int | None = None  # _tokens[_detached:] is a dropped suffix whose KV is kept
+        self.ctx = ResidentContext(runtime.backend, seq, runtime.config.prefill_chunk)
         self._manifest: ContextManifest | None = None
         self._byte_hash: str | None = None
         self._token_hash: str | None = None
         self._last_prefix: PrefixStatus | None = None
         self._cached_since_decode = 0
         self._cancel = threading.Event()
-        self._spec: tuple[int, int] | None = None
-        self._verified: tuple[list[int], int] | None = None
         self._closed = False
-        self._fatal: str | None = None
+        self._decoding: DecodeState | None = None  # the decode _speculate steps (one session's driver)
+        self._chunk: StreamChunk | None = None
+
+    @property
+    def _seq(self) -> int:
+        return self.ctx.seq
 
     # -- helpers -------------------------------------------------------------
 
     def _check_usable(self) -> None:
         if self._closed:
             raise SessionClosed(f"session {self.id} is closed")
-        if self._fatal:
-            raise SessionFatal(f"session {self.id} must be evicted: {self._fatal}")
+        if self.ctx.fatal:
+            raise SessionFatal(f"session {self.id} must be evicted: {self.ctx.fatal}")
+
+    def usable_error(self) -> WarmkvError | None:
+        """Why this session cannot run a step now, or None."""
+        try:
+            self._check_usable()
+        except WarmkvError as e:
+            return e
+        return None
 
     @contextmanager
     def _lock(self) -> Iterator[None]:
         with self._op, self._model_lock:
             yield
 
-    @property
-    def _live(self) -> int:
-        return len(self._tokens) if self._detached is None else self._detached
-
-    def _settle(self) -> None:
-        """Really drop a detached old suffix."""
-        if self._detached is not None:
-            self._truncate(self._detached)
-            self._detached = None
-
-    def _truncate(self, n: int) -> None:
-        if n < len(self._tokens):
-            self._backend.truncate(self._seq, n)
-            del self._tokens[n:]
-            kept = self._prefill_logits
-            self._logits = kept[1] if kept is not None and kept[0] == n else None
-            if kept is not None and kept[0] > n:
-                self._prefill_logits = None
-        self._tail = []
-
-    def _eval(self, tokens: Sequence[int], *, keep_logits: bool = False) -> None:
-        """Append tokens to the KV; on failure roll back to where we were.
-
-        A long prefill goes in chunks of prefill_chunk tokens and lets go of the
-        model lock between them, so other sessions' decode steps are not stalled
-        by it; this session's own lock stays held, so its state is never seen half-done.
-        """
-        if not tokens:
-            return
-        start = len(self._tokens)
-        step = self._rt.config.prefill_chunk
-        try:
-            for at in range(0, len(tokens), step):
-                piece = tokens[at : at + step]
-                last = at + step >= len(tokens)
-                (logits,) = self._backend.forward([ForwardRow(self._seq, piece, len(self._tokens), want_logits=last)])
-                self._tokens.extend(piece)
-                self._logits = logits
-                if last and keep_logits and logits is not None:  # a prompt's end, not a decode step's
-                    self._prefill_logits = (len(self._tokens), logits)
-                if not last:
-                    self._rt.yield_model_lock()
-        except SessionFatal as e:
-            self._fatal = str(e)
-            raise
-        except BaseException:
-            self._backend.truncate(self._seq, start)
-            del self._tokens[start:]
-            self._logits = None
-            raise
-
-    def _ensure_logits(self) -> np.ndarray:
-        """Logits after the last resident token, recomputing that one token if needed."""
-        if self._tail:
-            tail, self._tail = self._tail, []
-            self._eval(tail)
-        if self._logits is None:
-            last = self._tokens[-1]
-            self._backend.truncate(self._seq, len(self._tokens) - 1)
-            self._tokens.pop()
-            self._eval([last])
-        assert self._logits is not None
-        return self._logits
-
     # -- the contract ------------------------------------------------------------
 
     def ensure_prefix(self, prefix: PrefixInput | str | bytes) -> PrefixStatus:
         """Make the resident KV equal the prefix, prefilling only the divergent tail."""
+        with self._op:  # nothing else runs on this session between the plan and its execution
+            plan = self.plan_prefix(prefix)
+            return self._run_plan(plan)
+
+    def _run_plan(self, plan: PrefixPlan) -> PrefixStatus:
+        with self._lock():
+            self._check_usable()
+            load = self.begin_load(plan)
+            try:
+                while (row := load.next_row()) is not None:
+                    load.accept(row, self.ctx.forward(row))
+                    if not load.done:
+                        self._rt.yield_model_lock()
+            except BaseException:
+                load.fail()
+                raise
+            return self.finish_load(load)
+
+    def plan_prefix(self, prefix: PrefixInput | str | bytes) -> PrefixPlan:
+        """Check a prompt and decide what making it resident takes; the KV is not touched."""
         inp = PrefixInput.coerce(prefix)
         text = as_text(inp.text, "prefix text")
         if not text:
@@ -201,63 +172,38 @@ class Session(Decoding):
                 tokens = self._rt.prompt_tokens(text, add_bos=add_bos, parse_special=inp.parse_special)
             if not tokens:
                 raise InvalidInput("prefix text produced no tokens")
+            ctx = self.ctx
             same = self._manifest is not None and self._manifest == manifest
-            reused = common_prefix_len(self._tokens, tokens) if same else 0
+            reused = common_prefix_len(ctx.tokens, tokens) if same else 0
             if len(tokens) > self._num_ctx:
                 raise ContextOverflow("ensure_prefix", reused, len(tokens) - reused, self._num_ctx)
-            reason = self._prefix_reason(same, manifest, reused, len(tokens))
-            dropped = len(self._tokens) + len(self._tail) - reused
-            divergence = self._divergence(tokens, reused, add_bos) if same and reused < len(self._tokens) else None
-            t0 = time.perf_counter()
-            if same and reused == len(tokens) and len(self._tokens) > reused:
-                self._tail, self._logits, self._detached = [], None, reused  # keep the old suffix for reuse
-            else:
-                self._truncate(reused)
-                self._detached = None
-            self._prefix_len = self._suffix_end = 0
-            self._manifest = manifest
-            source = "resident" if reused else "none"
-            tiers = self._rt.tiers
-            if tiers is not None:
-                keys = tiers.keys(manifest.digest, tokens)
-                hit = tiers.lookup(manifest.digest, tokens, keys, reused)
-                if hit is not None:
-                    loaded = self._load_cached(hit)
-                    reused, source = len(self._tokens), hit.source if loaded else "none"
-                    reason = (
-                        f"warm: {reused} of {len(tokens)} prefix tokens restored from the {hit.source} tier"
-                        if loaded
-                        else f"cold: the {hit.source} tier's KV was rejected; prefilled {len(tokens)} tokens"
-                    )
-                # Two passes: stop at the last full block so the cached blob holds
-                # exactly the prefix, keep it, then prefill the partial block. (A memory
-                # entry covering every block would have been the hit above.)
-                boundary = len(keys) * tiers.block_tokens
-                if boundary > len(self._tokens):
-                    self._eval(tokens[len(self._tokens) : boundary], keep_logits=True)
-                    tiers.remember(self._seq, keys, tokens[:boundary], manifest.digest)
-            self._eval(tokens[len(self._tokens) :], keep_logits=True)
-            self._prefix_len = self._suffix_end = len(tokens)
-            self._byte_hash = sha256_bytes(raw)
-            self._token_hash = hash_token_ids(tokens)
-            self._cached_since_decode = reused
-            status = PrefixStatus(
-                reused_tokens=reused,
-                prefilled_tokens=len(tokens) - reused,
-                dropped_tokens=dropped,
-                prefix_tokens=len(tokens),
-                resident_tokens=self._live,
-                available_tokens=self._num_ctx - self._live,
-                stable_byte_hash=self._byte_hash,
-                stable_token_hash=self._token_hash,
-                manifest_digest=manifest.digest,
-                reuse_source=source,
-                reason=reason,
-                prefill_s=time.perf_counter() - t0,
-                divergence=divergence,
+            return PrefixPlan(
+                tokens=tuple(tokens),
+                raw=raw,
+                manifest=manifest,
+                reused=reused,
+                detach=same and reused == len(tokens) and len(ctx.tokens) > reused,
+                dropped=len(ctx.tokens) + len(ctx.pending) - reused,
+                reason=self._prefix_reason(same, manifest, reused, len(tokens)),
+                divergence=self._divergence(tokens, reused, add_bos) if same and reused < len(ctx.tokens) else None,
+                resident=tuple(ctx.tokens),
             )
-            self._last_prefix = status
-            return status
+
+    def begin_load(self, plan: PrefixPlan) -> PrefixLoad:
+        """Start executing a plan (call with the model lock held): drop what diverged, load from a tier."""
+        load = PrefixLoad(self.ctx, plan, self._rt.tiers, self._num_ctx)
+        self._manifest = plan.manifest
+        load.begin()
+        return load
+
+    def finish_load(self, load: PrefixLoad) -> PrefixStatus:
+        """The plan's prompt is resident: it becomes the prefix (call with the model lock held)."""
+        status = load.status()
+        self._byte_hash = status.stable_byte_hash
+        self._token_hash = status.stable_token_hash
+        self._cached_since_decode = status.reused_tokens
+        self._last_prefix = status
+        return status
 
     def _given_tokens(self, tokens: Sequence[int]) -> list[int]:
         n = self._backend.info.n_vocab
@@ -272,25 +218,13 @@ class Session(Decoding):
         return Divergence(
             token=reused,
             char=len(spell(self._backend, tokens[start:reused])),
-            old=spell(self._backend, self._tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
+            old=spell(self._backend, self.ctx.tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
             new=spell(self._backend, tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
-            resident=len(self._tokens),
+            resident=len(self.ctx.tokens),
         )
 
-    def _load_cached(self, hit: WarmHit) -> bool:
-        """Replace our KV with a cached prefix's, keeping its matching tokens; False if the backend refused it."""
-        try:
-            self._rt.tiers.load(hit, self._seq)  # type: ignore[union-attr]
-        except WarmkvError:
-            self._backend.truncate(self._seq, 0)
-            self._tokens, self._tail, self._logits, self._prefill_logits = [], [], None, None
-            return False
-        self._tokens, self._tail, self._logits, self._prefill_logits = list(hit.kv.tokens), [], None, None
-        self._truncate(hit.n_tokens)
-        return True
-
     def _prefix_reason(self, same: bool, manifest: ContextManifest, reused: int, n: int) -> str:
-        if self._manifest is None or not self._tokens:
+        if self._manifest is None or not self.ctx.tokens:
             return f"cold: nothing resident; prefilled {n} tokens"
         if not same:
             return f"cold: manifest changed ({self._manifest.diff(manifest)}); prefilled {n} tokens"
@@ -306,7 +240,8 @@ class Session(Decoding):
         text = as_text(inp.text, "suffix text")
         with self._lock():
             self._check_usable()
-            if self._manifest is None or self._prefix_len == 0:
+            ctx = self.ctx
+            if self._manifest is None or ctx.prefix_len == 0:
                 raise NoPrefix("prefill_suffix needs a prefix: call ensure_prefix first")
             if inp.manifest_digest is not None and inp.manifest_digest != self._manifest.digest:
                 raise ManifestMismatch(
@@ -315,66 +250,128 @@ class Session(Decoding):
                 )
             tokens = self._rt.prompt_tokens(text, add_bos=False, parse_special=inp.parse_special) if text else []
             if inp.append:
-                self._settle()
-                base, new = len(self._tokens), self._tail + tokens
-                reused = 0
+                base, new, reused = ctx.live, ctx.pending + tokens, 0
             else:
-                base, new = self._prefix_len, tokens
-                reused = common_prefix_len(self._tokens[base:], tokens)
+                base, new = ctx.prefix_len, tokens
+                reused = common_prefix_len(ctx.tokens[base:], tokens)
             if base + len(new) > self._num_ctx:
                 raise ContextOverflow("prefill_suffix", base + reused, len(new) - reused, self._num_ctx)
             t0 = time.perf_counter()
             if inp.append:
-                self._tail = []
+                ctx.settle()
+                ctx.pending = []
             else:
-                self._truncate(base + reused)
-                self._detached = None
-            self._eval(new[reused:], keep_logits=True)
-            self._suffix_end = len(self._tokens)
+                ctx.truncate(base + reused)
+                ctx.detached = None
+            ctx.eval(new[reused:], keep_logits=True, between=self._rt.yield_model_lock)
+            ctx.suffix_end = len(ctx.tokens)
             self._cached_since_decode += reused
             return SuffixStatus(
-                suffix_tokens=self._suffix_end - self._prefix_len,
-                prefix_tokens=self._prefix_len,
-                resident_tokens=len(self._tokens),
-                available_tokens=self._num_ctx - len(self._tokens),
+                suffix_tokens=ctx.suffix_end - ctx.prefix_len,
+                prefix_tokens=ctx.prefix_len,
+                resident_tokens=len(ctx.tokens),
+                available_tokens=self._num_ctx - len(ctx.tokens),
                 manifest_digest=self._manifest.digest,
                 reused_tokens=reused,
                 prefilled_tokens=len(new) - reused,
                 prefill_s=time.perf_counter() - t0,
             )
 
-    # -- batched decoding (warmkv.scheduler) -----------------------------------
-    # A running decode() generator evaluates its sampled token lazily (_tail) at
-    # its next step. A scheduler may evaluate the tails of several sessions in one
-    # backend.forward and hand the logits back; the generator then finds them
-    # ready and skips its own forward. Call both methods under runtime.lock, with
-    # no release in between, so the row still matches the session state.
+    # -- decoding ------------------------------------------------------------------
 
-    def pending_row(self) -> ForwardRow | None:
-        """The row this session's decode needs evaluated before its next sample, or None.
+    def decode(self, config: DecodeConfig | None = None) -> Iterator[StreamChunk]:
+        """Stream chunks, one per token (text may be empty); the last carries finish_reason and usage.
 
-        A speculative decode asks for its pending token plus a draft, with logits after each.
+        Input is checked now (not at first iteration), so a bad call raises here.
         """
-        if self._closed or self._fatal or not self._tail or self._cancel.is_set() or self._verified:
-            return None
-        row = self._draft_row(*self._spec) if self._spec is not None else None
-        return row or ForwardRow(self._seq, tuple(self._tail), len(self._tokens))
+        with self._lock():
+            state = self.open_decode(config)
+        return self._drive(state)
 
-    def accept_row(self, row: ForwardRow, logits: np.ndarray | None) -> None:
-        """Record that `row` (from pending_row) was evaluated, and its logits."""
-        if row.start != len(self._tokens) or tuple(row.tokens[: len(self._tail)]) != tuple(self._tail):
-            raise InvalidInput(f"row at {row.start} does not match session {self.id}'s pending tokens")
-        if row.all_logits:
-            assert logits is not None
-            self._verified = (self._take_verified(row, logits), len(row.tokens) - 1)
-            return
-        self._tokens.extend(self._tail)
-        self._tail = []
-        self._logits = logits
+    def open_decode(self, config: DecodeConfig | None = None, *, prompt_tokens: int | None = None) -> DecodeState:
+        """A fresh decode state after what is resident; errors raise here, before any step.
 
-    def fail_row(self, reason: str) -> None:
-        """A batched forward holding this session's row failed fatally: its KV is unknown."""
-        self._fatal = reason
+        prompt_tokens: the length of a prompt still being prefilled (the Scheduler checks
+        a turn before its prefill); by default what is resident now.
+        """
+        cfg = DecodeConfig() if config is None else config
+        if not isinstance(cfg, DecodeConfig):
+            raise InvalidInput(f"decode config must be DecodeConfig, got {type(cfg).__name__}")
+        n_vocab = self._backend.info.n_vocab
+        for t in cfg.stop_token_ids:
+            if t >= n_vocab:
+                raise InvalidInput(f"stop token id {t} out of range [0, {n_vocab})")
+        with self._lock():
+            self._check_usable()
+            ctx = self.ctx
+            if prompt_tokens is None:
+                if ctx.prefix_len == 0:
+                    raise NoPrefix("decode needs a prefix: call ensure_prefix first")
+                ctx.settle()
+            used = len(ctx.tokens) + len(ctx.pending) if prompt_tokens is None else prompt_tokens
+            budget = cfg.max_tokens if cfg.max_tokens is not None else self._num_ctx - used
+            if budget < 1 or used + budget > self._num_ctx:
+                raise ContextOverflow("decode", used, max(budget, 1), self._num_ctx)
+            guide = self._rt.guide(cfg.constraint) if cfg.constraint is not None else None  # InvalidInput now
+            self._cancel.clear()
+            cached, self._cached_since_decode = self._cached_since_decode, 0
+            return DecodeState(ctx, self._backend, cfg, budget, used, cached, self._num_ctx, self._cancel, guide=guide)
+
+    def _drive(self, state: DecodeState) -> Iterator[StreamChunk]:
+        """One session's decode: one forward (or none) and one chunk per step, the model lock per step."""
+        while True:
+            with self._lock():
+                if state.cfg.speculative:
+                    self._decoding = state
+                    self._speculate(state.cfg.speculative, state.budget - len(state.produced))
+                    chunk, self._chunk = self._chunk, None
+                else:
+                    chunk = self._step(state)
+            assert chunk is not None
+            yield chunk
+            if chunk.done:
+                return
+
+    def _step(self, state: DecodeState) -> StreamChunk:
+        err = self.usable_error()
+        if err is not None:
+            return state.take(err)
+        row = state.next_row()
+        try:
+            out = self.ctx.forward(row) if row is not None else None
+        except WarmkvError as e:
+            return state.take(e)
+        return state.take(out)
+
+    def _speculate(self, k: int, room: int) -> tuple[list[int], int]:
+        """One step of the running speculative decode: (verified run, draft size), or ([], 0) when
+        it sampled one token instead. k and room are the state's (draft size, tokens left)."""
+        state = self._decoding
+        assert state is not None
+        self._chunk = self._step(state)
+        return state.last_run, state.last_drafted
+
+    @property
+    def _tokens(self) -> list[int]:
+        """The resident tokens (diagnostics and tests; the context owns them)."""
+        return self.ctx.tokens
+
+    def turn(self, prompt: PrefixInput | str | bytes | None, config: DecodeConfig | None = None) -> Turn:
+        """A turn for the Scheduler: make `prompt` resident (None: keep what is), then decode.
+
+        Everything is checked now, so a bad turn raises here and never reaches the scheduler.
+        """
+        with self._op:
+            plan = self.plan_prefix(prompt) if prompt is not None else None
+            state = self.open_decode(config, prompt_tokens=len(plan.tokens) if plan is not None else None)
+            return Turn(self, plan, state)
+
+    def loaded(self, load: PrefixLoad, state: DecodeState) -> PrefixStatus:
+        """A turn's prompt is resident: finish its load and ready its decode (model lock held)."""
+        status = self.finish_load(load)
+        self.ctx.settle()
+        state.cached_tokens, self._cached_since_decode = status.reused_tokens, 0
+        return status
 
     def token_ids(self) -> tuple[int, ...]:
         """The resident token ids (evaluated KV), for routing requests by shared prefix.
@@ -382,7 +379,7 @@ class Session(Decoding):
         Only the model lock: a router must not wait for this session's running prefill.
         """
         with self._model_lock:
-            return tuple(self._tokens)
+            return tuple(self.ctx.tokens)
 
     def fork(self) -> Session:
         """A second session holding the same resident context; the two diverge after.
@@ -399,8 +396,8 @@ class Session(Decoding):
             try:
                 with self._model_lock:
                     self._check_usable()
-                    self._settle()
-                    self._backend.copy_seq(self._seq, child._seq, len(self._tokens))
+                    self.ctx.settle()
+                    self._backend.copy_seq(self._seq, child._seq, len(self.ctx.tokens))
                     child._adopt(self)
             except BaseException:
                 child.close()
@@ -422,30 +419,34 @@ class Session(Decoding):
                 tiers = self._rt.tiers
                 if tiers is None or tiers.store is None:
                     raise Unsupported("snapshot", NO_STORE)
-                if self._manifest is None or not self._tokens:
+                ctx = self.ctx
+                if self._manifest is None or not ctx.tokens:
                     raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
-                self._settle()
-                meta = {"prefix_len": self._prefix_len, "suffix_end": self._suffix_end, "byte_hash": self._byte_hash}
+                ctx.settle()
+                meta = {"prefix_len": ctx.prefix_len, "suffix_end": ctx.suffix_end, "byte_hash": self._byte_hash}
                 blob = self._backend.export_seq(self._seq)
-                m, tokens = self._manifest, list(self._tokens)
+                m, tokens = self._manifest, list(ctx.tokens)
             return tiers.write_snapshot(name, m.digest, m.to_dict(), tokens, blob, meta)
 
     def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
         """Load a snapshot's KV into this (fresh) session."""
         with self._lock():
             self._backend.import_seq(self._seq, blob)
-            self._tokens, self._tail, self._logits, self._prefill_logits = list(tokens), [], None, None
+            ctx = self.ctx
+            ctx.reset(tokens)
             self._manifest = manifest
-            self._prefix_len = int(meta.get("prefix_len", len(tokens)))
-            self._suffix_end = int(meta.get("suffix_end", len(tokens)))
+            ctx.prefix_len = int(meta.get("prefix_len", len(tokens)))
+            ctx.suffix_end = int(meta.get("suffix_end", len(tokens)))
             self._byte_hash = meta.get("byte_hash")  # type: ignore[assignment]
-            self._token_hash = hash_token_ids(self._tokens[: self._prefix_len])
+            self._token_hash = hash_token_ids(ctx.tokens[: ctx.prefix_len])
 
     def _adopt(self, other: Session) -> None:
         """Take over another session's bookkeeping (its KV was copied to our sequence)."""
-        self._tokens, self._tail, self._logits = list(other._tokens), list(other._tail), other._logits
-        self._prefill_logits = other._prefill_logits
-        self._prefix_len, self._suffix_end, self._manifest = other._prefix_len, other._suffix_end, other._manifest
+        mine, theirs = self.ctx, other.ctx
+        mine.tokens, mine.pending, mine.logits = list(theirs.tokens), list(theirs.pending), theirs.logits
+        mine.prefill_logits = theirs.prefill_logits
+        mine.prefix_len, mine.suffix_end = theirs.prefix_len, theirs.suffix_end
+        self._manifest = other._manifest
         self._byte_hash, self._token_hash, self._last_prefix = other._byte_hash, other._token_hash, other._last_prefix
 
     def cancel(self) -> None:
@@ -454,17 +455,17 @@ class Session(Decoding):
 
     def explain(self) -> ContextReport:
         with self._lock():
-            m = self._manifest
+            m, ctx = self._manifest, self.ctx
             return ContextReport(
                 session_id=self.id,
                 backend=self._backend.name,
                 closed=self._closed,
                 num_ctx=self._num_ctx,
-                resident_tokens=self._live,
-                prefix_tokens=self._prefix_len,
-                suffix_tokens=self._suffix_end - self._prefix_len,
-                generated_tokens=self._live - self._suffix_end + len(self._tail),
-                available_tokens=self._num_ctx - self._live,
+                resident_tokens=ctx.live,
+                prefix_tokens=ctx.prefix_len,
+                suffix_tokens=ctx.suffix_end - ctx.prefix_len,
+                generated_tokens=ctx.live - ctx.suffix_end + len(ctx.pending),
+                available_tokens=self._num_ctx - ctx.live,
                 stable_byte_hash=self._byte_hash,
                 stable_token_hash=self._token_hash,
                 manifest_digest=m.digest if m else None,
@@ -493,7 +494,7 @@ class Session(Decoding):
                 return
             self._closed = True
             self._rt._release(self, self._seq)
-            self._tokens, self._tail, self._logits, self._prefill_logits = [], [], None, None
+            self.ctx.reset()
 
     def __enter__(self) -> Session:
         return self

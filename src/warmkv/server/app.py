@@ -112,7 +112,9 @@ def _gauges(st: ServerState) -> None:
     m.gauge("warmkv_resident_sessions", "Open sessions (server pool + /v1/sessions)", lambda: len(st.runtime.sessions))
     m.gauge("warmkv_user_sessions", "Sessions opened through /v1/sessions", lambda: len(st.registry))
     m.gauge("warmkv_queue_depth", "Requests waiting for a session", lambda: st.queue_depth)
-    m.gauge("warmkv_active_streams", "Decodes running on the scheduler", lambda: st.scheduler.active)
+    m.gauge("warmkv_active_streams", "Turns on the scheduler (waiting or running)", lambda: st.scheduler.active)
+    m.gauge("warmkv_scheduler_waiting_turns", "Turns whose prompt is not resident yet", lambda: st.scheduler.waiting)
+    m.gauge("warmkv_running_streams", "Turns decoding on the scheduler", lambda: st.scheduler.running)
     m.gauge("warmkv_decode_tokens_per_second", "Aggregate decode rate over the last 5 s", st.scheduler.tokens_per_s)
 
 
@@ -140,7 +142,14 @@ async def health(request: Request) -> dict[str, Any]:
         "pool": {"size": st.pool.size, "idle": st.pool.idle, "waiting": st.pool.waiting, "missing": st.pool.missing},
         "sessions": {"open": len(st.registry), "capacity": st.registry.capacity, "expired": st.registry.expired},
         "active_streams": st.scheduler.active,
-        "scheduler": {"steps": st.scheduler.steps, "batched_rows": st.scheduler.batched_rows},
+        "scheduler": {
+            "steps": st.scheduler.steps,
+            "batched_rows": st.scheduler.batched_rows,
+            "waiting_turns": st.scheduler.waiting,
+            "running_streams": st.scheduler.running,
+            "prefilled_tokens": st.scheduler.prefilled_tokens,
+            "max_step_tokens": st.scheduler.config.max_step_tokens,
+        },
         "queue_depth": st.queue_depth,
     }
 

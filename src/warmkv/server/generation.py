@@ -12,7 +12,7 @@ from ..config import DecodeConfig
 from ..errors import ContextOverflow, SessionFatal
 from ..types import PrefixInput, PrefixStatus
 from .state import ServerState
-from .streams import ChunkStream, start_decode
+from .streams import ChunkStream, start_turn
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,16 @@ async def generate(
             st.metrics.observe_usage(final.usage)
 
     try:
-        status = await run_in_threadpool(session.ensure_prefix, inp)
-        st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
-        stream = await start_decode(st.scheduler, session, cfg, finished)
+        stream = await start_turn(st.scheduler, session, inp, cfg, finished)
     except SessionFatal:
         st.pool.replace(session)
         raise
     except BaseException:
         st.pool.release(session)
         raise
+    # The scheduler prefills the prompt between other streams' steps; from here on the
+    # turn's end (finished) lets go of the session, also when the prefill fails.
+    status = await stream.resident()
+    assert status is not None
+    st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
     return Generation(stream, tuple(tokens), status, t0)

@@ -24,7 +24,7 @@ from .registry import Entry
 from .sampling import sampling_fields, usage_body
 from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
 from .state import ServerState, State
-from .streams import SSE_DONE, ChunkStream, SSEResponse, sse, start_decode
+from .streams import SSE_DONE, ChunkStream, SSEResponse, sse, start_turn
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERRORS)
 
@@ -123,7 +123,7 @@ async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
         st.registry.unlock(entry)
 
     try:
-        stream = await start_decode(st.scheduler, entry.session, cfg, finished)
+        stream = await start_turn(st.scheduler, entry.session, None, cfg, finished)
     except BaseException:
         st.registry.unlock(entry)
         raise

@@ -12,9 +12,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..config import DecodeConfig
-from ..scheduler import DecodeJob, Scheduler
+from ..errors import WarmkvError
+from ..scheduler import Job, Scheduler
 from ..session import Session
-from ..types import StreamChunk
+from ..types import PrefixInput, PrefixStatus, StreamChunk
 
 
 def sse(data: dict[str, Any] | str) -> bytes:
@@ -26,12 +27,13 @@ SSE_DONE = sse("[DONE]")
 
 
 class ChunkStream:
-    """Chunks of one decode, delivered on the event loop in order; the last one is final."""
+    """Chunks of one turn, delivered on the event loop in order; the last one is final."""
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[StreamChunk] = asyncio.Queue()
-        self.job: DecodeJob | None = None
+        self._resident: asyncio.Future[PrefixStatus | WarmkvError | None] = self._loop.create_future()
+        self.job: Job | None = None
         self.final: StreamChunk | None = None
 
     def put(self, chunk: StreamChunk) -> None:
@@ -39,6 +41,21 @@ class ChunkStream:
         if chunk.done:
             self.final = chunk
         self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+
+    def prefilled(self, result: PrefixStatus | WarmkvError | None) -> None:
+        """Called on the worker thread once the turn's prompt is resident (or failed to be)."""
+        self._loop.call_soon_threadsafe(_set, self._resident, result)
+
+    async def resident(self) -> PrefixStatus | None:
+        """Wait until the prompt is resident; its error raises here, before anything streams."""
+        try:
+            result = await asyncio.shield(self._resident)
+        except BaseException:
+            self.cancel()  # the client left during the prefill
+            raise
+        if isinstance(result, WarmkvError):
+            raise result
+        return result
 
     def cancel(self) -> None:
         if self.job is not None and not self.job.done:
@@ -52,21 +69,32 @@ class ChunkStream:
                 return
 
 
-async def start_decode(
-    scheduler: Scheduler, session: Session, cfg: DecodeConfig, on_done: Callable[[ChunkStream], None]
-) -> ChunkStream:
-    """Validate and start a decode on the scheduler; on_done(stream) runs on the loop when it ends.
+def _set(fut: asyncio.Future[PrefixStatus | WarmkvError | None], result: PrefixStatus | WarmkvError | None) -> None:
+    if not fut.done():
+        fut.set_result(result)
 
-    Raises the session's errors (ContextOverflow, NoPrefix...) before anything streams.
+
+async def start_turn(
+    scheduler: Scheduler,
+    session: Session,
+    prompt: PrefixInput | None,
+    cfg: DecodeConfig,
+    on_done: Callable[[ChunkStream], None],
+) -> ChunkStream:
+    """Check a turn and queue it on the scheduler; on_done(stream) runs on the loop when it ends.
+
+    Raises the turn's input errors (ContextOverflow, NoPrefix...) and StreamLimit here; once
+    this returns, the turn's end (on_done) is the one place that lets go of the session.
+    The prompt is prefilled by the scheduler: await stream.resident() for its status.
     """
-    gen = await run_in_threadpool(session.decode, cfg)
+    turn = await run_in_threadpool(session.turn, prompt, cfg)
     stream = ChunkStream()
     loop = stream._loop
 
     def done() -> None:
         loop.call_soon_threadsafe(on_done, stream)
 
-    stream.job = scheduler.submit(session, gen, stream.put, done)
+    stream.job = scheduler.submit(turn, stream.put, done, stream.prefilled)
     return stream
 
 
