@@ -394,16 +394,20 @@ class Runtime:
         return self._helper
 
     def _stream(self, prompt: str | bytes | PrefixInput, cfg: DecodeConfig) -> Iterator[StreamChunk]:
-        # Validate and prefill eagerly so errors raise at the call, not at iteration.
-        self._helper_lock.acquire()
-        try:
+        """The helper session's stream; input types are checked now, the prompt at the first chunk.
+
+        No lock is taken until the stream is iterated: an unstarted stream blocks nobody. The
+        helper lock is let go when the stream ends, is closed or is garbage-collected.
+        """
+        if not isinstance(cfg, DecodeConfig):
+            raise InvalidInput(f"decode config must be DecodeConfig, got {type(cfg).__name__}")
+        return self._helper_stream(PrefixInput.coerce(prompt), cfg)
+
+    def _helper_stream(self, prompt: PrefixInput, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+        with self._helper_lock:  # a generator: taken at the first next(), released by close() or GC
             s = self._helper_session()
             s.ensure_prefix(prompt)
-            gen = s.decode(cfg)
-        except BaseException:
-            self._helper_lock.release()
-            raise
-        return _locked(gen, self._helper_lock)
+            yield from s.decode(cfg)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -458,13 +462,6 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _locked(gen: Iterator[StreamChunk], lock: threading.Lock) -> Iterator[StreamChunk]:
-    try:
-        yield from gen
-    finally:
-        lock.release()
 
 
 def _decode_config(config: DecodeConfig | None, overrides: Mapping[str, Any]) -> DecodeConfig:
