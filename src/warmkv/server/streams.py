@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -35,9 +36,16 @@ class ChunkStream:
         self._resident: asyncio.Future[PrefixStatus | WarmkvError | None] = self._loop.create_future()
         self.job: Job | None = None
         self.final: StreamChunk | None = None
+        self._held: StreamChunk | None = None  # steps that produced no text yet (worker thread only)
 
     def put(self, chunk: StreamChunk) -> None:
-        """Called on the worker thread."""
+        """Called on the worker thread, one chunk per step. Steps without text ride with the next
+        chunk that has some, so the wire formats see each token's ids and logprobs once, with text."""
+        if self._held is not None:
+            chunk, self._held = _merge(self._held, chunk), None
+        if not chunk.text and not chunk.done:
+            self._held = chunk
+            return
         if chunk.done:
             self.final = chunk
         self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
@@ -67,6 +75,11 @@ class ChunkStream:
             yield chunk
             if chunk.done:
                 return
+
+
+def _merge(a: StreamChunk, b: StreamChunk) -> StreamChunk:
+    lp = None if a.logprobs is None and b.logprobs is None else (*(a.logprobs or ()), *(b.logprobs or ()))
+    return replace(b, text=a.text + b.text, token_ids=a.token_ids + b.token_ids, logprobs=lp)
 
 
 def _set(fut: asyncio.Future[PrefixStatus | WarmkvError | None], result: PrefixStatus | WarmkvError | None) -> None:
