@@ -25,6 +25,10 @@ def serve(
         typer.Option("--pool-size", min=1, help="server sessions for plain /v1 requests (default: n-seq-max - 4)"),
     ] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="waiting requests before 429")] = 64,
+    max_step_tokens: Annotated[
+        int | None,
+        typer.Option("--max-step-tokens", min=1, help="tokens per engine step: decode rows, then prefill pieces"),
+    ] = None,
     cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="allow this browser origin")] = None,
     model_id: Annotated[str | None, typer.Option("--model-id", help="model name clients use")] = None,
     tool_format: Annotated[
@@ -58,6 +62,7 @@ def serve(
             session_ttl_s=session_ttl,
             pool_size=pool_size,
             max_queue=max_queue,
+            max_step_tokens=max_step_tokens,
             tool_format=tool_format,
             model_aliases=tuple(model_alias or ()),
             keep_volatile=keep_volatile,

@@ -17,7 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from .. import __version__
 from ..errors import InvalidConfig
 from ..runtime import Runtime
-from ..scheduler import Scheduler
+from ..scheduler import Scheduler, SchedulerConfig
 from . import (
     anthropic_routes,
     errors,
@@ -55,7 +55,8 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
         pool = SessionPool(runtime, pool_size, admission, cfg.queue_timeout_s)
         pool.open()
         registry = SessionRegistry(runtime, n_seq - pool_size, cfg.session_ttl_s, admission, cfg.queue_timeout_s)
-        scheduler = Scheduler(runtime)
+        step = {} if cfg.max_step_tokens is None else {"max_step_tokens": cfg.max_step_tokens}
+        scheduler = Scheduler(runtime, SchedulerConfig(**step))
         st = ServerState(
             runtime=runtime,
             settings=cfg,

@@ -41,7 +41,8 @@ class ServerSettings:
     pool_size server-owned sessions serve plain /v1 requests (prefix reuse without a
     session id), each running one stream at a time; the remaining n_seq_max - pool_size
     slots go to /v1/sessions. None: default_pool_size(n_seq_max), 16 of serve's 20.
-    max_queue requests may wait for a session; more are answered 429.
+    max_queue requests may wait for a session; more are answered 429. max_step_tokens is the
+    scheduler's per-step token budget (None: SchedulerConfig's default).
     """
 
     host: str = "127.0.0.1"
@@ -61,6 +62,7 @@ class ServerSettings:
     model_aliases: tuple[str, ...] = ()
     keep_volatile: bool = False  # keep known per-request volatile blocks (normalize.py) instead of stripping them
     log_misses: bool = False  # log one line per request whose reuse stopped before the resident context's end
+    max_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
@@ -81,8 +83,9 @@ class ServerSettings:
             )
         for name in ("session_ttl_s", "queue_timeout_s"):
             _positive(name, getattr(self, name), integer=False)
-        if self.pool_size is not None:
-            _positive("pool_size", self.pool_size)
+        for name in ("pool_size", "max_step_tokens"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
         for name in ("max_queue", "max_body_bytes", "default_max_tokens"):
             _positive(name, getattr(self, name))
         if self.tool_format not in FORMAT_NAMES:
