@@ -61,9 +61,9 @@ def test_full_and_closed_schedulers_raise_typed_errors(lrt: warmkv.Runtime) -> N
             long = warmkv.DecodeConfig(max_tokens=200, temperature=0.0, ignore_eos=True)
             done = threading.Event()
             scheduler.submit(a.turn(MULTIBYTE, long), lambda c: c.done and done.set())
-            with pytest.raises(warmkv.SchedulerBusy) as e:
+            with pytest.raises(warmkv.StreamLimit) as e:
                 scheduler.submit(b.turn(MULTIBYTE, long), lambda c: None)
-            assert (e.value.turns, e.value.max_streams) == (1, 1)
+            assert (e.value.running, e.value.max_streams) == (1, 1)
             busy = from_warmkv(e.value)
             assert busy.status == 429 and busy.response().headers["Retry-After"] == "1"
             a.cancel()

@@ -27,6 +27,7 @@ from .errors import (
     StoreCorrupt,
     StoreError,
     StoreFull,
+    StreamLimit,
     Unsupported,
     WarmkvError,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "StoreError",
     "StoreFull",
     "StreamChunk",
+    "StreamLimit",
     "SuffixInput",
     "SuffixStatus",
     "TokenLogprob",
