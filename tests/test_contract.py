@@ -384,16 +384,16 @@ COPY_PROMPT = (
 
 
 def test_speculative_decoding_drafts_from_the_context(rt: warmkv.Runtime, monkeypatch: pytest.MonkeyPatch) -> None:
-    runs: list[tuple[int, list[int]]] = []  # (absolute position of its first token, tokens) per verified run
-    speculate = warmkv.Session._speculate
+    runs: list[tuple[int, list[int]]] = []  # (absolute position of its first token, tokens) per step
+    step = warmkv.Session._step
 
-    def spy(self: warmkv.Session, k: int, room: int) -> tuple[list[int], int]:
-        at = len(self._tokens) + 1  # after the pending token
-        new, n = speculate(self, k, room)
-        runs.append((at, new))
-        return new, n
+    def spy(self: warmkv.Session, state: object) -> warmkv.StreamChunk:
+        at = len(self.ctx.tokens) + 1  # after the pending token
+        chunk = step(self, state)  # type: ignore[arg-type]
+        runs.append((at, list(chunk.token_ids)))  # a verified run goes out as one chunk
+        return chunk
 
-    monkeypatch.setattr(warmkv.Session, "_speculate", spy)
+    monkeypatch.setattr(warmkv.Session, "_step", spy)
 
     def run(s: warmkv.Session, **kw: object) -> tuple[list[int], warmkv.Usage, str]:
         s.ensure_prefix(COPY_PROMPT)

@@ -125,16 +125,6 @@ class ResidentContext:
             self.truncate(start)
             raise
 
-    def ensure_logits(self) -> None:
-        """Make the logits after the last token known, evaluating pending tokens or re-evaluating the last one."""
-        if self.pending:
-            tail, self.pending = self.pending, []
-            self.eval(tail)
-        if self.logits is None:
-            last = self.tokens[-1]
-            self.truncate(len(self.tokens) - 1)
-            self.eval([last])
-
     def need_row(self) -> ForwardRow | None:
         """The row to evaluate before the next sample can be drawn, or None when the logits are known.
 

@@ -46,8 +46,6 @@ class DecodeState:
     drafted: int = 0
     accepted: int = 0
     finish: str | None = None
-    last_run: list[int] = field(default_factory=list)  # the last step's verified run ([] after a sampled token)
-    last_drafted: int = 0
     _row: ForwardRow | None = None  # what next_row handed out, until take()
 
     def __post_init__(self) -> None:
@@ -75,7 +73,6 @@ class DecodeState:
         if isinstance(result, WarmkvError):
             return self._end("error", error=result)
         verified: list[int] | None = None
-        self.last_run, self.last_drafted = [], 0
         if row is not None:
             if result is None and (row.want_logits or row.all_logits):
                 return self._end("error", error=WarmkvError("the backend returned no logits for a decode row"))
@@ -88,8 +85,7 @@ class DecodeState:
         logprobs: list[TokenLogprob] | None = None
         if verified is not None:
             new = verified
-            self.last_run, self.last_drafted = list(new), len(row.tokens) - 1  # type: ignore[union-attr]
-            self.drafted += self.last_drafted
+            self.drafted += len(row.tokens) - 1  # type: ignore[union-attr]
             self.accepted += len(new) - 1
         else:
             logits = self.ctx.logits

@@ -42,10 +42,6 @@ class PrefixPlan:
     divergence: Divergence | None
     resident: tuple[int, ...]  # the resident tokens it was planned against
 
-    @property
-    def full_hit(self) -> bool:
-        return self.reused == len(self.tokens)
-
 
 class PrefixLoad:
     """The execution of one plan on one context: begin(), then next_row()/accept() until done."""

@@ -100,8 +100,6 @@ class Session:
         self._cached_since_decode = 0
         self._cancel = threading.Event()
         self._closed = False
-        self._decoding: DecodeState | None = None  # the decode _speculate steps (one session's driver)
-        self._chunk: StreamChunk | None = None
 
     @property
     def _seq(self) -> int:
@@ -110,17 +108,16 @@ class Session:
     # -- helpers -------------------------------------------------------------
 
     def _check_usable(self) -> None:
-        if self._closed:
-            raise SessionClosed(f"session {self.id} is closed")
-        if self.ctx.fatal:
-            raise SessionFatal(f"session {self.id} must be evicted: {self.ctx.fatal}")
+        err = self.usable_error()
+        if err is not None:
+            raise err
 
     def usable_error(self) -> WarmkvError | None:
         """Why this session cannot run a step now, or None."""
-        try:
-            self._check_usable()
-        except WarmkvError as e:
-            return e
+        if self._closed:
+            return SessionClosed(f"session {self.id} is closed")
+        if self.ctx.fatal:
+            return SessionFatal(f"session {self.id} must be evicted: {self.ctx.fatal}")
         return None
 
     @contextmanager
@@ -321,13 +318,7 @@ class Session:
         """One session's decode: one forward (or none) and one chunk per step, the model lock per step."""
         while True:
             with self._lock():
-                if state.cfg.speculative:
-                    self._decoding = state
-                    self._speculate(state.cfg.speculative, state.budget - len(state.produced))
-                    chunk, self._chunk = self._chunk, None
-                else:
-                    chunk = self._step(state)
-            assert chunk is not None
+                chunk = self._step(state)
             yield chunk
             if chunk.done:
                 return
@@ -342,19 +333,6 @@ class Session:
         except WarmkvError as e:
             return state.take(e)
         return state.take(out)
-
-    def _speculate(self, k: int, room: int) -> tuple[list[int], int]:
-        """One step of the running speculative decode: (verified run, draft size), or ([], 0) when
-        it sampled one token instead. k and room are the state's (draft size, tokens left)."""
-        state = self._decoding
-        assert state is not None
-        self._chunk = self._step(state)
-        return state.last_run, state.last_drafted
-
-    @property
-    def _tokens(self) -> list[int]:
-        """The resident tokens (diagnostics and tests; the context owns them)."""
-        return self.ctx.tokens
 
     def turn(self, prompt: PrefixInput | str | bytes | None, config: DecodeConfig | None = None) -> Turn:
         """A turn for the Scheduler: make `prompt` resident (None: keep what is), then decode.
