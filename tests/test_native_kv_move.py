@@ -26,13 +26,14 @@ from warmkv.backends.native.paged_kv import KVLayout, PagedKVCache
 from warmkv.backends.native.rope import Rope, apply
 
 HEAD_DIM, KV_HEADS, LAYERS, BS = 32, 2, 2, 4
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 ROPES = {
     "theta1e4": dict(rope_theta=10000.0),
     "theta5e5-llama3": dict(rope_theta=500000.0, rope_llama3=(8.0, 1.0, 4.0, 32)),
 }
 
 
-def _rope(variant: str, max_pos: int = 256) -> Rope:
+def _rope(variant: str, max_pos: int = 256, device: str = "cpu") -> Rope:
     args = ModelArgs(
         arch="llama",
         vocab_size=10,
@@ -47,35 +48,36 @@ def _rope(variant: str, max_pos: int = 256) -> Rope:
         tie_embeddings=True,
         **ROPES[variant],  # type: ignore[arg-type]
     )
-    return Rope(args, max_pos, torch.device("cpu"))
+    return Rope(args, max_pos, torch.device(device))
 
 
 def _write(cache: PagedKVCache, rope: Rope, seq: int, raw_k: torch.Tensor, v: torch.Tensor, start: int) -> None:
     """Append raw_k/v [layers, n, heads, dim] to seq at positions [start, start + n), K RoPE'd there."""
-    n = raw_k.shape[1]
+    n, dev = raw_k.shape[1], cache.device
     slots = cache.append(seq, n)[start:]
-    cos, sin = rope.tables(torch.arange(start, start + n), torch.float32)
+    cos, sin = rope.tables(torch.arange(start, start + n, device=dev), torch.float32)
     for layer in range(LAYERS):
-        cache.write(layer, slots, apply(raw_k[layer], cos, sin), v[layer])
+        cache.write(layer, slots, apply(raw_k[layer].to(dev), cos, sin), v[layer].to(dev))
 
 
 def _read(cache: PagedKVCache, seq: int, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     slots = cache.slots(seq)[begin:end]
     ks, vs = zip(*(cache.gather(layer, slots, torch.float32) for layer in range(LAYERS)), strict=True)
-    return torch.stack(ks), torch.stack(vs)
+    return torch.stack(ks).cpu(), torch.stack(vs).cpu()
 
 
 def _raw(cache: PagedKVCache, seq: int, begin: int, end: int) -> list[torch.Tensor]:
     slots = cache.slots(seq)[begin:end]
-    return [t[:, slots].clone() for t in cache.storage()]
+    return [t[:, slots].cpu() for t in cache.storage()]
 
 
 @pytest.mark.parametrize("variant", sorted(ROPES))
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
-def test_rerotated_k_equals_rope_at_new_positions(dtype: str, variant: str) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_rerotated_k_equals_rope_at_new_positions(dtype: str, variant: str, device: str) -> None:
     torch.manual_seed(0)
-    rope = _rope(variant)
-    cache = PagedKVCache(KVLayout(LAYERS, KV_HEADS, HEAD_DIM, 64, BS, dtype))
+    rope = _rope(variant, device=device)
+    cache = PagedKVCache(KVLayout(LAYERS, KV_HEADS, HEAD_DIM, 64, BS, dtype), device)
     total = 40
     raw_k = torch.randn(LAYERS, total, KV_HEADS, HEAD_DIM) * 2
     raw_v = torch.randn(LAYERS, total, KV_HEADS, HEAD_DIM)
@@ -95,7 +97,7 @@ def test_rerotated_k_equals_rope_at_new_positions(dtype: str, variant: str) -> N
     assert cache.length(0) == 33 and len(cache.sequences()) == 1  # the stash's holders are gone
 
     # The reference: the same raw K written cold at the new positions, rounded by the same storage.
-    ref = PagedKVCache(KVLayout(LAYERS, KV_HEADS, HEAD_DIM, 64, BS, dtype))
+    ref = PagedKVCache(KVLayout(LAYERS, KV_HEADS, HEAD_DIM, 64, BS, dtype), device)
     ref.append(0, 7)
     _write(ref, rope, 0, raw_k[:, 21:34], raw_v[:, 21:34], 7)
     ref.append(0, 4)
@@ -111,7 +113,8 @@ def test_rerotated_k_equals_rope_at_new_positions(dtype: str, variant: str) -> N
         err = (k_moved - k_cold).abs()
         assert bool((err <= bound).all()), f"{dtype} delta {new - start}: max error {err.max():.3g}"
         # The check can fail: K left at its old angle is far off.
-        unrotated = apply(raw_k[:, start : start + n], *rope.tables(torch.arange(start, start + n), torch.float32))
+        angles = _rope(variant).tables(torch.arange(start, start + n), torch.float32)
+        unrotated = apply(raw_k[:, start : start + n], *angles)
         assert float((unrotated - k_cold).abs().max()) > 20 * float(bound.max())
         assert all(torch.equal(a, b) for a, b in zip(_raw(cache, 0, new, new + n)[1::2], v_raw, strict=True))
 
