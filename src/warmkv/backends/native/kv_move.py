@@ -29,6 +29,10 @@ from ...errors import ContextOverflow, InvalidInput
 from .paged_kv import PagedKVCache
 from .rope import Rope, apply
 
+# Tokens moved per step: this many K elements of every layer as float32 (1 MiB) stay in the CPU's
+# cache; 16 MiB steps ran 2x slower, per-token steps 1.3x (936 tokens of SmolLM2-135M: 30 ms).
+STEP_ELEMENTS = 1 << 18
+
 
 class MovedKV:
     """The KV of runs of a sequence's old positions, held while the sequence is truncated and refilled.
@@ -132,14 +136,17 @@ def place(cache: PagedKVCache, rope: Rope, seq: int, moved: MovedKV, i: int, num
         cos, sin = shift_tables(
             rope, torch.arange(start, start + n, device=dev), torch.arange(length, length + n, device=dev)
         )
-        for layer in range(cache.layout.n_layers):  # layer by layer: a float32 copy of one layer's K at most
-            k = cache.k[layer].index_select(0, src).float()
+        lay = cache.layout
+        step = max(1, STEP_ELEMENTS // (lay.n_layers * lay.n_kv_heads * lay.head_dim))
+        v_parts = [cache.v, cache.v_scale] if cache.quantized else [cache.v]
+        for b in range(0, n, step):  # all layers at once, a bounded number of tokens at a time
+            s, d = src[b : b + step], dst[b : b + step]
+            k = cache.k.index_select(1, s).float()
             if cache.quantized:
-                k = k * cache.k_scale[layer].index_select(0, src)[..., None]
-            cache.write_k(layer, dst, apply(k, cos, sin))
-            v_parts = [cache.v, cache.v_scale] if cache.quantized else [cache.v]
+                k = k * cache.k_scale.index_select(1, s)[..., None]
+            cache.write_k(None, d, apply(k, cos[b : b + step], sin[b : b + step]))
             for t in v_parts:
-                t[layer].index_copy_(0, dst, t[layer].index_select(0, src))
+                t.index_copy_(1, d, t.index_select(1, s))
     except BaseException:
         cache.truncate(seq, length)
         raise

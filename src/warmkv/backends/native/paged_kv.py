@@ -327,20 +327,24 @@ class PagedKVCache:
         self.write_k(layer, slots, k)
         self._store(self.v, self.v_scale if self.quantized else None, layer, slots, v)
 
-    def write_k(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-        """Store k alone, [n, n_kv_heads, head_dim] at slots (quantized like write)."""
+    def write_k(self, layer: int | None, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Store K alone at slots, quantized like write: k is [n, n_kv_heads, head_dim] for one layer,
+        or [n_layers, n, n_kv_heads, head_dim] for every layer when layer is None."""
         self._store(self.k, self.k_scale if self.quantized else None, layer, slots, k)
 
     @staticmethod
     def _store(
-        data: torch.Tensor, scale: torch.Tensor | None, layer: int, slots: torch.Tensor, x: torch.Tensor
+        data: torch.Tensor, scale: torch.Tensor | None, layer: int | None, slots: torch.Tensor, x: torch.Tensor
     ) -> None:
+        if layer is not None:
+            data, scale = data[layer], None if scale is None else scale[layer]
+        dim = data.dim() - 3  # the slot dimension
         if scale is None:
-            data[layer].index_copy_(0, slots, x.to(data.dtype))
+            data.index_copy_(dim, slots, x.to(data.dtype))
             return
         s = x.abs().amax(dim=-1).clamp_min(1e-8) / 127.0
-        data[layer].index_copy_(0, slots, torch.round(x / s[..., None]).to(torch.int8))
-        scale[layer].index_copy_(0, slots, s.float())
+        data.index_copy_(dim, slots, torch.round(x / s[..., None]).to(torch.int8))
+        scale.index_copy_(dim, slots, s.float())
 
     def gather(
         self, layer: int, slots: torch.Tensor, dtype: torch.dtype, first: int | None = None
