@@ -34,6 +34,7 @@ from .checkpoint import Checkpoint
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf
 from .kv_blob import export_seq, import_seq
+from .kv_move import MovedKV, place, stash
 from .kv_pin import PinnedKV
 from .model import Transformer
 from .paged_kv import KVLayout, PagedKVCache
@@ -41,6 +42,8 @@ from .sampler import TorchSampler
 
 # RuntimeConfig.kv_cache_type (llama.cpp names) -> the native KV storage dtype.
 KV_STORAGE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "q8_0": "int8"}
+# Architectures whose attention is full-context causal with RoPE on K: their KV runs can move.
+SHIFTABLE_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # compute_dtype -> (matmul input dtype, weight-only quantization)
 COMPUTE_DTYPES = {
     "float32": (torch.float32, "none"),
@@ -297,6 +300,41 @@ class NativeBackend:
         cache = self._activate()
         self._check_seq(seq)
         return PinnedKV(cache, seq, self._compute.call)
+
+    # -- moving KV runs (chunk reuse) -----------------------------------------------------
+
+    def chunk_support(self) -> str | None:
+        """None when KV runs can move to other positions (reuse_mode="chunks"); else the reason they cannot."""
+        if self._state is ModelState.UNLOADED:
+            return "the model was unloaded"
+        arch = self._model.args.arch
+        if arch not in SHIFTABLE_ARCHITECTURES:
+            return f"the native engine cannot move the KV of {arch!r} models"
+        # Every architecture here runs full causal attention in this engine (a config's sliding_window
+        # is not applied), so K at position p + d is K at p rotated by d and nothing else changes.
+        return None
+
+    @on_compute_thread
+    def stash_runs(self, seq: int, runs: Sequence[tuple[int, int]]) -> MovedKV:
+        """Keep the KV of positions [start, start + n) of seq, per run, before seq is truncated.
+
+        The blocks are held by reference: no copy, no free block needed. Release the stash when done.
+        """
+        cache = self._activate()
+        self._check_seq(seq)
+        return stash(cache, seq, runs, self._compute.call)
+
+    @on_compute_thread
+    def place_run(self, seq: int, stash: MovedKV, i: int) -> None:
+        """Append run i of the stash to seq at its current length L (K re-rotated by L - start, V unchanged).
+
+        KVCacheFull and ContextOverflow leave seq unchanged.
+        """
+        cache = self._activate()
+        self._check_seq(seq)
+        if not isinstance(stash, MovedKV):
+            raise InvalidInput(f"place_run takes a stash from stash_runs, got {type(stash).__name__}")
+        place(cache, self._model.rope, seq, stash, i, self.config.num_ctx)
 
     def set_reclaimer(self, reclaim: Callable[[], bool] | None) -> None:
         self._reclaim = reclaim

@@ -238,6 +238,45 @@ class PagedKVCache:
         self.copy_prefix(seq, holder, self.length(seq))
         return holder
 
+    def hold(self, seq: int, start: int, n: int) -> tuple[int, int]:
+        """A new holder sharing the blocks of seq that hold positions [start, start + n) (zero copy).
+
+        Returns (holder, offset): position start + j of seq is the holder's position offset + j.
+        """
+        length, bs = self.length(seq), self.layout.block_size
+        if start < 0 or n < 1 or start + n > length:
+            raise InvalidInput(f"positions [{start}, {start + n}) out of range for sequence {seq} of {length} tokens")
+        shared = self._tables[seq][start // bs : _blocks(start + n, bs)]
+        for b in shared:
+            self._ref[b] += 1
+        holder = self.new_holder()
+        self._tables[holder] = list(shared)
+        self._len[holder] = start % bs + n
+        return holder, start % bs
+
+    def append_shared(self, seq: int, src: int, src_pos: int, n: int) -> None:
+        """Grow seq by n positions that are src's positions [src_pos, src_pos + n), sharing src's blocks.
+
+        Nothing is copied: seq's length must be a whole number of blocks, or seq's partial last block
+        must be src's block that holds src_pos (at the same offset). A later append copies a shared
+        partial block before writing it.
+        """
+        bs, cur = self.layout.block_size, self.length(seq)
+        src_table = self._tables.get(src, [])
+        ok = src_pos >= 0 and n > 0 and src_pos + n <= self.length(src) and cur % bs == src_pos % bs
+        if ok and cur % bs:
+            ok = self._tables[seq][-1] == src_table[src_pos // bs]
+        if not ok:
+            raise InvalidInput(
+                f"cannot share positions [{src_pos}, {src_pos + n}) of holder {src} onto sequence {seq} "
+                f"of {cur} tokens (block size {bs})"
+            )
+        blocks = src_table[_blocks(src_pos, bs) : _blocks(src_pos + n, bs)]
+        for b in blocks:
+            self._ref[b] += 1
+        self._tables.setdefault(seq, []).extend(blocks)
+        self._len[seq] = cur + n
+
     def remove(self, seq: int, begin: int, end: int) -> None:
         """Drop positions [begin, end) of seq; later positions move down (their data is copied).
 
@@ -285,14 +324,27 @@ class PagedKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v of shape [n, n_kv_heads, head_dim] at slots."""
-        if self.quantized:
-            for data, scale, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
-                s = x.abs().amax(dim=-1).clamp_min(1e-8) / 127.0
-                data[layer].index_copy_(0, slots, torch.round(x / s[..., None]).to(torch.int8))
-                scale[layer].index_copy_(0, slots, s.float())
-        else:
-            self.k[layer].index_copy_(0, slots, k.to(self.k.dtype))
-            self.v[layer].index_copy_(0, slots, v.to(self.v.dtype))
+        self.write_k(layer, slots, k)
+        self._store(self.v, self.v_scale if self.quantized else None, layer, slots, v)
+
+    def write_k(self, layer: int | None, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Store K alone at slots, quantized like write: k is [n, n_kv_heads, head_dim] for one layer,
+        or [n_layers, n, n_kv_heads, head_dim] for every layer when layer is None."""
+        self._store(self.k, self.k_scale if self.quantized else None, layer, slots, k)
+
+    @staticmethod
+    def _store(
+        data: torch.Tensor, scale: torch.Tensor | None, layer: int | None, slots: torch.Tensor, x: torch.Tensor
+    ) -> None:
+        if layer is not None:
+            data, scale = data[layer], None if scale is None else scale[layer]
+        dim = data.dim() - 3  # the slot dimension
+        if scale is None:
+            data.index_copy_(dim, slots, x.to(data.dtype))
+            return
+        s = x.abs().amax(dim=-1).clamp_min(1e-8) / 127.0
+        data.index_copy_(dim, slots, torch.round(x / s[..., None]).to(torch.int8))
+        scale.index_copy_(dim, slots, s.float())
 
     def gather(
         self, layer: int, slots: torch.Tensor, dtype: torch.dtype, first: int | None = None
