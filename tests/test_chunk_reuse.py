@@ -141,3 +141,26 @@ def test_exact_runtime_refuses_chunks() -> None:
 def test_bad_chunk_config_is_typed(kwargs: dict) -> None:
     with pytest.raises(InvalidConfig):
         warmkv.RuntimeConfig(**kwargs)
+
+
+def test_server_reports_chunk_reuse(chunk_rt: warmkv.Runtime) -> None:
+    httpx = pytest.importorskip("httpx")
+    from server_harness import live_server
+
+    files = "Here is the file session.py:\n" + SOURCE[:2500]
+    history: list[dict] = []
+    with live_server(chunk_rt, pool_size=1) as base, httpx.Client(base_url=base, timeout=300) as http:
+        for turn in range(2):
+            history += [{"role": "user", "content": f"Question {turn}?"}, {"role": "assistant", "content": "Yes."}]
+            messages = [{"role": "system", "content": "You edit code."}, *history, {"role": "user", "content": files}]
+            body = {"model": "m", "messages": messages, "max_tokens": 2, "temperature": 0}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+        chunk = int(r.headers["x-warmkv-chunk-reused-tokens"])
+        recomputed = int(r.headers["x-warmkv-recomputed-tokens"])
+        assert chunk > 500 and recomputed >= 8
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == int(r.headers["x-warmkv-cached-tokens"])
+        assert cached >= chunk - recomputed
+        exact = http.post("/v1/chat/completions", json={**body, "reuse_mode": "exact"})
+        assert exact.status_code == 200 and exact.headers["x-warmkv-chunk-reused-tokens"] == "0"

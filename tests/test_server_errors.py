@@ -128,6 +128,15 @@ NAMED = [
         {"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]},
         "input[0].call_id",
     ),
+    ("unknown reuse_mode", "/v1/chat/completions", _chat(reuse_mode="fuzzy"), "reuse_mode"),
+    ("chunks on an exact runtime", "/v1/chat/completions", _chat(reuse_mode="chunks"), "reuse_mode"),
+    ("completions: reuse_mode a number", "/v1/completions", {"model": MODEL, "prompt": "x", "reuse_mode": 1}, "reuse"),
+    (
+        "messages: unknown reuse_mode",
+        "/v1/messages",
+        {"model": MODEL, "max_tokens": 4, "messages": MSGS, "reuse_mode": "fuzzy"},
+        "reuse_mode",
+    ),
     (
         "responses: hosted tool",
         "/v1/responses",
