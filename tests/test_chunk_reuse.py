@@ -153,7 +153,7 @@ def test_server_reports_chunk_reuse(chunk_rt: warmkv.Runtime) -> None:
         for turn in range(2):
             history += [{"role": "user", "content": f"Question {turn}?"}, {"role": "assistant", "content": "Yes."}]
             messages = [{"role": "system", "content": "You edit code."}, *history, {"role": "user", "content": files}]
-            body = {"model": "m", "messages": messages, "max_tokens": 2, "temperature": 0}
+            body = {"model": "SmolLM2-135M-Instruct.Q4_1", "messages": messages, "max_tokens": 2, "temperature": 0}
             r = http.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
         chunk = int(r.headers["x-warmkv-chunk-reused-tokens"])
