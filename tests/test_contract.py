@@ -8,7 +8,22 @@ import pytest
 
 import warmkv
 from conftest import SYSTEM, USER_A, USER_B, greedy_tokens
+from warmkv.prefix_plan import PrefixLoad
 from warmkv.tokens import common_prefix_len
+
+
+@pytest.fixture(autouse=True)
+def _exact_mode_moves_no_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The contract runs in exact mode (the default): no load may move KV runs."""
+    status = PrefixLoad.status
+
+    def checked(load: PrefixLoad) -> warmkv.PrefixStatus:
+        st = status(load)
+        assert st.chunk_reused_tokens == 0 and st.recomputed_tokens == 0 and not load.plan.moves
+        assert load.ctx.exact_end is None
+        return st
+
+    monkeypatch.setattr(PrefixLoad, "status", checked)
 
 
 def test_reuse_counts_are_exact(rt: warmkv.Runtime) -> None:

@@ -128,6 +128,9 @@ NAMED = [
         {"model": MODEL, "input": [{"type": "function_call_output", "call_id": "c1", "output": "x"}]},
         "input[0].call_id",
     ),
+    ("unknown reuse_mode", "/v1/chat/completions", _chat(reuse_mode="fuzzy"), "reuse_mode"),
+    ("chunks on an exact runtime", "/v1/chat/completions", _chat(reuse_mode="chunks"), "reuse_mode"),
+    ("completions: reuse_mode a number", "/v1/completions", {"model": MODEL, "prompt": "x", "reuse_mode": 1}, "reuse"),
     (
         "responses: hosted tool",
         "/v1/responses",
@@ -155,6 +158,13 @@ def test_bad_request_then_good_one(http: httpx.Client, name: str, path: str, bod
     ok = http.post("/v1/chat/completions", json=_chat(temperature=0))
     assert ok.status_code == 200, ok.text
     assert ok.json()["choices"][0]["message"]["content"] is not None
+
+
+@pytest.mark.parametrize("mode", ["fuzzy", "chunks"])
+def test_messages_reuse_mode_is_checked(http: httpx.Client, mode: str) -> None:
+    body = {"model": MODEL, "max_tokens": 4, "messages": MSGS, "reuse_mode": mode}
+    r = http.post("/v1/messages", json=body)
+    assert r.status_code == 400 and "reuse_mode" in r.json()["error"]["message"], r.text
 
 
 def test_overflow_body_carries_the_counts(http: httpx.Client) -> None:

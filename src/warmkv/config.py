@@ -17,6 +17,10 @@ KV_CACHE_TYPES = ("f16", "q8_0", "q4_0", "f32", "bf16")
 QUANTIZED_KV = ("q8_0", "q4_0")
 FLASH_ATTN = ("auto", "on", "off")
 PROMPT_FORMATS = ("auto", "chatml", "raw")
+# "exact": reuse only the resident common prefix (warm == cold). "chunks": also move runs of
+# resident KV that shifted position, recomputing the first tokens of each (approximate).
+REUSE_MODES = ("exact", "chunks")
+MIN_CHUNK_TOKENS = 16
 # Upper bound for num_ctx when the caller leaves it to the model: keeps the
 # preallocated KV modest on small machines while fitting agent contexts.
 DEFAULT_MAX_CTX = 4096
@@ -65,6 +69,10 @@ class RuntimeConfig:
     cache_block_tokens: int = 64
     # Tokens prefilled between chances for other sessions' decode steps to run.
     prefill_chunk: int = 256
+    # Prompt reuse: "chunks" loads the backend so KV runs can move (see REUSE_MODES).
+    reuse_mode: str = "exact"
+    chunk_min_tokens: int = 64  # shortest moved run
+    chunk_recompute: int = 8  # tokens recomputed at the start of each moved run
 
     def __post_init__(self) -> None:
         if self.num_ctx is not None:
@@ -89,6 +97,9 @@ class RuntimeConfig:
         _int("kv_store_mb", self.kv_store_mb, minimum=0)
         _int("cache_block_tokens", self.cache_block_tokens, minimum=1, maximum=65536)
         _int("prefill_chunk", self.prefill_chunk, minimum=1, maximum=1 << 16)
+        _choice("reuse_mode", self.reuse_mode, REUSE_MODES)
+        _int("chunk_min_tokens", self.chunk_min_tokens, minimum=MIN_CHUNK_TOKENS, maximum=self.num_ctx)
+        _int("chunk_recompute", self.chunk_recompute, minimum=0, maximum=self.chunk_min_tokens - 1)
         if self.kv_store_dir is not None and not isinstance(self.kv_store_dir, str):
             raise InvalidConfig(f"kv_store_dir must be a path string, got {self.kv_store_dir!r}")
         if not isinstance(self.disable_bos, bool):

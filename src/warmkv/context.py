@@ -4,6 +4,10 @@ Region map (KV positions):
 
     [0, prefix_len) prefix | [prefix_len, suffix_end) suffix | [suffix_end, live) generated | [live, len) detached
 
+plus `exact_end`: where the first token whose KV was moved from other positions sits
+(reuse_mode="chunks"). KV from there on is approximate: an exact reuse stops there and
+the tiers never keep it.
+
 plus `pending`: sampled tokens not yet evaluated (at most a decode's last token). They
 are fed to the model only if generation continues, so a turn that ends never pays for them.
 
@@ -38,6 +42,7 @@ class ResidentContext:
         # prompt samples from them instead of evaluating its last token again alone (other rounding).
         self.prefill_logits: tuple[int, np.ndarray] | None = None
         self.fatal: str | None = None
+        self.exact_end: int | None = None  # tokens[exact_end:] sit on moved KV; None: all exact
 
     @property
     def live(self) -> int:
@@ -54,6 +59,8 @@ class ResidentContext:
                 self.prefill_logits = None
         if self.detached is not None and self.detached >= len(self.tokens):
             self.detached = None
+        if self.exact_end is not None and self.exact_end >= len(self.tokens):
+            self.exact_end = None
         self.pending = []
 
     def settle(self) -> None:
@@ -65,7 +72,19 @@ class ResidentContext:
     def reset(self, tokens: Sequence[int] = ()) -> None:
         """Bookkeeping for KV that was replaced wholesale (a tier load, a snapshot, a copy)."""
         self.tokens, self.pending, self.logits, self.prefill_logits = list(tokens), [], None, None
-        self.detached = None
+        self.detached = self.exact_end = None
+
+    @property
+    def exact(self) -> int:
+        """How many resident tokens have exactly the KV a cold prefill gives (up to rounding of the layout)."""
+        return len(self.tokens) if self.exact_end is None else self.exact_end
+
+    def placed(self, tokens: Sequence[int]) -> None:
+        """Note that the backend appended moved KV for these tokens: from here on the KV is approximate."""
+        if self.exact_end is None:
+            self.exact_end = len(self.tokens)
+        self.tokens.extend(tokens)
+        self.logits = None
 
     # -- evaluation -------------------------------------------------------------
 

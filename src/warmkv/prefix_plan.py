@@ -8,24 +8,55 @@ entry, then hands out cold-aligned prefill pieces one at a time, so a driver can
 alone (Session.ensure_prefix) or between other streams' decode steps (the Scheduler).
 With tiers, the prefill stops at the last full cache block, remembers that prefix, then
 prefills the partial block (a memory entry covering every block would have been the hit).
+
+reuse_mode="chunks" adds `moves` past the exact prefix: runs of the old resident tokens
+found again elsewhere in the prompt. The load stashes their KV before cutting back, then
+refills in order: gaps are prefilled, and at each run the first `recomputed` tokens are
+prefilled before the rest of the run's KV is placed (moved) after them.
+
+    [0, reused) kept | gap prefilled | run: [recomputed) prefilled, rest moved | gap | ...
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .backends.base import ForwardRow
+from .backends.base import ForwardRow, MovedKV
+from .chunk_match import find_runs
 from .context import ResidentContext
-from .errors import WarmkvError
+from .errors import ContextOverflow, KVCacheFull, SessionFatal, WarmkvError
 from .manifest import ContextManifest, hash_token_ids, sha256_bytes
 from .types import Divergence, PrefixStatus
 
 if TYPE_CHECKING:
     from .tiers import KVTiers, WarmHit
+
+
+@dataclass(frozen=True)
+class ChunkMove:
+    """tokens[new_start : new_start + length] were resident at [old_start, old_start + length).
+
+    The first `recomputed` of them are prefilled again; the KV of the rest moves.
+    """
+
+    new_start: int
+    old_start: int
+    length: int
+    recomputed: int
+
+    @property
+    def place_at(self) -> int:
+        return self.new_start + self.recomputed
+
+    @property
+    def stashed(self) -> tuple[int, int]:
+        """(old start, length) of the KV kept for the move."""
+        return self.old_start + self.recomputed, self.length - self.recomputed
 
 
 @dataclass(frozen=True)
@@ -41,6 +72,7 @@ class PrefixPlan:
     reason: str
     divergence: Divergence | None
     resident: tuple[int, ...]  # the resident tokens it was planned against
+    moves: tuple[ChunkMove, ...] = ()  # reuse_mode="chunks": runs moved after the exact prefix, by new_start
 
 
 class PrefixLoad:
@@ -58,6 +90,9 @@ class PrefixLoad:
         self.reason = plan.reason
         self.start = 0  # where this load's prefill began: a failure rolls back to it
         self._t0 = 0.0
+        self._moves: list[tuple[int, ChunkMove]] = []  # (stash index, move) not placed yet
+        self._placed: list[ChunkMove] = []
+        self._stash: MovedKV | None = None
 
     def begin(self) -> None:
         """Drop what diverged (or detach it), then restore the longest tier entry that beats the reuse."""
@@ -65,6 +100,12 @@ class PrefixLoad:
         self._t0 = time.perf_counter()
         if tuple(ctx.tokens[: plan.reused]) != plan.tokens[: plan.reused]:
             raise WarmkvError("the session changed between planning and loading its prompt")
+        # the runs still where they were planned (a turn waiting in the Scheduler is planned early)
+        moves = [m for m in plan.moves if _still(ctx.tokens, plan.tokens, m)]
+        if moves:
+            # keep the moved runs' KV before the cut below drops it from the sequence
+            self._stash = ctx.backend.stash_runs(ctx.seq, [m.stashed for m in moves])
+            self._moves = list(enumerate(moves))
         if plan.detach:
             # logits unknown until settle() drops the detached part (and restores the kept prefill logits)
             ctx.pending, ctx.logits, ctx.detached = [], None, plan.reused
@@ -87,6 +128,7 @@ class PrefixLoad:
                 )
             self._boundary = len(self._keys) * tiers.block_tokens
         self.start = len(ctx.tokens)
+        self._moves = [(i, m) for i, m in self._moves if m.new_start >= self.start]  # a tier hit may cover some
 
     def _load(self, tiers: KVTiers, hit: WarmHit) -> bool:
         """Replace the KV with a cached prefix's, keeping its matching tokens; False if the backend refused it."""
@@ -112,33 +154,68 @@ class PrefixLoad:
     def next_row(self) -> ForwardRow | None:
         """The next cold-aligned prefill piece, stopping at the tier boundary; None when all is resident."""
         ctx, n = self.ctx, len(self.plan.tokens)
+        self._place_ready()
         at = ctx.live
         if at >= n:
             return None
         end = ctx.piece_end(at, n)
         if at < self._boundary < end:
             end = self._boundary
+        if self._moves and at < self._moves[0][1].place_at < end:
+            end = self._moves[0][1].place_at
         return ctx.row(self.plan.tokens[at:end], want_logits=end in (n, self._boundary))
+
+    def _place_ready(self) -> None:
+        """Move the KV of every run whose turn has come (its recomputed head is resident)."""
+        ctx = self.ctx
+        while self._moves and self._moves[0][1].place_at <= ctx.live:
+            i, m = self._moves.pop(0)
+            if m.place_at < ctx.live or self._stash is None:
+                continue  # overtaken: prefill it instead
+            try:
+                ctx.backend.place_run(ctx.seq, self._stash, i)
+            except (KVCacheFull, ContextOverflow):
+                continue  # no room to move it: it is prefilled like a gap
+            except SessionFatal as e:
+                ctx.fatal = str(e)
+                raise
+            ctx.placed(self.plan.tokens[m.place_at : m.new_start + m.length])
+            self._placed.append(m)
 
     def accept(self, row: ForwardRow, logits: np.ndarray | None) -> None:
         end = row.start + len(row.tokens)
         self.ctx.record(row, logits, prompt_end=end in (len(self.plan.tokens), self._boundary))
-        if end == self._boundary and self._tiers is not None:
+        if end == self._boundary and self._tiers is not None and end <= self.ctx.exact:
             self._tiers.remember(self.ctx.seq, self._keys, self.plan.tokens[:end], self.plan.manifest.digest)
 
     def fail(self) -> None:
         """Roll back this load's prefill (what it dropped stays dropped: the KV is gone)."""
+        self._release()
         if self.ctx.fatal is None:
             self.ctx.truncate(self.start)
 
+    def _release(self) -> None:
+        stash, self._stash = self._stash, None
+        if stash is not None:
+            stash.release()
+
     def status(self) -> PrefixStatus:
         """Mark the prompt as the prefix and report what happened."""
+        self._release()
         ctx, plan = self.ctx, self.plan
         n = len(plan.tokens)
         ctx.prefix_len = ctx.suffix_end = n
+        chunk = sum(m.length for m in self._placed)
+        recomputed = sum(m.recomputed for m in self._placed)
+        if chunk:
+            self.reason = (
+                f"warm: reused {self.reused} of {n} prefix tokens exactly and {chunk} more in "
+                f"{len(self._placed)} run(s) found at other positions ({recomputed} of them recomputed); "
+                f"prefilled {n - self.reused - chunk + recomputed}"
+            )
         return PrefixStatus(
             reused_tokens=self.reused,
-            prefilled_tokens=n - self.reused,
+            prefilled_tokens=n - self.reused - chunk + recomputed,
             dropped_tokens=plan.dropped,
             prefix_tokens=n,
             resident_tokens=ctx.live,
@@ -150,4 +227,20 @@ class PrefixLoad:
             reason=self.reason,
             prefill_s=time.perf_counter() - self._t0,
             divergence=plan.divergence,
+            chunk_reused_tokens=chunk,
+            recomputed_tokens=recomputed,
         )
+
+
+def _still(resident: Sequence[int], tokens: Sequence[int], m: ChunkMove) -> bool:
+    return list(resident[m.old_start : m.old_start + m.length]) == list(tokens[m.new_start : m.new_start + m.length])
+
+
+def plan_moves(
+    tokens: Sequence[int], resident: Sequence[int], reused: int, min_len: int, recompute: int
+) -> tuple[ChunkMove, ...]:
+    """The runs of tokens[reused:] found in resident[reused:], each recomputing its first tokens."""
+    return tuple(
+        ChunkMove(m.new_start, m.old_start, m.length, min(recompute, m.length - 1))
+        for m in find_runs(tokens, resident, reused, min_len)
+    )

@@ -37,7 +37,7 @@ import numpy as np
 
 from .backends import Backend, BackendOptions, KVMemory, ModelInfo, ModelState, load_backend, make_options, options_type
 from .chat import ChatTemplate, resolve_template
-from .config import DecodeConfig, ResolvedConfig, RuntimeConfig
+from .config import REUSE_MODES, DecodeConfig, ResolvedConfig, RuntimeConfig
 from .constraint import Constraint, Guide, build_tokenizer
 from .embeddings import EmbedInput, l2_normalize, split_inputs
 from .errors import ContextOverflow, InvalidConfig, InvalidInput, ManifestMismatch, ModelUnloaded, Unsupported
@@ -70,6 +70,11 @@ class Runtime:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        if backend.config.reuse_mode == "chunks":
+            why = _chunk_support(backend)
+            if why is not None:
+                backend.close()
+                raise Unsupported("reuse_mode='chunks'", why)
         # One lock per model: llama.cpp contexts and the KV pool are not thread-safe.
         self.lock = threading.RLock()
         self._lock_handoff = threading.Condition(self.lock)
@@ -167,6 +172,18 @@ class Runtime:
 
     def manifest(self, add_bos: bool | None = None) -> ContextManifest:
         return self._manifests[self.default_add_bos if add_bos is None else bool(add_bos)]
+
+    def reuse_mode(self, mode: str | None = None) -> str:
+        """The reuse mode a prompt asked for (None: the runtime's), checked against what the backend can."""
+        if mode is None:
+            return self.config.reuse_mode
+        if mode not in REUSE_MODES:
+            raise InvalidInput(f"reuse_mode must be one of {', '.join(REUSE_MODES)}; got {mode!r}", param="reuse_mode")
+        if mode == "chunks":
+            why = _chunk_support(self.backend)
+            if why is not None:
+                raise Unsupported("reuse_mode='chunks'", why)
+        return mode
 
     def _check_loaded(self) -> None:
         if self.backend.state is ModelState.UNLOADED:
@@ -462,6 +479,11 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _chunk_support(backend: Backend) -> str | None:
+    support = getattr(backend, "chunk_support", None)
+    return support() if callable(support) else f"the {backend.name} backend cannot move KV runs"
 
 
 def _decode_config(config: DecodeConfig | None, overrides: Mapping[str, Any]) -> DecodeConfig:

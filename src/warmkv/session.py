@@ -42,7 +42,7 @@ from .errors import (
     WarmkvError,
 )
 from .manifest import ContextManifest, hash_token_ids, validate_segments
-from .prefix_plan import PrefixLoad, PrefixPlan
+from .prefix_plan import PrefixLoad, PrefixPlan, plan_moves
 from .text import as_text
 from .tokens import common_prefix_len, spell
 from .types import (
@@ -174,6 +174,13 @@ class Session:
             reused = common_prefix_len(ctx.tokens, tokens) if same else 0
             if len(tokens) > self._num_ctx:
                 raise ContextOverflow("ensure_prefix", reused, len(tokens) - reused, self._num_ctx)
+            chunks = self._rt.reuse_mode(inp.reuse_mode) == "chunks"
+            if not chunks:
+                reused = min(reused, ctx.exact)  # an exact reuse never takes moved KV
+            moves = ()
+            if chunks and same:
+                cfg = self._rt.config
+                moves = plan_moves(tokens, ctx.tokens, reused, cfg.chunk_min_tokens, cfg.chunk_recompute)
             return PrefixPlan(
                 tokens=tuple(tokens),
                 raw=raw,
@@ -184,6 +191,7 @@ class Session:
                 reason=self._prefix_reason(same, manifest, reused, len(tokens)),
                 divergence=self._divergence(tokens, reused, add_bos) if same and reused < len(ctx.tokens) else None,
                 resident=tuple(ctx.tokens),
+                moves=moves,
             )
 
     def begin_load(self, plan: PrefixPlan) -> PrefixLoad:
@@ -198,7 +206,7 @@ class Session:
         status = load.status()
         self._byte_hash = status.stable_byte_hash
         self._token_hash = status.stable_token_hash
-        self._cached_since_decode = status.reused_tokens
+        self._cached_since_decode = status.cached_tokens
         self._last_prefix = status
         return status
 
@@ -348,7 +356,7 @@ class Session:
         """A turn's prompt is resident: finish its load and ready its decode (model lock held)."""
         status = self.finish_load(load)
         self.ctx.settle()
-        state.cached_tokens, self._cached_since_decode = status.reused_tokens, 0
+        state.cached_tokens, self._cached_since_decode = status.cached_tokens, 0
         return status
 
     def token_ids(self) -> tuple[int, ...]:
@@ -401,7 +409,12 @@ class Session:
                 if self._manifest is None or not ctx.tokens:
                     raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
                 ctx.settle()
-                meta = {"prefix_len": ctx.prefix_len, "suffix_end": ctx.suffix_end, "byte_hash": self._byte_hash}
+                meta = {
+                    "prefix_len": ctx.prefix_len,
+                    "suffix_end": ctx.suffix_end,
+                    "byte_hash": self._byte_hash,
+                    "exact_end": ctx.exact_end,  # a restore keeps moved KV out of exact reuse
+                }
                 blob = self._backend.export_seq(self._seq)
                 m, tokens = self._manifest, list(ctx.tokens)
             return tiers.write_snapshot(name, m.digest, m.to_dict(), tokens, blob, meta)
@@ -415,6 +428,8 @@ class Session:
             self._manifest = manifest
             ctx.prefix_len = int(meta.get("prefix_len", len(tokens)))
             ctx.suffix_end = int(meta.get("suffix_end", len(tokens)))
+            exact_end = meta.get("exact_end")
+            ctx.exact_end = int(exact_end) if exact_end is not None else None
             self._byte_hash = meta.get("byte_hash")  # type: ignore[assignment]
             self._token_hash = hash_token_ids(ctx.tokens[: ctx.prefix_len])
 
@@ -424,6 +439,7 @@ class Session:
         mine.tokens, mine.pending, mine.logits = list(theirs.tokens), list(theirs.pending), theirs.logits
         mine.prefill_logits = theirs.prefill_logits
         mine.prefix_len, mine.suffix_end = theirs.prefix_len, theirs.suffix_end
+        mine.exact_end = theirs.exact_end
         self._manifest = other._manifest
         self._byte_hash, self._token_hash, self._last_prefix = other._byte_hash, other._token_hash, other._last_prefix
 

@@ -18,6 +18,7 @@ class PrefixInput:
     expect_manifest, when set, must equal the runtime's manifest digest.
     tokens, when set, are the prompt's tokens as the caller built them (an infill prompt, whose
     user text must not parse as control tokens); text then only names them (hashes, segments).
+    reuse_mode "chunks" also reuses KV of resident runs that moved (approximate; see RuntimeConfig).
     """
 
     text: str | bytes
@@ -26,6 +27,7 @@ class PrefixInput:
     parse_special: bool = True
     expect_manifest: str | None = None
     tokens: tuple[int, ...] | None = None
+    reuse_mode: str | None = None  # "exact" or "chunks"; None: the runtime's reuse_mode
 
     @classmethod
     def coerce(cls, value: PrefixInput | str | bytes) -> PrefixInput:
@@ -92,10 +94,20 @@ class PrefixStatus:
     reason: str
     prefill_s: float
     divergence: Divergence | None = None  # set when resident tokens past the reused prefix were dropped
+    # reuse_mode="chunks": tokens of the old prompt found again at other positions (not in
+    # reused_tokens), and the tokens at the head of each such run that were prefilled again
+    # (also in prefilled_tokens); the rest of each run's KV was moved.
+    chunk_reused_tokens: int = 0
+    recomputed_tokens: int = 0
 
     @property
     def warm(self) -> bool:
-        return self.reused_tokens > 0
+        return self.reused_tokens + self.chunk_reused_tokens > 0
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens not prefilled: what usage reports as cached."""
+        return self.reused_tokens + self.chunk_reused_tokens - self.recomputed_tokens
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "warm": self.warm}

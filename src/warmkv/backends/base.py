@@ -189,6 +189,22 @@ class BlobKV:
 
 
 @runtime_checkable
+class MovedKV(Protocol):
+    """KV of runs of a sequence's old positions, kept while the sequence is truncated and refilled.
+
+    reuse_mode="chunks": runs of an old prompt that reappear at other positions of a new one
+    are stashed, the sequence is cut back to the exact prefix, and each run is placed again
+    (appended) once the refill reaches its new start.
+    """
+
+    runs: tuple[tuple[int, int], ...]  # (old start, length) per run
+
+    def release(self) -> None:
+        """Let go of the runs not placed; idempotent."""
+        ...
+
+
+@runtime_checkable
 class Backend(Protocol):
     """One loaded model. All methods are called under the runtime's model lock."""
 
@@ -262,6 +278,23 @@ class Backend(Protocol):
 
     def keep_seq(self, seq: int) -> KeptKV:
         """The sequence's whole KV as it is now, kept apart from it (the memory tier)."""
+        ...
+
+    def chunk_support(self) -> str | None:
+        """None when KV runs can move to other positions (reuse_mode="chunks"); else the reason they cannot."""
+        ...
+
+    def stash_runs(self, seq: int, runs: Sequence[tuple[int, int]]) -> MovedKV:
+        """Keep the KV of positions [start, start + n) of seq, per run, before seq is truncated.
+
+        Unsupported when chunk_support() is not None; InvalidInput for runs outside [0, len)
+        or overlapping; seq is unchanged.
+        """
+        ...
+
+    def place_run(self, seq: int, stash: MovedKV, i: int) -> None:
+        """Append run i of the stash to seq at its current length (K re-rotated by the position delta,
+        V unchanged). KVCacheFull/ContextOverflow leave seq unchanged; a run is placed at most once."""
         ...
 
     def set_reclaimer(self, reclaim: Callable[[], bool] | None) -> None:

@@ -6,6 +6,10 @@ sequence (kv_unified off): a session's attention never spans another session's
 cells, so its numbers do not depend on who else is resident (warm == cold to the
 bit), and a session's own bound check, done before any KV is touched, is the
 only overflow check that can fire.
+
+reuse_mode="chunks" trades that for movable KV runs (llamacpp_moves): one unified KV
+stream shared by all sequences, so warm == cold holds within rounding only, and the
+sequences share the pool's capacity (plus one num_ctx of room for stashed runs).
 """
 
 from __future__ import annotations
@@ -22,12 +26,21 @@ import llama_cpp as lc
 import numpy as np
 
 from ..config import DecodeConfig, RuntimeConfig
-from ..errors import EngineError, ForwardFailed, InvalidInput, InvalidModelFile, ModelNotFound, SessionFatal
+from ..errors import (
+    EngineError,
+    ForwardFailed,
+    InvalidInput,
+    InvalidModelFile,
+    ModelNotFound,
+    SessionFatal,
+    Unsupported,
+)
 from ..manifest import file_digest
 from ..sampling import Sampler
 from .base import BlobKV, ForwardRow, KVMemory, ModelInfo, ModelState, check_embed_tokens, check_rows
 from .compute_thread import ComputeThread, on_compute_thread
 from .llamacpp_embed import EmbeddingContext
+from .llamacpp_moves import KVMover, LlamaMovedKV, chunk_support, require
 from .options import LlamaCppOptions
 from .slots import SeqSlots
 
@@ -135,6 +148,8 @@ class LlamaCppBackend:
         self._batch = None
         # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
         self._slots = SeqSlots(self.config.n_seq_max)
+        self._chunks = self.config.reuse_mode == "chunks"
+        self._mover = KVMover(self, self._slots.total) if self._chunks else None
         self._compute = ComputeThread.shared("warmkv-compute")  # every llama_decode runs there
 
     # -- model facts -------------------------------------------------------
@@ -151,7 +166,7 @@ class LlamaCppBackend:
             "n_gpu_layers": c.n_gpu_layers,
             "num_ubatch": c.num_ubatch,
             "llama_cpp": lc.__version__,
-        }
+        } | ({"kv_unified": True} if self._chunks else {})
 
     def _read_metadata(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -224,18 +239,26 @@ class LlamaCppBackend:
         v_dim = int(self.info.metadata.get(f"{arch}.attention.value_length", head) or head)
         num, den = KV_TYPE_BYTES[self.config.kv_cache_type]
         per_token = self.info.n_layer * n_head_kv * (k_dim + v_dim) * num // den
-        cells = lc.llama_n_ctx_seq(self._ctx) if self._ctx is not None else self.config.num_ctx
         seqs = self._slots.total
+        if self._chunks:  # one unified stream: the sequences share it
+            cells, pool = self.config.num_ctx, self._n_ctx()
+        else:
+            cells = lc.llama_n_ctx_seq(self._ctx) if self._ctx is not None else self.config.num_ctx
+            pool = cells * seqs
         return KVMemory(
-            bytes=per_token * cells * seqs,
+            bytes=per_token * pool,
             bytes_per_token=per_token,
             tokens_per_seq=cells,
             sequences=seqs,
-            pool_tokens=cells * seqs,
+            pool_tokens=pool,
             allocated=self._ctx is not None,
         )
 
     # -- context and sequences ----------------------------------------------
+
+    def _n_ctx(self) -> int:
+        """Cells of the context: num_ctx per slot, and in chunks mode one more num_ctx for stashes."""
+        return self.config.num_ctx * (self._slots.total + (1 if self._chunks else 0))
 
     def _activate(self) -> None:
         if self._ctx is not None:
@@ -244,22 +267,22 @@ class LlamaCppBackend:
             raise SessionFatal("the model was unloaded")
         c = self.config
         p = lc.llama_context_default_params()
-        p.n_ctx = c.num_ctx * self._slots.total
+        p.n_ctx = self._n_ctx()
         p.n_batch = c.num_batch
         p.n_ubatch = c.num_ubatch
-        p.n_seq_max = self._slots.total
+        p.n_seq_max = KVMover.sequences(self._slots.total) if self._chunks else self._slots.total
         p.n_threads = c.num_threads
         p.n_threads_batch = c.num_threads
         p.flash_attn_type = _FLASH[c.flash_attn]
         p.type_k = KV_TYPES[c.kv_cache_type]
         p.type_v = KV_TYPES[c.kv_cache_type]
-        p.kv_unified = False  # one KV stream per sequence: see the module docstring
+        p.kv_unified = self._chunks  # exact mode: one KV stream per sequence (see the module docstring)
         p.no_perf = True
         ctx = lc.llama_init_from_model(self._model, p)
         if not ctx:
             raise SessionFatal(
-                f"llama.cpp could not create a context of {p.n_ctx} tokens "
-                f"({self._slots.total} slots x num_ctx={c.num_ctx})"
+                f"llama.cpp could not create a context of {p.n_ctx} tokens and {p.n_seq_max} sequences "
+                f"({self._slots.total} slots x num_ctx={c.num_ctx}, reuse_mode={c.reuse_mode})"
             )
         per_seq = lc.llama_n_ctx_seq(ctx)
         if per_seq < c.num_ctx:
@@ -283,6 +306,8 @@ class LlamaCppBackend:
         return lc.llama_memory_seq_pos_max(self._mem, seq) + 1
 
     def release_seq(self, seq: int) -> None:
+        if self._mover is not None and self._mem is not None:
+            self._mover.clear_stash(seq)
         if self._mem is not None and not lc.llama_memory_seq_rm(self._mem, seq, -1, -1):
             # Its cells are still held: a session given this slot would find them, so keep it out of use.
             log.warning("llama.cpp could not clear sequence %d; its slot stays reserved", seq)
@@ -304,6 +329,11 @@ class LlamaCppBackend:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidInput(f"copy length must be an integer >= 0, got {n!r}")
         want = min(n, self._length(src))
+        if self._chunks:
+            # Cells shared by two sequences would move for both when one of them places a run.
+            self.import_seq(dst, self.export_seq(src))
+            self.truncate(dst, n)
+            return
         if not lc.llama_memory_seq_rm(self._mem, dst, -1, -1):
             raise SessionFatal(f"llama.cpp could not clear sequence {dst} to copy {src} into it")
         # Each sequence has its own KV stream, and llama.cpp copies across streams
@@ -361,6 +391,25 @@ class LlamaCppBackend:
         # idle cache sequence would hold a whole num_ctx stream, and seq_cp across
         # streams copies the whole buffer anyway.
         return BlobKV(self, self.export_seq(seq))
+
+    # -- moving KV runs (reuse_mode="chunks") ---------------------------------
+
+    def chunk_support(self) -> str | None:
+        return chunk_support(self)
+
+    def stash_runs(self, seq: int, runs: Sequence[tuple[int, int]]) -> LlamaMovedKV:
+        return self._moves(seq).stash(seq, runs)
+
+    def place_run(self, seq: int, stash: LlamaMovedKV, i: int) -> None:
+        self._moves(seq).place(seq, stash, i, self.config.num_ctx)
+
+    def _moves(self, seq: int) -> KVMover:
+        require(self)  # Unsupported unless loaded in chunks mode
+        self._activate()
+        self._slots.check(seq)
+        if self._mover is None:
+            raise Unsupported("moving KV runs", "the context was not created in chunks mode")
+        return self._mover
 
     def set_reclaimer(self, reclaim: Callable[[], bool] | None) -> None:
         """Unused: the KV streams are preallocated per sequence, never short."""

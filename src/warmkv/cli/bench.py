@@ -282,6 +282,51 @@ def _print_agent_loop(model: str, backend: str, loop: dict[str, Any]) -> None:
     console.print(f"turns 2..N reused {loop['reused_fraction']:.1%} of their prompt tokens")
 
 
+@bench_app.command("chunks")
+@runtime_options()
+def bench_chunks(
+    turns: Annotated[int, typer.Option("--turns", min=1, max=64)] = 8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, max=256)] = 32,
+    file_chars: Annotated[int, typer.Option("--file-chars", min=200, help="characters of each chat file")] = 5000,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
+    *,
+    opts: RuntimeOptions,
+) -> None:
+    """An aider-shaped conversation: exact vs chunks reuse, TTFT, and quality against cold."""
+    from ..bench.chunks import run_chunks
+
+    try:  # tiers off: the cold session must be cold; chunks mode so both modes run on one runtime
+        rt = opts.load(prefix_cache_mb=0, kv_store_mb=0, reuse_mode="chunks", num_ctx=opts.runtime.get("num_ctx", 8192))
+    except WarmkvError as e:
+        fail(e)
+    with rt, Progress(console=err, transient=True) as progress:
+        task = progress.add_task("chunks", total=turns)
+        report = run_chunks(
+            rt, turns=turns, max_tokens=max_tokens, file_chars=file_chars, on_turn=lambda r: progress.advance(task)
+        )
+    report["model"], report["backend"] = rt.info.name, rt.backend.name
+    table = Table(title=f"chunk reuse: {rt.info.name} on {rt.backend.name}")
+    cols = ("turn", "prompt", "exact reused", "chunk reused", "recomputed", "prefilled", "TTFT exact", "TTFT chunks")
+    for c in (*cols, "agree", "ppl chunks/cold"):
+        table.add_column(c, justify="right")
+    for r in report["turns"]:
+        table.add_row(
+            str(r["turn"]),
+            str(r["prompt_tokens"]),
+            str(r["exact_reused"]),
+            str(r["chunk_reused"]),
+            str(r["recomputed"]),
+            f"{r['chunk_prefilled']} ({r['chunk_prefilled_frac']:.0%})",
+            f"{r['exact_ttft_s'] * 1000:.0f} ms",
+            f"{r['chunk_ttft_s'] * 1000:.0f} ms ({r['ttft_ratio']:.2f}x)",
+            f"{r['greedy_agreement']:.2f}",
+            f"{r['ppl_chunks']:.2f}/{r['ppl_cold']:.2f}",
+        )
+    console.print(table)
+    console.print(json.dumps(report["summary"]))
+    _write_report(json_out, report)
+
+
 def _positive_ints(option: str, value: str, example: str) -> list[int]:
     """A comma-separated list of integers >= 1, or a clean exit naming the option."""
     try:

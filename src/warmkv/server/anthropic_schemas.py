@@ -112,6 +112,7 @@ class MessagesRequest(_Prompt):
     speed: Literal["standard", "fast"] | None = None
     inference_geo: str | None = None
     # warmkv extensions
+    reuse_mode: str | None = None  # "exact" or "chunks" (None: the server's --reuse-mode)
     seed: int | None = None
     min_p: float = Field(default=0.05, ge=0.0, le=1.0)
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
 from ..config import DecodeConfig
-from ..errors import ContextOverflow, SessionFatal
+from ..errors import ContextOverflow, InvalidInput, SessionFatal, Unsupported
 from ..types import PrefixInput, PrefixStatus
 from .state import ServerState
 from .streams import ChunkStream, start_turn
@@ -24,7 +24,7 @@ class Generation:
 
     @property
     def cached_tokens(self) -> int:
-        return self.status.reused_tokens
+        return self.status.cached_tokens
 
     @property
     def prompt_tokens(self) -> int:
@@ -38,7 +38,13 @@ async def generate(
     errors before the first token raise here (4xx/5xx)."""
     t0 = time.perf_counter()
     rt = st.runtime
-    inp = PrefixInput.coerce(prompt)
+    sampling = dict(sampling)
+    mode = sampling.pop("reuse_mode", None)
+    try:
+        rt.reuse_mode(mode)
+    except Unsupported as e:  # a 400 naming the field, saying why this runtime cannot move KV
+        raise InvalidInput(f"reuse_mode: {e}", param="reuse_mode") from e
+    inp = replace(PrefixInput.coerce(prompt), reuse_mode=mode)
     tokens = list(inp.tokens) if inp.tokens is not None else await run_in_threadpool(rt.tokenize, inp.text)
     num_ctx = rt.config.num_ctx
     if max_tokens is None:

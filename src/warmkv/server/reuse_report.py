@@ -83,7 +83,7 @@ def report(
 ) -> dict[str, str]:
     """The reuse headers of one request; counts it in /metrics and logs it when it missed."""
     d = status.divergence
-    st.metrics.observe_reuse(status.reused_tokens / max(1, prompt_tokens))
+    st.metrics.observe_reuse(status.cached_tokens / max(1, prompt_tokens))
     message = role = None
     if d is not None:
         message = _message_at(d, ends)
@@ -99,7 +99,9 @@ def report(
             header,
         )
     return {
-        "x-warmkv-cached-tokens": str(status.reused_tokens),
+        "x-warmkv-cached-tokens": str(status.cached_tokens),
         "x-warmkv-prefilled-tokens": str(status.prefilled_tokens),
+        "x-warmkv-chunk-reused-tokens": str(status.chunk_reused_tokens),
+        "x-warmkv-recomputed-tokens": str(status.recomputed_tokens),
         "x-warmkv-divergence": header,
     }

@@ -48,6 +48,9 @@ def sampling_fields(req: Any, *, stop: str = "stop", defaults: Mapping[str, Any]
     if seed is not None:
         out["seed"] = seed % 2**32
     out["stop"] = stop_strings(getattr(req, stop, None), stop)
+    mode = getattr(req, "reuse_mode", None)
+    if mode is not None:  # not a DecodeConfig field: generate() takes it out for the prompt
+        out["reuse_mode"] = mode
     return out
 
 

@@ -47,6 +47,7 @@ class _Sampling(_Request):
     regex: str | None = Field(default=None, min_length=1)  # extension: output must match this regex
     grammar: str | None = Field(default=None, min_length=1)  # extension: a Lark grammar
     speculative: int = Field(default=0, ge=0, le=32)  # extension: greedy drafts from the context per step
+    reuse_mode: str | None = None  # extension: "exact" or "chunks" (None: the server's --reuse-mode)
     # Accepted without effect: identify the caller, or steer hosted caches and tiers warmkv does not have.
     user: str | None = None
     metadata: dict[str, str] | None = None
