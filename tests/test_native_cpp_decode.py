@@ -44,13 +44,17 @@ def _trace(backend: NativeBackend) -> Iterator[np.ndarray]:
         for step in range(16):
             live = seqs if step < 8 else seqs[:1]
             picks = rng.integers(3, backend.info.n_vocab, size=len(live)).tolist()
-            outs = backend.forward([ForwardRow(s, [t], n) for s, t, n in zip(live, picks, lengths, strict=False)])
+            rows = [ForwardRow(s, [t], n, decode=True) for s, t, n in zip(live, picks, lengths, strict=False)]
+            outs = backend.forward(rows)
             for i in range(len(live)):
                 lengths[i] += 1
             yield from (o for o in outs if o is not None)
         # Verified drafts (all logits): the first sequence's with a one-token row of the second beside it.
         draft = prompts[0][4:9]
-        rows = [ForwardRow(seqs[0], draft, lengths[0], all_logits=True), ForwardRow(seqs[1], [7], lengths[1])]
+        rows = [
+            ForwardRow(seqs[0], draft, lengths[0], all_logits=True),
+            ForwardRow(seqs[1], [7], lengths[1], decode=True),
+        ]
         outs = backend.forward(rows)
         yield from (row for row in outs[0])  # type: ignore[union-attr]
         yield outs[1]  # type: ignore[misc]
@@ -116,7 +120,8 @@ def test_cpp_rows_do_not_depend_on_batching(kv: str) -> None:
             backend.forward([ForwardRow(seq, prompt[:n], 0)])
         steps = []
         for i, t in enumerate(draft):  # one token at a time; the first three beside another sequence
-            rows = [ForwardRow(a, [t], 150 + i)] + ([ForwardRow(other, [t], 37 + i)] if i < 3 else [])
+            rows = [ForwardRow(a, [t], 150 + i, decode=True)]
+            rows += [ForwardRow(other, [t], 37 + i, decode=True)] if i < 3 else []
             steps.append(backend.forward(rows)[0])
         (verified,) = backend.forward([ForwardRow(b, draft, 150, all_logits=True)])
         assert verified is not None

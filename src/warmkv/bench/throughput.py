@@ -78,7 +78,7 @@ def _time_backend(label: str, backend: Backend, ids: list[int], decode: int) -> 
         t0 = time.perf_counter()
         for _ in range(decode):
             token = int(np.argmax(logits))
-            (logits,) = backend.forward([ForwardRow(seq, [token], n)])
+            (logits,) = backend.forward([ForwardRow(seq, [token], n, decode=True)])
             n += 1
         return EngineResult(label, len(ids), prefill, decode, time.perf_counter() - t0)
     finally:
