@@ -309,6 +309,8 @@ class Transformer:
     ) -> torch.Tensor:
         """The layer loop in Python: the residual stream after the last layer."""
         a, dt = self.args, self.dtype
+        if not prefill and self._ext is not None:
+            dt = torch.float32  # qmatmul takes and gives float32, as in the C++ loop
         t, n_qk = x.shape[0], a.n_heads + a.n_kv_heads
         cos, sin = self.rope.tables(positions, dt)
         for li, layer in enumerate(self.layers):
