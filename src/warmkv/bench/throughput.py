@@ -142,6 +142,8 @@ def run_throughput(
 
     if "llamacpp" in engines:
         attempt("llama.cpp f16-kv", lambda: backend_run("llama.cpp f16-kv", "llamacpp", cfg))
+    if "native-default" in engines:  # the options a user gets, alone: quicker at large shapes
+        attempt("native default", lambda: backend_run("native default", "native", cfg))
     if "native" in engines:
         for label, kv, compute, cpp in NATIVE_VARIANTS:
             c = RuntimeConfig(**{**asdict(cfg), "kv_cache_type": kv})
