@@ -112,3 +112,21 @@ def test_prefill_weights_is_validated() -> None:
     assert NativeOptions(prefill_weights="int4").prefill_weights == "int4"
     with pytest.raises(InvalidConfig, match="prefill_weights must be one of auto, bf16, int4; got 'fp8'"):
         NativeOptions(prefill_weights="fp8")
+
+
+def test_prefill_weights_resolve_and_name_the_matmuls() -> None:
+    """The manifest says which kernel computed prefill pieces: their KV differs in the last bits."""
+    from warmkv.backends import load_backend
+
+    cfg = warmkv.RuntimeConfig(num_ctx=128, n_seq_max=1)
+    path = str(warmkv.default_model_path())
+    for option, prefill in (("bf16", "bf16"), ("int4", "qmatmul"), ("auto", None)):
+        b = load_backend("native", path, cfg, compute_dtype="int4", prefill_weights=option)
+        try:
+            resolved = b.options.prefill_weights
+            assert resolved == option if option != "auto" else resolved in ("bf16", "int4")
+            prefill = prefill or ("bf16" if resolved == "bf16" else "qmatmul")
+            assert b.numerics()["matmul"] == f"decode=qmatmul-int8-activations,prefill={prefill}"
+            assert (b._model.dense_bytes() > 0) == (resolved == "bf16")
+        finally:
+            b.close()

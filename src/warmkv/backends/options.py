@@ -52,10 +52,11 @@ class NativeOptions(BackendOptions):
     cpp_decode: "auto" (decode steps run their layer loop in C++ on the CPU, built on first use,
     else in Python), "on" (C++ or an error) or "off". kv_cache_mb: the KV pool's budget in MiB
     (None: room for num_ctx tokens in every sequence).
-    prefill_weights (int4 on the CPU): "bf16" keeps a bfloat16 copy of the layer weights, made once
-    at load, for prefill's matmuls (compute-bound: ~2x faster than unpacking 4-bit codes) at 2 bytes
-    a weight (~3.4 GB more for 1.7B parameters); "int4" prefills on the 4-bit codes, no copy;
-    "auto" (default) is "bf16" where the copy takes under half the available RAM.
+    prefill_weights (int4 on the CPU): "int4" prefills on the 4-bit codes with int8 activations, no
+    copy; "bf16" keeps a bfloat16 copy of the layer weights, made once at load, for prefill's
+    matmuls, at 2 bytes a weight (~3.2 GB more for 1.7B parameters); "auto" (default) is "int4"
+    where the CPU has AVX-512 VNNI (faster there than bf16), else "bf16" where the copy takes
+    under half the available RAM.
     """
 
     compute_dtype: str = "auto"

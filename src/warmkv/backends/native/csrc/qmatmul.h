@@ -39,7 +39,12 @@
 namespace warmkv::qmm {
 
 enum Kind : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
-constexpr int64_t kTile = 16, kBlock = 32, kGroup = 4;  // rows per tile, inputs per block, batch rows per pass
+constexpr int64_t kTile = 16, kBlock = 32;  // rows per tile, inputs per block
+#if defined(WARMKV_QMM_VNNI)
+constexpr int64_t kGroup = 8;  // batch rows per pass over a tile: 8 x 3 accumulators fit AVX-512's 32 registers
+#else
+constexpr int64_t kGroup = 4;
+#endif
 constexpr int64_t kPrefetch = 4;                          // blocks ahead (a hint: past the end is harmless)
 
 inline int64_t code_bytes(int64_t kind) { return kind == kQ8_0 ? 512 : 256; }
@@ -243,17 +248,28 @@ inline void tile_simd(const uint8_t* tile, int64_t nb, const QRow* rows, float* 
 // n (<= kGroup) rows against one tile.
 inline void tile_rows(const uint8_t* tile, int64_t kind, int64_t nb, const QRow* rows, int n, float* out) {
 #if defined(WARMKV_QMM_VNNI) || defined(WARMKV_QMM_AVX2)
-#define WARMKV_QMM_CASE(K)                           \
-  switch (n) {                                       \
-    case 1: return tile_simd<1, K>(tile, nb, rows, out); \
-    case 2: return tile_simd<2, K>(tile, nb, rows, out); \
-    case 3: return tile_simd<3, K>(tile, nb, rows, out); \
+#if defined(WARMKV_QMM_VNNI)
+#define WARMKV_QMM_WIDE(K)                                \
+  case 5: return tile_simd<5, K>(tile, nb, rows, out);    \
+  case 6: return tile_simd<6, K>(tile, nb, rows, out);    \
+  case 7: return tile_simd<7, K>(tile, nb, rows, out);    \
+  case 8: return tile_simd<8, K>(tile, nb, rows, out);
+#else
+#define WARMKV_QMM_WIDE(K)
+#endif
+#define WARMKV_QMM_CASE(K)                                \
+  switch (n) {                                            \
+    case 1: return tile_simd<1, K>(tile, nb, rows, out);  \
+    case 2: return tile_simd<2, K>(tile, nb, rows, out);  \
+    case 3: return tile_simd<3, K>(tile, nb, rows, out);  \
+    WARMKV_QMM_WIDE(K)                                    \
     default: return tile_simd<4, K>(tile, nb, rows, out); \
   }
   if (kind == kQ4_0) WARMKV_QMM_CASE(kQ4_0)
   if (kind == kQ4_1) WARMKV_QMM_CASE(kQ4_1)
   WARMKV_QMM_CASE(kQ8_0)
 #undef WARMKV_QMM_CASE
+#undef WARMKV_QMM_WIDE
 #else
   tile_scalar(tile, kind, nb, rows, n, out);
 #endif
