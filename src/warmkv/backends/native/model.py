@@ -68,7 +68,8 @@ class Linear:
     def blocks(blocks: Blocks, ext: ModuleType, bias: torch.Tensor | None, dense: bool) -> Linear:
         """qmatmul's packed blocks; dense: also keep a bfloat16 copy for prefill rows."""
         w = blocks.dequantize().to(torch.bfloat16) if dense else None
-        return Linear(blocks.pack(), bias, qkind=KINDS[blocks.kind], n=blocks.shape[0], dense=w, ext=ext)
+        packed = ext.huge_page_copy(blocks.pack())
+        return Linear(packed, bias, qkind=KINDS[blocks.kind], n=blocks.shape[0], dense=w, ext=ext)
 
     @staticmethod
     def _int4(w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> Linear:

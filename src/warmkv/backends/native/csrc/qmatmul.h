@@ -45,7 +45,10 @@ constexpr int64_t kGroup = 8;  // batch rows per pass over a tile: 8 x 3 accumul
 #else
 constexpr int64_t kGroup = 4;
 #endif
-constexpr int64_t kPrefetch = 4;                          // blocks ahead (a hint: past the end is harmless)
+#ifndef WARMKV_QMM_PREFETCH
+#define WARMKV_QMM_PREFETCH 4
+#endif
+constexpr int64_t kPrefetch = WARMKV_QMM_PREFETCH;  // blocks ahead (a hint: past the end is harmless)
 
 inline int64_t code_bytes(int64_t kind) { return kind == kQ8_0 ? 512 : 256; }
 inline int64_t block_bytes(int64_t kind) { return code_bytes(kind) + (kind == kQ4_1 ? 64 : 32); }
