@@ -109,7 +109,7 @@ def perplexity(backend: Backend, text: str) -> float:
         for i in range(1, len(ids)):
             z = logits.astype(np.float64)
             nll += float(np.log(np.exp(z - z.max()).sum()) + z.max() - z[ids[i]])
-            (logits,) = backend.forward([ForwardRow(seq, ids[i : i + 1], i)])
+            (logits,) = backend.forward([ForwardRow(seq, ids[i : i + 1], i, decode=True)])
         return math.exp(nll / (len(ids) - 1))
     finally:
         backend.release_seq(seq)

@@ -37,13 +37,16 @@ OTHER_STREAMS = (
 
 CASES = [("llamacpp", None)] if "llamacpp" in BACKENDS else []
 if "native" in BACKENDS:
-    CASES += [("native", "float32"), ("native", "int4")]
+    # int4: prefill pieces on the 4-bit codes or on a bfloat16 copy, decode rows on the codes
+    CASES += [("native", "float32"), ("native", "int4"), ("native", "int4-bf16-prefill")]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c[0] if c[1] is None else f"{c[0]}-{c[1]}")
 def wrt(request: pytest.FixtureRequest) -> Iterator[warmkv.Runtime]:
     backend, dtype = request.param
     opts = {"backend_options": {"compute_dtype": dtype}} if dtype else {}
+    if dtype == "int4-bf16-prefill":
+        opts = {"backend_options": {"compute_dtype": "int4", "prefill_weights": "bf16"}}
     with warmkv.Runtime.load(
         backend=backend, num_ctx=1024, n_seq_max=4, prefill_chunk=28, prefix_cache_mb=0, kv_store_mb=0, **opts
     ) as rt:

@@ -96,8 +96,12 @@ class ResidentContext:
         """
         return min(end, (start // self.chunk + 1) * self.chunk)
 
-    def row(self, tokens: Sequence[int], *, want_logits: bool = True, all_logits: bool = False) -> ForwardRow:
-        return ForwardRow(self.seq, tuple(tokens), len(self.tokens), want_logits=want_logits, all_logits=all_logits)
+    def row(
+        self, tokens: Sequence[int], *, want_logits: bool = True, all_logits: bool = False, decode: bool = False
+    ) -> ForwardRow:
+        return ForwardRow(
+            self.seq, tuple(tokens), len(self.tokens), want_logits=want_logits, all_logits=all_logits, decode=decode
+        )
 
     def record(self, row: ForwardRow, logits: np.ndarray | None, *, prompt_end: bool = False) -> None:
         """Note that `row` (starting at our end) was evaluated. prompt_end: its logits end a prompt's prefill."""
@@ -153,4 +157,5 @@ class ResidentContext:
             last = self.tokens[-1]
             self.truncate(len(self.tokens) - 1)
             self.pending = [last]
-        return self.row(self.pending) if self.pending else None
+            return self.row(self.pending)  # most often a prompt's last token: evaluated as prefill did
+        return self.row(self.pending, decode=True) if self.pending else None

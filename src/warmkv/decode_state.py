@@ -172,7 +172,7 @@ class DecodeState:
         if len(ctx.pending) != 1 or k < 1:
             return None
         draft = lookup_draft(ctx.tokens + ctx.pending, k)
-        return ctx.row(ctx.pending + draft, all_logits=True) if draft else None
+        return ctx.row(ctx.pending + draft, all_logits=True, decode=True) if draft else None
 
     def _verify(self, row: ForwardRow, logits: np.ndarray) -> list[int]:
         """Keep the row up to where the draft and the model's argmax agree; the new tokens.

@@ -94,6 +94,9 @@ class ForwardRow:
     start: int
     want_logits: bool = True
     all_logits: bool = False  # logits after every token ([len(tokens), vocab]), e.g. to verify a draft
+    # Generated tokens (a draft too): an engine may run them on other kernels than prompt tokens,
+    # so a token's numbers depend on its kind, never on how many tokens share its row.
+    decode: bool = False
 
 
 def check_rows(

@@ -78,7 +78,7 @@ def _time_backend(label: str, backend: Backend, ids: list[int], decode: int) -> 
         t0 = time.perf_counter()
         for _ in range(decode):
             token = int(np.argmax(logits))
-            (logits,) = backend.forward([ForwardRow(seq, [token], n)])
+            (logits,) = backend.forward([ForwardRow(seq, [token], n, decode=True)])
             n += 1
         return EngineResult(label, len(ids), prefill, decode, time.perf_counter() - t0)
     finally:
@@ -142,6 +142,8 @@ def run_throughput(
 
     if "llamacpp" in engines:
         attempt("llama.cpp f16-kv", lambda: backend_run("llama.cpp f16-kv", "llamacpp", cfg))
+    if "native-default" in engines:  # the options a user gets, alone: quicker at large shapes
+        attempt("native default", lambda: backend_run("native default", "native", cfg))
     if "native" in engines:
         for label, kv, compute, cpp in NATIVE_VARIANTS:
             c = RuntimeConfig(**{**asdict(cfg), "kv_cache_type": kv})

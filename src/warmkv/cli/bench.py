@@ -95,9 +95,9 @@ def bench_coding_loop(
 def bench_throughput(
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=16, max=32768)] = 1024,
     decode_tokens: Annotated[int, typer.Option("--decode-tokens", min=1, max=4096)] = 128,
-    engines: Annotated[str, typer.Option("--engines", help="comma-separated: native,transformers,llamacpp")] = (
-        "native,transformers,llamacpp"
-    ),
+    engines: Annotated[
+        str, typer.Option("--engines", help="comma-separated: native,native-default,transformers,llamacpp")
+    ] = "native,transformers,llamacpp",
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M)")
@@ -108,9 +108,9 @@ def bench_throughput(
     from ..bench.throughput import run_throughput
 
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
-    unknown = sorted(set(chosen) - {"native", "transformers", "llamacpp"})
+    unknown = sorted(set(chosen) - {"native", "native-default", "transformers", "llamacpp"})
     if unknown or not chosen:
-        fail(ValueError(f"--engines takes native, transformers, llamacpp; got {engines!r}"))
+        fail(ValueError(f"--engines takes native, native-default, transformers, llamacpp; got {engines!r}"))
     try:
         with err.status("measuring...") as status:
             report = run_throughput(

@@ -26,27 +26,34 @@ class RowPlan:
     causal: bool
     first_slot: int | None  # set when the slots are one range: K/V are read as a view
     per_query: bool = False  # each query alone over its own keys, exactly as a decode step
+    decode: bool = False  # generated tokens or a draft: the decode kernels, not prefill's
 
     def query(self, i: int) -> RowPlan:
         """Query i of this row as a one-token row."""
         keys = self.slots[: self.start + i + 1]
-        return RowPlan(self.offset + i, 1, self.start + i, keys, None, False, self.first_slot)
+        return RowPlan(self.offset + i, 1, self.start + i, keys, None, False, self.first_slot, decode=self.decode)
 
 
 def plan_row(
-    offset: int, n: int, start: int, slots: torch.Tensor, first_slot: int | None, per_query: bool = False
+    offset: int,
+    n: int,
+    start: int,
+    slots: torch.Tensor,
+    first_slot: int | None,
+    per_query: bool = False,
+    decode: bool = False,
 ) -> RowPlan:
     """per_query: attend query by query (a verified draft: its tokens then get the numbers plain
     decoding would give them, since a masked multi-query kernel rounds differently)."""
     if n == 1:
-        return RowPlan(offset, n, start, slots, None, False, first_slot)
+        return RowPlan(offset, n, start, slots, None, False, first_slot, decode=decode)
     if per_query:
-        return RowPlan(offset, n, start, slots, None, False, first_slot, per_query=True)
+        return RowPlan(offset, n, start, slots, None, False, first_slot, per_query=True, decode=decode)
     if start == 0:
-        return RowPlan(offset, n, start, slots, None, True, first_slot)
+        return RowPlan(offset, n, start, slots, None, True, first_slot, decode=decode)
     keys = torch.arange(start + n, device=slots.device)
     mask = keys[None, :] <= (start + torch.arange(n, device=slots.device))[:, None]
-    return RowPlan(offset, n, start, slots, mask, False, first_slot)
+    return RowPlan(offset, n, start, slots, mask, False, first_slot, decode=decode)
 
 
 def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -61,7 +61,8 @@ class BatchPlanner:
             start = row.start + b
             slots = self._cache.append(row.seq, e - b)
             first_slot = self._cache.first_slot_if_contiguous(row.seq)
-            plans.append(plan_row(len(tokens), e - b, start, slots, first_slot, per_query=row.all_logits))
+            decode = row.decode or row.all_logits  # a draft is verified as decoding would compute it
+            plans.append(plan_row(len(tokens), e - b, start, slots, first_slot, row.all_logits, decode))
             writes.append(slots[start:])
             positions.append(torch.arange(start, row.start + e, device=self._cache.device))
             first = len(tokens)

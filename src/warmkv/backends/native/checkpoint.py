@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .args import ModelArgs
+from .qweights import Blocks
 from .tokenizer import TextTokenizer
 
 
@@ -21,3 +22,5 @@ class Checkpoint:
     metadata: dict[str, str] = field(default_factory=dict)
     # How the layers' matmul weights are stored in the file (GGUF types like "Q4_1", or torch dtypes).
     layer_weight_types: frozenset[str] = frozenset()
+    # A GGUF's Q4_0/Q4_1/Q8_0 matrices as stored (HF names): quantized engines reuse these codes exactly.
+    blocks: dict[str, Blocks] = field(default_factory=dict)

@@ -108,8 +108,8 @@ def extension(mode: str) -> ModuleType | None:
     return got
 
 
-def _linear(lin: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
-    return lin.w, lin.bias, lin.scale, lin.group
+def _linear(lin: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, int, int]:
+    return lin.w, lin.bias, lin.scale, lin.group, lin.qkind, lin.n
 
 
 class DecodeLoop:
@@ -117,7 +117,9 @@ class DecodeLoop:
 
     def __init__(self, module: ModuleType, model: Transformer) -> None:
         a = model.args
-        self._loop = module.DecodeLoop(a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps, model.scale, model.dtype)
+        # qmatmul takes and gives float32: rounding its input to bfloat16 would only lose bits.
+        dtype = torch.float32 if model.layers and model.layers[0].qkv.qkind >= 0 else model.dtype
+        self._loop = module.DecodeLoop(a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps, model.scale, dtype)
         for layer in model.layers:
             linears = [_linear(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             self._loop.add_layer(linears, [layer.qk_norm, layer.attn_norm, layer.ffn_norm])
@@ -125,7 +127,7 @@ class DecodeLoop:
     @staticmethod
     def takes(rows: list[RowPlan]) -> bool:
         """Steps whose every token attends alone: decode rows and verified drafts (prefill stays in Python)."""
-        return all(r.n == 1 or r.per_query for r in rows)
+        return all(r.decode and (r.n == 1 or r.per_query) for r in rows)
 
     def run(
         self,

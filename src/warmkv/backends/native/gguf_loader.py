@@ -17,6 +17,7 @@ import torch
 from ...errors import InvalidModelFile, Unsupported
 from .args import ARCHITECTURES, ModelArgs
 from .checkpoint import Checkpoint
+from .qweights import KINDS, from_gguf
 from .tokenizer import from_gguf_metadata
 
 log = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ def load_gguf(path: Path) -> Checkpoint:
     names = {t.name for t in reader.tensors}
     args = _args(meta, arch, names)
     weights: dict[str, torch.Tensor] = {}
+    blocks = {}  # the file's own 4/8-bit codes, for the int4 engine to run exactly
     layer_types: set[str] = set()
     for i, t in enumerate(reader.tensors):
         name = hf_name(t.name)
@@ -143,11 +145,14 @@ def load_gguf(path: Path) -> Checkpoint:
         if t.tensor_type not in DEQUANTIZABLE:
             raise Unsupported("GGUF tensor type", f"{t.tensor_type.name} for {t.name}")
         w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if arch == "llama" and t.name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute(w, args.n_heads)
-        elif arch == "llama" and t.name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute(w, args.n_kv_heads)
+        raw = t.data if t.tensor_type.name in KINDS and len(t.shape) == 2 else None
+        heads = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads}.get(t.name.rsplit(".", 2)[-2])
+        if arch == "llama" and heads is not None:
+            w = unpermute(w, heads)
+            raw = None if raw is None else unpermute(raw, heads)  # whole rows move: their blocks with them
         weights[name] = torch.from_numpy(w if w.flags.writeable else w.copy())
+        if raw is not None:
+            blocks[name] = from_gguf(t.tensor_type.name, raw)
         if i % 50 == 0:
             log.info("dequantized %d of %d tensors", i + 1, len(reader.tensors))
     tokenizer = from_gguf_metadata(meta)
@@ -162,6 +167,7 @@ def load_gguf(path: Path) -> Checkpoint:
         add_bos=add_bos,
         metadata={k: _short(v) for k, v in meta.items() if not k.startswith("tokenizer.ggml.")},
         layer_weight_types=frozenset(layer_types),
+        blocks=blocks,
     )
 
 

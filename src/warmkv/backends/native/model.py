@@ -8,7 +8,8 @@ matmuls run in the compute dtype (float32 or bfloat16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from .args import ModelArgs
 from .attention import RowPlan, paged_attention
 from .decode_ext import DecodeLoop
 from .paged_kv import PagedKVCache
+from .qweights import KINDS, Blocks, cat, quantize_q4, quantize_q8
 from .rope import Rope, apply
 
 INT4_GROUP = 32  # Q4_0/Q4_1's block: a GGUF's own 4-bit codes come back exactly
@@ -27,15 +29,21 @@ INT4_GROUP = 32  # Q4_0/Q4_1's block: a GGUF's own 4-bit codes come back exactly
 class Linear:
     """y = x W^T + b, W float or weight-only quantized.
 
-    int8: a scale per output row. int4: groups of 32 inputs with a scale and a minimum
-    each (asymmetric, like Q4_1, whose codes it recovers exactly), packed for torch's
-    CPU int4 kernel; `scale` then holds [in/32, out, 2] (scale, zero) as it wants them.
+    int8: a scale per output row. int4 with the C++ kernels (`ext`): blocks of 32 packed for
+    qmatmul (csrc/qmatmul.h), `qkind` >= 0, plus an optional bfloat16 copy `dense` that
+    prefill rows multiply by (compute-bound there, where bf16 beats integer unpacking).
+    int4 without them: torch's CPU int4 kernel (groups with a scale and a minimum each);
+    `scale` then holds [in/32, out, 2] (scale, zero) as it wants them.
     """
 
     w: torch.Tensor
     bias: torch.Tensor | None = None
     scale: torch.Tensor | None = None
-    group: int = 0  # int4 group size, 0 otherwise
+    group: int = 0  # torch int4 group size, 0 otherwise
+    qkind: int = -1  # qmatmul's kind (0 Q4_0, 1 Q4_1, 2 Q8_0) when w holds its packed blocks
+    n: int = 0  # outputs, when qkind >= 0 (w's rows are padded to tiles)
+    dense: torch.Tensor | None = None
+    ext: ModuleType | None = None
 
     @staticmethod
     def make(
@@ -57,6 +65,13 @@ class Linear:
         return Linear(q, b, scale.to(dtype))
 
     @staticmethod
+    def blocks(blocks: Blocks, ext: ModuleType, bias: torch.Tensor | None, dense: bool) -> Linear:
+        """qmatmul's packed blocks; dense: also keep a bfloat16 copy for prefill rows."""
+        w = blocks.dequantize().to(torch.bfloat16) if dense else None
+        packed = ext.huge_page_copy(blocks.pack())
+        return Linear(packed, bias, qkind=KINDS[blocks.kind], n=blocks.shape[0], dense=w, ext=ext)
+
+    @staticmethod
     def _int4(w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> Linear:
         n, k = w.shape
         groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
@@ -68,7 +83,16 @@ class Linear:
         scale_zero = torch.stack((step.t(), (lo + 8 * step).t()), dim=-1).to(dtype).contiguous()
         return Linear(packed, bias, scale_zero, INT4_GROUP)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
+        """prefill: the row kind; it picks the kernel (never the row count), so a token's numbers
+        do not depend on how long its prefill piece is."""
+        if prefill and self.dense is not None:
+            if x.shape[0] == 1:  # oneDNN multiplies one row another way (a GEMV): keep every row on its GEMM
+                return F.linear(x.to(self.dense.dtype).expand(2, -1), self.dense, self.bias)[:1]
+            return F.linear(x.to(self.dense.dtype), self.dense, self.bias)
+        if self.qkind >= 0:
+            y = self.ext.qmatmul(x, self.w, self.qkind, self.n)  # type: ignore[union-attr]
+            return (y if self.bias is None else y + self.bias).to(x.dtype)
         if self.scale is None:
             return F.linear(x, self.w, self.bias)
         if self.group:
@@ -77,15 +101,19 @@ class Linear:
             y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
         return y if self.bias is None else y + self.bias
 
-    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    def add_to(self, x: torch.Tensor, h: torch.Tensor, prefill: bool = False) -> torch.Tensor:
         """x + self(h) in float32; one addmm when the weight is float32 too (one op fewer per decode step)."""
         if self.w.dtype == torch.float32 and self.bias is None:
             return torch.addmm(x, h, self.w.t())
-        return torch.add(x, self(h))  # type promotion adds in float32: no separate cast
+        return torch.add(x, self(h, prefill))  # type promotion adds in float32: no separate cast
 
     def numel(self) -> int:
-        n = self.w.numel() * (2 if self.group else 1)  # int4: two codes per packed byte
+        # qmatmul: [tiles, blocks, bytes]; torch int4: two codes per packed byte.
+        n = self.n * self.w.shape[1] * INT4_GROUP if self.qkind >= 0 else self.w.numel() * (2 if self.group else 1)
         return n + (0 if self.bias is None else self.bias.numel())
+
+    def dense_bytes(self) -> int:
+        return 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
 
 
 @dataclass(frozen=True)
@@ -119,20 +147,34 @@ class Transformer:
         max_pos: int,
         quant: str = "none",
         device: torch.device | None = None,
+        blocks: dict[str, Blocks] | None = None,
+        ext: ModuleType | None = None,
+        prefill_dense: bool = True,
     ) -> None:
-        """quant: "none", "int8" or "int4" weights (int4 keeps the output head int8: it is the most sensitive).
+        """quant: "none", "int8" or "int4" weights (int4 keeps the output head at 8 bits: it is the most sensitive).
 
         device: where weights and activations live (default CPU); quantized weights are CPU only.
+        int4 with `ext` (the C++ kernels): every matmul of a decode row runs qmatmul on 4-bit blocks
+        (a GGUF's own codes from `blocks` where given) and the head on 8-bit ones; prefill_dense
+        keeps a bfloat16 copy of the layers for prefill rows (2 bytes a weight, ~4x the 4-bit codes).
         """
         a = args
         device = torch.device("cpu") if device is None else device
         if quant != "none" and device.type != "cpu":
             raise Unsupported("quantized weights", f"{quant} runs on torch's CPU kernels, not on {device}")
         self.args, self.dtype, self.device = a, dtype, device
+        self._blocks = blocks or {}
+        self._ext = ext if quant == "int4" else None
+        self._dense = prefill_dense
         q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         self.embed = _take(weights, "model.embed_tokens.weight", (a.vocab_size, a.dim)).float()
         head = self.embed if a.tie_embeddings else _take(weights, "lm_head.weight", (a.vocab_size, a.dim))
-        self.lm_head = Linear.make(head, dtype, "int8" if quant == "int4" else quant, device=device)
+        if self._ext is not None:
+            name = "model.embed_tokens.weight" if a.tie_embeddings else "lm_head.weight"
+            head_blocks = self._blocks.get(name) or quantize_q8(head)
+            self.lm_head = Linear.blocks(head_blocks, self._ext, None, dense=False)
+        else:
+            self.lm_head = Linear.make(head, dtype, "int8" if quant == "int4" else quant, device=device)
         self.embed = self.embed.to(device)
         # Folding g into the columns would change each 4-bit group's values: int4 keeps the norms apart.
         fold = quant != "int4"
@@ -164,11 +206,11 @@ class Transformer:
                 qk_norm = torch.cat((qn.float().expand(a.n_heads, -1), kn.float().expand(a.n_kv_heads, -1)))
             self.layers.append(
                 Layer(
-                    qkv=Linear.make(qkv_w, dtype, quant, bias, device),
-                    o=Linear.make(w("self_attn.o_proj.weight", (a.dim, q_dim)), dtype, quant, device=device),
+                    qkv=self._linear(p, tuple(f"self_attn.{x}_proj" for x in "qkv"), qkv_w, quant, bias),
+                    o=self._linear(p, ("self_attn.o_proj",), w("self_attn.o_proj.weight", (a.dim, q_dim)), quant),
                     qk_norm=None if qk_norm is None else qk_norm.to(device),
-                    gate_up=Linear.make(gate_up_w, dtype, quant, device=device),
-                    down=Linear.make(w("mlp.down_proj.weight", (a.dim, a.hidden_dim)), dtype, quant, device=device),
+                    gate_up=self._linear(p, ("mlp.gate_proj", "mlp.up_proj"), gate_up_w, quant),
+                    down=self._linear(p, ("mlp.down_proj",), w("mlp.down_proj.weight", (a.dim, a.hidden_dim)), quant),
                     attn_norm=None if fold else attn_norm.to(device),
                     ffn_norm=None if fold else ffn_norm.to(device),
                 )
@@ -177,6 +219,21 @@ class Transformer:
         self.scale = a.head_dim**-0.5
         self._qk_dim = q_dim + kv_dim
         self.decode_loop: DecodeLoop | None = None  # the C++ layer loop for decode steps, when built
+
+    def _linear(
+        self, prefix: str, names: tuple[str, ...], w: torch.Tensor, quant: str, bias: torch.Tensor | None = None
+    ) -> Linear:
+        """One fused matmul; with the C++ kernels, from the file's own blocks when every part has them."""
+        if self._ext is None or w.shape[1] % INT4_GROUP:
+            return Linear.make(w, self.dtype, quant, bias, self.device)
+        parts = [self._blocks.get(f"{prefix}{n}.weight") for n in names]
+        fused = cat(parts) if all(p is not None and p.kind != "Q8_0" for p in parts) else None  # type: ignore[arg-type]
+        b = None if bias is None else bias.to(self.dtype)
+        return Linear.blocks(fused or quantize_q4(w), self._ext, b, dense=self._dense)
+
+    def dense_bytes(self) -> int:
+        """Memory held by the bfloat16 prefill copies."""
+        return sum(x.dense_bytes() for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
     def n_params(self) -> int:
         a = self.args
@@ -207,17 +264,58 @@ class Transformer:
         """tokens, positions, write_slots: [T]; returns float32 logits [len(logit_index), vocab].
 
         hidden=True returns the final-norm hidden state of every token instead, [T, dim] float32.
+        Decode rows (generated tokens, drafts) and prefill pieces run apart, each on its own
+        kernels: a token's numbers follow its kind, never what it is batched with.
         """
-        a, dt = self.args, self.dtype
-        t, n_qk = tokens.shape[0], a.n_heads + a.n_kv_heads
         x = self.embed[tokens]
-        if self.decode_loop is not None and not hidden and DecodeLoop.takes(rows):
+        decode = [r for r in rows if r.decode and not hidden]
+        if len(decode) == len(rows):
+            x = self._decode(x, positions, rows, write_slots, cache)
+        elif not decode:
+            x = self._layers(x, positions, rows, write_slots, cache, prefill=True)
+        else:
+            prefill = [r for r in rows if not r.decode]
+            for part, run in ((decode, self._decode), (prefill, self._prefill)):
+                idx = torch.cat([torch.arange(r.offset, r.offset + r.n, device=x.device) for r in part])
+                plans, at = [], 0
+                for r in part:
+                    plans.append(replace(r, offset=at))
+                    at += r.n
+                x[idx] = run(x[idx], positions[idx], plans, write_slots[idx], cache)
+        if hidden:
+            return F.rms_norm(x, (self.args.dim,), self.norm, self.args.norm_eps)
+        return self._logits(x[logit_index])
+
+    def _decode(
+        self, x: torch.Tensor, positions: torch.Tensor, rows: list[RowPlan], slots: torch.Tensor, cache: PagedKVCache
+    ) -> torch.Tensor:
+        if self.decode_loop is not None and DecodeLoop.takes(rows):
             cos, sin = self.rope.tables(positions, torch.float32)  # the C++ loop rotates in float32
-            x = self.decode_loop.run(x, cache, rows, write_slots, cos, sin)
-            return self._logits(x[logit_index])
+            return self.decode_loop.run(x, cache, rows, slots, cos, sin)
+        return self._layers(x, positions, rows, slots, cache, prefill=False)
+
+    def _prefill(
+        self, x: torch.Tensor, positions: torch.Tensor, rows: list[RowPlan], slots: torch.Tensor, cache: PagedKVCache
+    ) -> torch.Tensor:
+        return self._layers(x, positions, rows, slots, cache, prefill=True)
+
+    def _layers(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rows: list[RowPlan],
+        write_slots: torch.Tensor,
+        cache: PagedKVCache,
+        prefill: bool,
+    ) -> torch.Tensor:
+        """The layer loop in Python: the residual stream after the last layer."""
+        a, dt = self.args, self.dtype
+        if not prefill and self._ext is not None:
+            dt = torch.float32  # qmatmul takes and gives float32, as in the C++ loop
+        t, n_qk = x.shape[0], a.n_heads + a.n_kv_heads
         cos, sin = self.rope.tables(positions, dt)
         for li, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._norm(x, layer.attn_norm).to(dt))
+            qkv = layer.qkv(self._norm(x, layer.attn_norm).to(dt), prefill)
             qk = qkv[:, : self._qk_dim].reshape(t, n_qk, a.head_dim)
             v = qkv[:, self._qk_dim :].reshape(t, a.n_kv_heads, a.head_dim)
             if layer.qk_norm is not None:
@@ -226,13 +324,12 @@ class Transformer:
             q, k = qk[:, : a.n_heads], qk[:, a.n_heads :]
             cache.write(li, write_slots, k, v)
             o = paged_attention(q, cache, li, rows, self.scale)
-            x = layer.o.add_to(x, o.reshape(t, -1))
-            gate, up = layer.gate_up(self._norm(x, layer.ffn_norm).to(dt)).chunk(2, dim=-1)
-            x = layer.down.add_to(x, F.silu(gate) * up)
-        if hidden:
-            return F.rms_norm(x, (a.dim,), self.norm, a.norm_eps)
-        return self._logits(x[logit_index])
+            x = layer.o.add_to(x, o.reshape(t, -1), prefill)
+            gate, up = layer.gate_up(self._norm(x, layer.ffn_norm).to(dt), prefill).chunk(2, dim=-1)
+            x = layer.down.add_to(x, F.silu(gate) * up, prefill)
+        return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args
-        return self.lm_head(F.rms_norm(x, (a.dim,), self.norm, a.norm_eps).to(self.dtype)).float()
+        h = F.rms_norm(x, (a.dim,), self.norm, a.norm_eps)
+        return self.lm_head(h if self.lm_head.qkind >= 0 else h.to(self.dtype)).float()

@@ -1,0 +1,310 @@
+// y = x W^T with W in 4- or 8-bit blocks of 32 (Q4_0, Q4_1, Q8_0), for CPU decode.
+//
+// Decode reads every weight once per step, so it runs at memory speed only if the weights
+// stay packed and each byte is touched once. Each activation row is quantized to int8 once
+// per matmul (a scale and a code sum per block of 32); a block's dot product is then an
+// exact integer sum of u8 weight codes x s8 activations (AVX-512 VNNI dpbusd, AVX2
+// maddubs/madd, or plain C++), scaled once in float.
+//
+// Layout: tiles of 16 output rows; per tile, per block of 32 inputs:
+//   Q4: 256 bytes, byte p*64 + r*4 + e holds row r's element 4p+e (low nibble) and 16+4p+e (high)
+//   Q8: 512 bytes, byte j*64 + r*4 + e holds row r's element 4j+e, as u8 = code + 128
+//   then 16 fp16 scales d, then (Q4_1 only) 16 fp16 minima m.
+// One 64-byte load then feeds one dpbusd whose 16 int32 lanes are the tile's 16 rows: no
+// horizontal sums. w = d * (u - 8) (Q4_0), d * u + m (Q4_1), d * (u - 128) (Q8_0).
+//
+// Batch invariance: a row's float operations are the same whatever else is in the batch
+// (rows are grouped only to share weight loads), and the integer sums are exact, so every
+// instruction set gives the same bits.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define WARMKV_QMM_VNNI 1
+#elif defined(__AVX2__) && defined(__F16C__)
+#include <immintrin.h>
+#define WARMKV_QMM_AVX2 1
+#endif
+
+namespace warmkv::qmm {
+
+enum Kind : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+constexpr int64_t kTile = 16, kBlock = 32;  // rows per tile, inputs per block
+#if defined(WARMKV_QMM_VNNI)
+constexpr int64_t kGroup = 8;  // batch rows per pass over a tile: 8 x 3 accumulators fit AVX-512's 32 registers
+#else
+constexpr int64_t kGroup = 4;
+#endif
+#ifndef WARMKV_QMM_PREFETCH
+#define WARMKV_QMM_PREFETCH 4
+#endif
+constexpr int64_t kPrefetch = WARMKV_QMM_PREFETCH;  // blocks ahead (a hint: past the end is harmless)
+
+inline int64_t code_bytes(int64_t kind) { return kind == kQ8_0 ? 512 : 256; }
+inline int64_t block_bytes(int64_t kind) { return code_bytes(kind) + (kind == kQ4_1 ? 64 : 32); }
+inline int32_t offset(int64_t kind) { return kind == kQ4_0 ? 8 : kind == kQ8_0 ? 128 : 0; }
+
+inline const char* isa() {
+#if defined(WARMKV_QMM_VNNI)
+  return "avx512-vnni";
+#elif defined(WARMKV_QMM_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+// One activation row in int8: codes, a scale and a code sum per block.
+struct QRow {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+};
+
+// Round-to-nearest-even int8 codes with an absmax scale per block of 32.
+inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s) {
+  for (int64_t b = 0; b < k / kBlock; b++) {
+    const float* xb = x + b * kBlock;
+    float m = 0.f;
+    for (int i = 0; i < kBlock; i++) m = std::max(m, std::abs(xb[i]));
+    const float scale = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; i++) {
+      const int8_t v = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+      q[b * kBlock + i] = v;
+      sum += v;
+    }
+    d[b] = scale;
+    s[b] = sum;
+  }
+}
+
+// The float step of one block for one row, shared by every instruction set: acc += (dot - off*s) * (d * dx),
+// and for Q4_1 acc += m * (dx * s).
+inline float scalar_step(float acc, int32_t dot, int64_t kind, float d, float m, float dx, int32_t s) {
+  acc = std::fma(static_cast<float>(dot - offset(kind) * s), d * dx, acc);
+  return kind == kQ4_1 ? std::fma(m, dx * static_cast<float>(s), acc) : acc;
+}
+
+// u8 code of row r, element i of a block.
+inline int32_t code_at(const uint8_t* blk, int64_t kind, int r, int i) {
+  if (kind == kQ8_0) return blk[(i / 4) * 64 + r * 4 + i % 4];
+  const int hi = i >= 16, j = i % 16;
+  const uint8_t byte = blk[(j / 4) * 64 + r * 4 + j % 4];
+  return hi ? byte >> 4 : byte & 0x0F;
+}
+
+// Plain C++: n rows of x against one tile; out[r * kTile + row] for row in the tile.
+inline void tile_scalar(const uint8_t* tile, int64_t kind, int64_t nb, const QRow* rows, int n, float* out) {
+  const int64_t bb = block_bytes(kind), cb = code_bytes(kind);
+  for (int r = 0; r < n; r++) {
+    for (int o = 0; o < kTile; o++) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = tile + b * bb;
+        int32_t dot = 0;
+        for (int i = 0; i < kBlock; i++) dot += code_at(blk, kind, o, i) * rows[r].q[b * kBlock + i];
+        c10::Half dh, mh;
+        std::memcpy(&dh, blk + cb + 2 * o, 2);
+        std::memcpy(&mh, blk + cb + 32 + 2 * o, kind == kQ4_1 ? 2 : 0);
+        const float m = kind == kQ4_1 ? static_cast<float>(mh) : 0.f;
+        acc = scalar_step(acc, dot, kind, static_cast<float>(dh), m, rows[r].d[b], rows[r].s[b]);
+      }
+      out[r * kTile + o] = acc;
+    }
+  }
+}
+
+#if defined(WARMKV_QMM_VNNI)
+template <int N, int64_t KIND>
+inline void tile_simd(const uint8_t* tile, int64_t nb, const QRow* rows, float* out) {
+  constexpr int64_t bb = KIND == kQ8_0 ? 544 : KIND == kQ4_1 ? 320 : 288, cb = KIND == kQ8_0 ? 512 : 256;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[N];
+  for (int r = 0; r < N; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* blk = tile + b * bb;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch * bb), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch * bb + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch * bb + 256), _MM_HINT_T0);
+    // Two integer chains per row: exact sums, so the split changes no bits, only the latency.
+    __m512i dot[N][2];
+    for (int r = 0; r < N; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    if constexpr (KIND == kQ8_0) {
+      for (int j = 0; j < 8; j++) {
+        const __m512i w = _mm512_loadu_si512(blk + 64 * j);
+        for (int r = 0; r < N; r++) {
+          int32_t x4;
+          std::memcpy(&x4, rows[r].q + b * kBlock + 4 * j, 4);
+          dot[r][j & 1] = _mm512_dpbusd_epi32(dot[r][j & 1], w, _mm512_set1_epi32(x4));
+        }
+      }
+    } else {
+      for (int p = 0; p < 4; p++) {
+        const __m512i raw = _mm512_loadu_si512(blk + 64 * p);
+        const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        for (int r = 0; r < N; r++) {
+          int32_t xl, xh;
+          std::memcpy(&xl, rows[r].q + b * kBlock + 4 * p, 4);
+          std::memcpy(&xh, rows[r].q + b * kBlock + 16 + 4 * p, 4);
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo, _mm512_set1_epi32(xl));
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], hi, _mm512_set1_epi32(xh));
+        }
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + cb)));
+    for (int r = 0; r < N; r++) {
+      const float dx = rows[r].d[b];
+      const int32_t s = rows[r].s[b];
+      __m512i v = _mm512_add_epi32(dot[r][0], dot[r][1]);
+      if constexpr (KIND != kQ4_1) v = _mm512_sub_epi32(v, _mm512_set1_epi32(offset(KIND) * s));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r]);
+      if constexpr (KIND == kQ4_1) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + cb + 32)));
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(s)), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < N; r++) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+#elif defined(WARMKV_QMM_AVX2)
+// Sum of 4 adjacent u8 x s8 products into each int32 lane, exact: Q4 codes are <= 15 (no int16
+// saturation); Q8 uses |w| x sign(w)*x, then adds back the 128 * sum(x) its offset form expects.
+template <int64_t KIND>
+inline __m256i dot4(__m256i w, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (KIND == kQ8_0) {
+    const __m256i ws = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws)), ones);
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+  }
+}
+
+template <int N, int64_t KIND>
+inline void tile_simd(const uint8_t* tile, int64_t nb, const QRow* rows, float* out) {
+  constexpr int64_t bb = KIND == kQ8_0 ? 544 : KIND == kQ4_1 ? 320 : 288, cb = KIND == kQ8_0 ? 512 : 256;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[N][2];
+  for (int r = 0; r < N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* blk = tile + b * bb;
+    __m256i dot[N][2];
+    for (int r = 0; r < N; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15
+      if constexpr (KIND == kQ8_0) {
+        for (int j = 0; j < 8; j++) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
+          for (int r = 0; r < N; r++) {
+            int32_t x4;
+            std::memcpy(&x4, rows[r].q + b * kBlock + 4 * j, 4);
+            dot[r][h] = _mm256_add_epi32(dot[r][h], dot4<KIND>(w, _mm256_set1_epi32(x4)));
+          }
+        }
+      } else {
+        for (int p = 0; p < 4; p++) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * p + 32 * h));
+          const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+          for (int r = 0; r < N; r++) {
+            int32_t xl, xh;
+            std::memcpy(&xl, rows[r].q + b * kBlock + 4 * p, 4);
+            std::memcpy(&xh, rows[r].q + b * kBlock + 16 + 4 * p, 4);
+            dot[r][h] = _mm256_add_epi32(dot[r][h], dot4<KIND>(lo, _mm256_set1_epi32(xl)));
+            dot[r][h] = _mm256_add_epi32(dot[r][h], dot4<KIND>(hi, _mm256_set1_epi32(xh)));
+          }
+        }
+      }
+    }
+    for (int h = 0; h < 2; h++) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 16 * h)));
+      for (int r = 0; r < N; r++) {
+        const float dx = rows[r].d[b];
+        const int32_t s = rows[r].s[b];
+        __m256i v = dot[r][h];
+        if constexpr (KIND == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(8 * s));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r][h]);
+        if constexpr (KIND == kQ4_1) {
+          const __m256 m =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 32 + 16 * h)));
+          acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * static_cast<float>(s)), acc[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < N; r++) {
+    _mm256_storeu_ps(out + r * kTile, acc[r][0]);
+    _mm256_storeu_ps(out + r * kTile + 8, acc[r][1]);
+  }
+}
+#endif
+
+// n (<= kGroup) rows against one tile.
+inline void tile_rows(const uint8_t* tile, int64_t kind, int64_t nb, const QRow* rows, int n, float* out) {
+#if defined(WARMKV_QMM_VNNI) || defined(WARMKV_QMM_AVX2)
+#if defined(WARMKV_QMM_VNNI)
+#define WARMKV_QMM_WIDE(K)                                \
+  case 5: return tile_simd<5, K>(tile, nb, rows, out);    \
+  case 6: return tile_simd<6, K>(tile, nb, rows, out);    \
+  case 7: return tile_simd<7, K>(tile, nb, rows, out);    \
+  case 8: return tile_simd<8, K>(tile, nb, rows, out);
+#else
+#define WARMKV_QMM_WIDE(K)
+#endif
+#define WARMKV_QMM_CASE(K)                                \
+  switch (n) {                                            \
+    case 1: return tile_simd<1, K>(tile, nb, rows, out);  \
+    case 2: return tile_simd<2, K>(tile, nb, rows, out);  \
+    case 3: return tile_simd<3, K>(tile, nb, rows, out);  \
+    WARMKV_QMM_WIDE(K)                                    \
+    default: return tile_simd<4, K>(tile, nb, rows, out); \
+  }
+  if (kind == kQ4_0) WARMKV_QMM_CASE(kQ4_0)
+  if (kind == kQ4_1) WARMKV_QMM_CASE(kQ4_1)
+  WARMKV_QMM_CASE(kQ8_0)
+#undef WARMKV_QMM_CASE
+#undef WARMKV_QMM_WIDE
+#else
+  tile_scalar(tile, kind, nb, rows, n, out);
+#endif
+}
+
+// Tiles per parallel task: small enough to split a decode matmul over every thread, large
+// enough that a task's fixed cost stays small next to reading its weights.
+inline int64_t tile_grain = 8;
+
+// y[t, n] (float32) = x[t, k] W^T. packed: [tiles, k/32, block_bytes] bytes.
+inline void matmul(const float* x, int64_t t, int64_t k, const uint8_t* packed, int64_t kind, int64_t n, float* y) {
+  const int64_t nb = k / kBlock, tiles = (n + kTile - 1) / kTile, bb = block_bytes(kind);
+  std::vector<int8_t> q(t * k);
+  std::vector<float> d(t * nb);
+  std::vector<int32_t> s(t * nb);
+  at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; i++) quantize_row(x + i * k, k, q.data() + i * k, d.data() + i * nb, s.data() + i * nb);
+  });
+  at::parallel_for(0, tiles, tile_grain, [&](int64_t begin, int64_t end) {
+    float out[kGroup * kTile];
+    QRow rows[kGroup];
+    for (int64_t ti = begin; ti < end; ti++) {
+      const uint8_t* tile = packed + ti * nb * bb;
+      const int64_t width = std::min(kTile, n - ti * kTile);
+      for (int64_t r0 = 0; r0 < t; r0 += kGroup) {
+        const int g = static_cast<int>(std::min(kGroup, t - r0));
+        for (int r = 0; r < g; r++) rows[r] = {q.data() + (r0 + r) * k, d.data() + (r0 + r) * nb, s.data() + (r0 + r) * nb};
+        tile_rows(tile, kind, nb, rows, g, out);
+        for (int r = 0; r < g; r++) std::copy(out + r * kTile, out + r * kTile + width, y + (r0 + r) * n + ti * kTile);
+      }
+    }
+  });
+}
+
+}  // namespace warmkv::qmm
