@@ -9,11 +9,11 @@ from typing import Annotated
 import typer
 
 from .. import WarmkvError
-from ..config import SERVE_N_SEQ_MAX
+from ..config import SERVE_N_SEQ_MAX, SERVE_STEP_TOKENS
 from .options import RuntimeOptions, err, fail, runtime_options
 
 
-@runtime_options(n_seq_max=SERVE_N_SEQ_MAX)
+@runtime_options(n_seq_max=SERVE_N_SEQ_MAX, prefill_chunk=SERVE_STEP_TOKENS)
 def serve(
     host: Annotated[str, typer.Option("--host", help="address to bind (non-loopback needs --api-key)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8000,
@@ -27,9 +27,13 @@ def serve(
     ] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="waiting requests before 429")] = 64,
     max_step_tokens: Annotated[
-        int | None,
-        typer.Option("--max-step-tokens", min=1, help="tokens per engine step: decode rows, then prefill pieces"),
-    ] = None,
+        int,
+        typer.Option(
+            "--max-step-tokens",
+            min=1,
+            help="tokens per engine step: decode rows, then prefill pieces of --prefill-chunk tokens",
+        ),
+    ] = SERVE_STEP_TOKENS,
     cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="allow this browser origin")] = None,
     model_id: Annotated[str | None, typer.Option("--model-id", help="model name clients use")] = None,
     tool_format: Annotated[
