@@ -171,3 +171,12 @@ def test_info_states_kv_memory() -> None:
     assert r.exit_code == 0, r.output
     # 4 sequences (3 + the runtime's own) x 256 tokens x 23,040 bytes per token (f16 KV).
     assert "4 sequences x 256 tokens" in r.output and "23,040 bytes per token" in r.output
+
+
+def test_bench_throughput_shape_errors() -> None:
+    r = runner.invoke(app, ["bench", "throughput", "--shape", "gpt-9", "--engines", "llamacpp"])
+    assert r.exit_code != 0 and "unknown shape 'gpt-9'" in r.output and "smollm2-1.7b" in r.output
+    r = runner.invoke(app, ["bench", "throughput", "--shape", "smollm2-135m", "--quant", "q2_k"])
+    assert r.exit_code != 0 and "quant must be one of" in r.output
+    r = runner.invoke(app, ["bench", "throughput", "--shape", "smollm2-135m", "--model", "x.gguf"])
+    assert r.exit_code != 0 and "give one" in r.output

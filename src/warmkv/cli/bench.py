@@ -103,10 +103,29 @@ def bench_throughput(
         str | None, typer.Option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M)")
     ] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")] = None,
+    shape: Annotated[
+        str | None,
+        typer.Option(
+            "--shape",
+            help="a random-weight GGUF in a real model's shape instead of --model, built and cached on "
+            "first use: smollm2-135m, smollm2-360m, smollm2-1.7b, llama-3.2-3b",
+        ),
+    ] = None,
+    quant: Annotated[str, typer.Option("--quant", help="--shape's weights: q4_0, q4_1 or q8_0")] = "q4_0",
 ) -> None:
     """Prefill and decode tokens/s: native engine dtypes vs transformers vs llama.cpp, in one run."""
     from ..bench.throughput import run_throughput
 
+    if shape is not None:
+        if model is not None:
+            fail(ValueError("--shape and --model name two models; give one"))
+        from ..bench.shapes import shape_gguf
+
+        try:
+            with err.status(f"building the {shape} {quant} GGUF (once; cached)..."):
+                model = str(shape_gguf(shape, quant))
+        except WarmkvError as e:
+            fail(e)
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
     unknown = sorted(set(chosen) - {"native", "native-default", "transformers", "llamacpp"})
     if unknown or not chosen:
