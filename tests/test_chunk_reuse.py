@@ -69,6 +69,20 @@ def test_a_run_moved_away_and_back_matches_cold(chunk_rt: warmkv.Runtime) -> Non
         b.release_seq(other)
 
 
+def test_bad_runs_are_refused_with_the_numbers(chunk_rt: warmkv.Runtime) -> None:
+    b = chunk_rt.backend
+    seq = b.acquire_seq()
+    try:
+        b.forward([ForwardRow(seq, tuple(range(10, 50)), 0)])
+        with pytest.raises(InvalidInput, match=r"positions \[30, 45\) out of range for sequence \d+ of 40 tokens"):
+            b.stash_runs(seq, [(30, 15)])
+        with pytest.raises(InvalidInput, match=r"runs \(0, 10\) and \(5, 10\) overlap at positions \[5, 10\)"):
+            b.stash_runs(seq, [(5, 10), (0, 10)])
+        assert b._length(seq) == 40  # nothing was stashed or dropped
+    finally:
+        b.release_seq(seq)
+
+
 def _aider_prompt(history: list[str], turn: int) -> str:
     system = "<|im_start|>system\nYou are an expert software developer. Answer with code edits.<|im_end|>\n"
     files = "<|im_start|>user\nHere are the files:\nsession.py\n```\n" + SOURCE[:2500] + "\n```<|im_end|>\n"

@@ -18,13 +18,13 @@ cell, whoever holds it), so in chunks mode copy_seq copies cells instead of shar
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import llama_cpp as lc
 
 from ..errors import ContextOverflow, InvalidInput, SessionFatal, Unsupported
+from .base import check_runs
 
 if TYPE_CHECKING:
     from .llamacpp import LlamaCppBackend
@@ -65,24 +65,12 @@ class KVMover:
         return self._b._mem
 
     def stash(self, seq: int, runs: Sequence[tuple[int, int]]) -> LlamaMovedKV:
-        have = self._b._length(seq)
-        checked: list[tuple[int, int]] = []
-        for k, run in enumerate(runs):
-            start, n = run
-            if isinstance(start, bool) or isinstance(n, bool) or not isinstance(start, int) or not isinstance(n, int):
-                raise InvalidInput(f"run {k} must be (start, length) integers, got {run!r}")
-            if start < 0 or n < 1 or start + n > have:
-                raise InvalidInput(f"run {k} [{start}, {start + n}) is outside sequence {seq}'s {have} positions")
-            checked.append((start, n))
-        by_start = sorted(checked)
-        for (s0, n0), (s1, _) in itertools.pairwise(by_start):
-            if s0 + n0 > s1:
-                raise InvalidInput(f"runs [{s0}, {s0 + n0}) and [{s1}, ...) overlap")
+        checked = check_runs(runs, seq, self._b._length(seq))
         stash = self.stash_of(seq)
         self.clear_stash(seq)
         for start, n in checked:
             lc.llama_memory_seq_cp(self._mem(), seq, stash, start, start + n)
-        return LlamaMovedKV(self, seq, tuple(checked))
+        return LlamaMovedKV(self, seq, checked)
 
     def clear_stash(self, seq: int) -> None:
         if self._mem() is not None and not lc.llama_memory_seq_rm(self._mem(), self.stash_of(seq), -1, -1):

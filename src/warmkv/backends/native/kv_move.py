@@ -19,13 +19,13 @@ part that falls into a partial last block of the sequence's own and shares the r
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ...errors import ContextOverflow, InvalidInput
+from ..base import check_runs
 from .paged_kv import PagedKVCache
 from .rope import Rope, apply
 
@@ -76,28 +76,6 @@ class MovedKV:
 def _free_all(cache: PagedKVCache, holders: list[int]) -> None:
     for h in holders:
         cache.free(h)
-
-
-def check_runs(runs: object, seq: int, length: int) -> tuple[tuple[int, int], ...]:
-    """runs as a tuple of (start, n) pairs: each inside [0, length), n >= 1, none overlapping."""
-    try:
-        out = tuple((start, n) for start, n in runs)  # type: ignore[attr-defined]
-    except (TypeError, ValueError):
-        raise InvalidInput(f"runs must be (start, length) pairs, got {runs!r}") from None
-    for start, n in out:
-        if any(isinstance(x, bool) or not isinstance(x, int) for x in (start, n)):
-            raise InvalidInput(f"run ({start!r}, {n!r}): start and length must be integers")
-        if start < 0 or n < 1 or start + n > length:
-            raise InvalidInput(
-                f"run ({start}, {n}) = positions [{start}, {start + n}) out of range "
-                f"for sequence {seq} of {length} tokens"
-            )
-    ordered = sorted(out)
-    for (s0, n0), (s1, n1) in itertools.pairwise(ordered):
-        if s1 < s0 + n0:
-            end = min(s0 + n0, s1 + n1)
-            raise InvalidInput(f"runs ({s0}, {n0}) and ({s1}, {n1}) overlap at positions [{s1}, {end})")
-    return out
 
 
 def stash(cache: PagedKVCache, seq: int, runs: Sequence[tuple[int, int]], run: Callable[..., Any]) -> MovedKV:
