@@ -71,7 +71,7 @@ class Runtime:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         if backend.config.reuse_mode == "chunks":
-            why = _chunk_support(backend)
+            why = backend.chunk_support()
             if why is not None:
                 backend.close()
                 raise Unsupported("reuse_mode='chunks'", why)
@@ -180,7 +180,7 @@ class Runtime:
         if mode not in REUSE_MODES:
             raise InvalidInput(f"reuse_mode must be one of {', '.join(REUSE_MODES)}; got {mode!r}", param="reuse_mode")
         if mode == "chunks":
-            why = _chunk_support(self.backend)
+            why = self.backend.chunk_support()
             if why is not None:
                 raise Unsupported("reuse_mode='chunks'", why)
         return mode
@@ -479,11 +479,6 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _chunk_support(backend: Backend) -> str | None:
-    support = getattr(backend, "chunk_support", None)
-    return support() if callable(support) else f"the {backend.name} backend cannot move KV runs"
 
 
 def _decode_config(config: DecodeConfig | None, overrides: Mapping[str, Any]) -> DecodeConfig:
