@@ -208,25 +208,27 @@ struct PoolLayer {
   const float* v_scale;
 };
 
-constexpr int64_t kChunk = 128;  // keys per task: fixed, so results do not depend on the thread count
+constexpr int64_t kChunk = 128;  // keys per chunk: fixed, so results do not depend on the thread count
 
-// Scores and weighted values of one (kv head, key chunk) task, written as (max, sum, acc[d]) per
-// query head of the group. qs: the group's queries, pre-scaled; s: scratch of group * kChunk.
+// One task: a chunk of keys [t0, t0 + n) for the kv heads [h0, h1). A pool row holds every kv head
+// of one position, so one head's consecutive keys lie a whole row apart (4 KiB at 32 heads of 64
+// bfloat16): walking the heads inside the position loop reads each row once, front to back,
+// instead of striding through it once per head.
 template <typename K>
 struct Task {
   PoolLayer<K> pool;
   const int64_t* slots;
-  int64_t first, n_kv, h, t0, n;
+  int64_t first, n_kv, h0, h1, t0, n;
 
   int64_t slot(int64_t i) const { return first >= 0 ? first + t0 + i : slots[t0 + i]; }
-  int64_t head(int64_t i) const { return slot(i) * n_kv + h; }  // key i's (slot, kv head) row
-  const K* k_row(int64_t i, int64_t d) const { return pool.k + head(i) * d; }
-  const K* v_row(int64_t i, int64_t d) const { return pool.v + head(i) * d; }
-  float k_scale(int64_t i) const { return pool.k_scale ? pool.k_scale[head(i)] : 1.f; }
-  float v_scale(int64_t i) const { return pool.v_scale ? pool.v_scale[head(i)] : 1.f; }
+  int64_t row(int64_t i, int64_t h) const { return slot(i) * n_kv + h; }  // key i's (slot, kv head) row
+  const K* k_row(int64_t i, int64_t h, int64_t d) const { return pool.k + row(i, h) * d; }
+  const K* v_row(int64_t i, int64_t h, int64_t d) const { return pool.v + row(i, h) * d; }
+  float k_scale(int64_t i, int64_t h) const { return pool.k_scale ? pool.k_scale[row(i, h)] : 1.f; }
+  float v_scale(int64_t i, int64_t h) const { return pool.v_scale ? pool.v_scale[row(i, h)] : 1.f; }
 };
 
-// The softmax of a task's scores in place; (max, sum) into each query head's partial.
+// The softmax of one head's scores in place; (max, sum) into each query head's partial.
 inline void softmax_parts(float* s, int64_t group, int64_t n, int64_t d, float* part) {
   for (int64_t g = 0; g < group; g++) {
     float* sg = s + g * kChunk;
@@ -236,107 +238,117 @@ inline void softmax_parts(float* s, int64_t group, int64_t n, int64_t d, float* 
   }
 }
 
-// Any head size and group: plain loops.
-template <typename K>
-void attend_task(const Task<K>& t, const float* qs, int64_t group, int64_t d, float* s, float* part) {
+// Scores and weighted values of one task, written as (max, sum, acc[d]) per query head: kv head h's
+// partials at part(h). qs: all queries, pre-scaled; s: scratch of (h1 - h0) * group * kChunk.
+// Any head size and group: plain loops. Each head's arithmetic, and its order, is the same
+// whatever the task's head range.
+template <typename K, typename Part>
+void attend_task(const Task<K>& t, const float* qs, int64_t group, int64_t d, float* s, Part part) {
   for (int64_t i = 0; i < t.n; i++) {
-    const K* kr = t.k_row(i, d);
-    const float ks = t.k_scale(i);
-    for (int64_t g = 0; g < group; g++) s[g * kChunk + i] = dot(qs + g * d, kr, d) * ks;
+    for (int64_t h = t.h0; h < t.h1; h++) {
+      const K* kr = t.k_row(i, h, d);
+      const float ks = t.k_scale(i, h);
+      float* sh = s + (h - t.h0) * group * kChunk;
+      for (int64_t g = 0; g < group; g++) sh[g * kChunk + i] = dot(qs + (h * group + g) * d, kr, d) * ks;
+    }
   }
-  softmax_parts(s, group, t.n, d, part);
-  for (int64_t g = 0; g < group; g++) std::fill(part + g * (d + 2) + 2, part + (g + 1) * (d + 2), 0.f);
+  for (int64_t h = t.h0; h < t.h1; h++) {
+    float* p = part(h);
+    softmax_parts(s + (h - t.h0) * group * kChunk, group, t.n, d, p);
+    for (int64_t g = 0; g < group; g++) std::fill(p + g * (d + 2) + 2, p + (g + 1) * (d + 2), 0.f);
+  }
   for (int64_t i = 0; i < t.n; i++) {
-    const K* vr = t.v_row(i, d);
-    const float vs = t.v_scale(i);
-    for (int64_t g = 0; g < group; g++) axpy(s[g * kChunk + i] * vs, vr, d, part + g * (d + 2) + 2);
+    for (int64_t h = t.h0; h < t.h1; h++) {
+      const K* vr = t.v_row(i, h, d);
+      const float vs = t.v_scale(i, h);
+      const float* sh = s + (h - t.h0) * group * kChunk;
+      float* p = part(h);
+      for (int64_t g = 0; g < group; g++) axpy(sh[g * kChunk + i] * vs, vr, d, p + g * (d + 2) + 2);
+    }
   }
 }
 
 #ifdef WARMKV_AVX2
 // Head size D and group G known at compile time: each key row is converted once into registers
-// and serves every query head of the group; the value accumulators stay in registers.
-template <typename K, int D, int G>
-void attend_task_fixed(const Task<K>& t, const float* qs, float* s, float* part) {
+// and serves every query head of its group.
+template <typename K, int D, int G, typename Part>
+void attend_task_fixed(const Task<K>& t, const float* qs, float* s, Part part) {
   constexpr int V = D / 8;
   for (int64_t i = 0; i < t.n; i++) {
-    const K* kr = t.k_row(i, D);
-    __m256 k[V];
-    for (int v = 0; v < V; v++) k[v] = load8(kr + 8 * v);
-    const float ks = t.k_scale(i);
-    for (int g = 0; g < G; g++) {
-      const float* q = qs + g * D;
-      __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]), a1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
-      for (int v = 2; v < V; v += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), k[v], a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v + 8), k[v + 1], a1);
+    for (int64_t h = t.h0; h < t.h1; h++) {
+      const K* kr = t.k_row(i, h, D);
+      __m256 k[V];
+      for (int v = 0; v < V; v++) k[v] = load8(kr + 8 * v);
+      const float ks = t.k_scale(i, h);
+      float* sh = s + (h - t.h0) * G * kChunk;
+      for (int g = 0; g < G; g++) {
+        const float* q = qs + (h * G + g) * D;
+        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]), a1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
+        for (int v = 2; v < V; v += 2) {
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), k[v], a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v + 8), k[v + 1], a1);
+        }
+        sh[g * kChunk + i] = hsum(_mm256_add_ps(a0, a1)) * ks;
       }
-      s[g * kChunk + i] = hsum(_mm256_add_ps(a0, a1)) * ks;
     }
   }
-  softmax_parts(s, G, t.n, D, part);
-  __m256 acc[G][V];
-  for (int g = 0; g < G; g++)
-    for (int v = 0; v < V; v++) acc[g][v] = _mm256_setzero_ps();
+  for (int64_t h = t.h0; h < t.h1; h++) {
+    float* p = part(h);
+    softmax_parts(s + (h - t.h0) * G * kChunk, G, t.n, D, p);
+    for (int g = 0; g < G; g++) std::fill(p + g * (D + 2) + 2, p + (g + 1) * (D + 2), 0.f);
+  }
   for (int64_t i = 0; i < t.n; i++) {
-    const K* vr = t.v_row(i, D);
-    const float vs = t.v_scale(i);
-    __m256 p[G];
-    for (int g = 0; g < G; g++) p[g] = _mm256_set1_ps(s[g * kChunk + i] * vs);
-    for (int v = 0; v < V; v++) {
-      const __m256 x = load8(vr + 8 * v);
-      for (int g = 0; g < G; g++) acc[g][v] = _mm256_fmadd_ps(p[g], x, acc[g][v]);
+    for (int64_t h = t.h0; h < t.h1; h++) {
+      const K* vr = t.v_row(i, h, D);
+      const float vs = t.v_scale(i, h);
+      const float* sh = s + (h - t.h0) * G * kChunk;
+      float* p = part(h);
+      __m256 w[G];
+      for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(sh[g * kChunk + i] * vs);
+      for (int v = 0; v < V; v++) {
+        const __m256 x = load8(vr + 8 * v);
+        for (int g = 0; g < G; g++) {
+          float* a = p + g * (D + 2) + 2 + 8 * v;
+          _mm256_storeu_ps(a, _mm256_fmadd_ps(w[g], x, _mm256_loadu_ps(a)));
+        }
+      }
     }
-  }
-  for (int g = 0; g < G; g++)
-    for (int v = 0; v < V; v++) _mm256_storeu_ps(part + g * (D + 2) + 2 + 8 * v, acc[g][v]);
-}
-
-template <typename K, int D>
-using FixedTask = void (*)(const Task<K>&, const float*, float*, float*);
-
-template <typename K, int D>
-FixedTask<K, D> fixed_for_group(int64_t group) {
-  switch (group) {
-    case 1: return attend_task_fixed<K, D, 1>;
-    case 2: return attend_task_fixed<K, D, 2>;
-    case 3: return attend_task_fixed<K, D, 3>;
-    case 4: return attend_task_fixed<K, D, 4>;
-    case 5: return attend_task_fixed<K, D, 5>;
-    case 6: return attend_task_fixed<K, D, 6>;
-    case 7: return attend_task_fixed<K, D, 7>;
-    case 8: return attend_task_fixed<K, D, 8>;
-    default: return nullptr;
   }
 }
 #endif
 
 // One query token over its keys (slot ids `slots`, or the range starting at `first` when >= 0):
 // out[h] = softmax(scale * q[h] . K^T) V for every query head h, grouped by the kv head they share.
-// Tasks of (kv head, key chunk) run in parallel; their partial softmaxes are merged in chunk order.
+// Tasks of (kv head range, key chunk) run in parallel; the partial softmaxes are merged in chunk order.
+// A task's head range only sets which rows it reads together: every (kv head, chunk) partial is
+// computed the same way whatever the range, so the thread count changes no bits.
 template <typename K>
 void attend(const float* q, PoolLayer<K> pool, const int64_t* slots, int64_t first, int64_t n_keys, int64_t n_heads,
             int64_t n_kv, int64_t d, float scale, float* out) {
   const int64_t group = n_heads / n_kv, chunks = (n_keys + kChunk - 1) / kChunk;
-  const int64_t stride = group * (d + 2);  // per task: (max, sum, acc[d]) per query head
-  std::vector<float> part(n_kv * chunks * stride);
-  void (*fixed)(const Task<K>&, const float*, float*, float*) = nullptr;
-#ifdef WARMKV_AVX2
-  if (d == 64) fixed = fixed_for_group<K, 64>(group);
-  if (d == 128) fixed = fixed_for_group<K, 128>(group);
-#endif
-  at::parallel_for(0, n_kv * chunks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qs(group * d), s(group * kChunk);
+  const int64_t stride = group * (d + 2);  // per (kv head, chunk): (max, sum, acc[d]) per query head
+  // Enough tasks for every thread (twice over, for balance), each spanning as many heads as that allows.
+  const int64_t spans = std::clamp<int64_t>((2 * at::get_num_threads() + chunks - 1) / chunks, 1, n_kv);
+  const int64_t per_span = (n_kv + spans - 1) / spans;
+  std::vector<float> part(n_kv * chunks * stride), qs(n_heads * d);
+  for (int64_t i = 0; i < n_heads * d; i++) qs[i] = q[i] * scale;
+  at::parallel_for(0, spans * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(per_span * group * kChunk);
     for (int64_t task = begin; task < end; task++) {
-      const int64_t h = task / chunks, c = task % chunks;
-      const Task<K> t{pool, slots, first, n_kv, h, c * kChunk, std::min(kChunk, n_keys - c * kChunk)};
-      for (int64_t i = 0; i < group * d; i++) qs[i] = q[h * group * d + i] * scale;
-      float* p = part.data() + task * stride;
-      if (fixed) {
-        fixed(t, qs.data(), s.data(), p);
-      } else {
-        attend_task(t, qs.data(), group, d, s.data(), p);
-      }
+      const int64_t h0 = (task / chunks) * per_span, h1 = std::min(n_kv, h0 + per_span), c = task % chunks;
+      if (h0 >= h1) continue;
+      const Task<K> t{pool, slots, first, n_kv, h0, h1, c * kChunk, std::min(kChunk, n_keys - c * kChunk)};
+      auto part_of = [&](int64_t h) { return part.data() + (h * chunks + c) * stride; };
+#ifdef WARMKV_AVX2
+#define WARMKV_FIXED(D, G) \
+  if (d == D && group == G) { attend_task_fixed<K, D, G>(t, qs.data(), s.data(), part_of); continue; }
+      WARMKV_FIXED(64, 1) WARMKV_FIXED(64, 2) WARMKV_FIXED(64, 3) WARMKV_FIXED(64, 4) WARMKV_FIXED(64, 5)
+      WARMKV_FIXED(64, 6) WARMKV_FIXED(64, 7) WARMKV_FIXED(64, 8) WARMKV_FIXED(128, 1) WARMKV_FIXED(128, 2)
+      WARMKV_FIXED(128, 3) WARMKV_FIXED(128, 4) WARMKV_FIXED(128, 5) WARMKV_FIXED(128, 6) WARMKV_FIXED(128, 7)
+      WARMKV_FIXED(128, 8)
+#undef WARMKV_FIXED
+#endif
+      attend_task(t, qs.data(), group, d, s.data(), part_of);
     }
   });
   std::vector<float> acc(d);
