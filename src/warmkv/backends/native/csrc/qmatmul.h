@@ -64,15 +64,19 @@ inline const char* isa() {
 #endif
 }
 
-// One activation row in int8: codes, a scale and a code sum per block.
-struct QRow {
+// A group of n (<= kGroup) activation rows in int8, interleaved per block so that one address
+// plus a constant reaches every row: q[b][r][32] codes, and per (b, r) the absmax scale d, the
+// code sum times the weights' offset c (Q4_0, Q8_0), and dx times the code sum ms (Q4_1).
+struct QGroup {
   const int8_t* q;
   const float* d;
-  const int32_t* s;
+  const int32_t* c;
+  const float* ms;
 };
 
-// Round-to-nearest-even int8 codes with an absmax scale per block of 32.
-inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s) {
+// Row r of a group of n: round-to-nearest-even int8 codes with an absmax scale per block of 32.
+inline void quantize_row(const float* x, int64_t k, int64_t kind, int64_t n, int64_t r, int8_t* q, float* d,
+                         int32_t* c, float* ms) {
   for (int64_t b = 0; b < k / kBlock; b++) {
     const float* xb = x + b * kBlock;
     float m = 0.f;
@@ -81,19 +85,20 @@ inline void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t
     int32_t sum = 0;
     for (int i = 0; i < kBlock; i++) {
       const int8_t v = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-      q[b * kBlock + i] = v;
+      q[(b * n + r) * kBlock + i] = v;
       sum += v;
     }
-    d[b] = scale;
-    s[b] = sum;
+    d[b * n + r] = scale;
+    c[b * n + r] = offset(kind) * sum;
+    ms[b * n + r] = scale * static_cast<float>(sum);
   }
 }
 
-// The float step of one block for one row, shared by every instruction set: acc += (dot - off*s) * (d * dx),
-// and for Q4_1 acc += m * (dx * s).
-inline float scalar_step(float acc, int32_t dot, int64_t kind, float d, float m, float dx, int32_t s) {
-  acc = std::fma(static_cast<float>(dot - offset(kind) * s), d * dx, acc);
-  return kind == kQ4_1 ? std::fma(m, dx * static_cast<float>(s), acc) : acc;
+// The float step of one block for one row, shared by every instruction set: acc += (dot - c) * (d * dx),
+// and for Q4_1 acc += m * ms.
+inline float scalar_step(float acc, int32_t dot, int64_t kind, float d, float m, float dx, int32_t c, float ms) {
+  acc = std::fma(static_cast<float>(dot - c), d * dx, acc);
+  return kind == kQ4_1 ? std::fma(m, ms, acc) : acc;
 }
 
 // u8 code of row r, element i of a block.
@@ -104,21 +109,22 @@ inline int32_t code_at(const uint8_t* blk, int64_t kind, int r, int i) {
   return hi ? byte >> 4 : byte & 0x0F;
 }
 
-// Plain C++: n rows of x against one tile; out[r * kTile + row] for row in the tile.
-inline void tile_scalar(const uint8_t* tile, int64_t kind, int64_t nb, const QRow* rows, int n, float* out) {
+// Plain C++: a group of n rows against one tile; out[r * kTile + row] for row in the tile.
+inline void tile_scalar(const uint8_t* tile, int64_t kind, int64_t nb, const QGroup& x, int n, float* out) {
   const int64_t bb = block_bytes(kind), cb = code_bytes(kind);
   for (int r = 0; r < n; r++) {
     for (int o = 0; o < kTile; o++) {
       float acc = 0.f;
       for (int64_t b = 0; b < nb; b++) {
         const uint8_t* blk = tile + b * bb;
+        const int64_t br = b * n + r;
         int32_t dot = 0;
-        for (int i = 0; i < kBlock; i++) dot += code_at(blk, kind, o, i) * rows[r].q[b * kBlock + i];
+        for (int i = 0; i < kBlock; i++) dot += code_at(blk, kind, o, i) * x.q[br * kBlock + i];
         c10::Half dh, mh;
         std::memcpy(&dh, blk + cb + 2 * o, 2);
         std::memcpy(&mh, blk + cb + 32 + 2 * o, kind == kQ4_1 ? 2 : 0);
         const float m = kind == kQ4_1 ? static_cast<float>(mh) : 0.f;
-        acc = scalar_step(acc, dot, kind, static_cast<float>(dh), m, rows[r].d[b], rows[r].s[b]);
+        acc = scalar_step(acc, dot, kind, static_cast<float>(dh), m, x.d[br], x.c[br], x.ms[br]);
       }
       out[r * kTile + o] = acc;
     }
@@ -126,52 +132,54 @@ inline void tile_scalar(const uint8_t* tile, int64_t kind, int64_t nb, const QRo
 }
 
 #if defined(WARMKV_QMM_VNNI)
+inline __m512i bcast4(const int8_t* p) {  // 4 codes into every int32 lane (folds into a broadcast load)
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
 template <int N, int64_t KIND>
-inline void tile_simd(const uint8_t* tile, int64_t nb, const QRow* rows, float* out) {
+inline void tile_simd(const uint8_t* tile, int64_t nb, const QGroup& x, float* out) {
   constexpr int64_t bb = KIND == kQ8_0 ? 544 : KIND == kQ4_1 ? 320 : 288, cb = KIND == kQ8_0 ? 512 : 256;
+  // Integer chains per row: the sums are exact, so a split changes no bits, only the latency a
+  // lone row waits on; with 4+ rows their chains already overlap, and registers are better spent.
+  constexpr int C = N < 4 ? 2 : 1;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[N];
   for (int r = 0; r < N; r++) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* blk = tile + b * bb;
+    const int8_t* q = x.q + b * N * kBlock;  // row r's codes of this block: q + 32 r
     _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch * bb), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch * bb + 128), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetch * bb + 256), _MM_HINT_T0);
-    // Two integer chains per row: exact sums, so the split changes no bits, only the latency.
-    __m512i dot[N][2];
-    for (int r = 0; r < N; r++) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+    __m512i dot[N][C];
+    for (int r = 0; r < N; r++)
+      for (int i = 0; i < C; i++) dot[r][i] = _mm512_setzero_si512();
     if constexpr (KIND == kQ8_0) {
       for (int j = 0; j < 8; j++) {
         const __m512i w = _mm512_loadu_si512(blk + 64 * j);
-        for (int r = 0; r < N; r++) {
-          int32_t x4;
-          std::memcpy(&x4, rows[r].q + b * kBlock + 4 * j, 4);
-          dot[r][j & 1] = _mm512_dpbusd_epi32(dot[r][j & 1], w, _mm512_set1_epi32(x4));
-        }
+        for (int r = 0; r < N; r++)
+          dot[r][j % C] = _mm512_dpbusd_epi32(dot[r][j % C], w, bcast4(q + r * kBlock + 4 * j));
       }
     } else {
       for (int p = 0; p < 4; p++) {
         const __m512i raw = _mm512_loadu_si512(blk + 64 * p);
         const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
         for (int r = 0; r < N; r++) {
-          int32_t xl, xh;
-          std::memcpy(&xl, rows[r].q + b * kBlock + 4 * p, 4);
-          std::memcpy(&xh, rows[r].q + b * kBlock + 16 + 4 * p, 4);
-          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo, _mm512_set1_epi32(xl));
-          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], hi, _mm512_set1_epi32(xh));
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo, bcast4(q + r * kBlock + 4 * p));
+          dot[r][C - 1] = _mm512_dpbusd_epi32(dot[r][C - 1], hi, bcast4(q + r * kBlock + 16 + 4 * p));
         }
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + cb)));
     for (int r = 0; r < N; r++) {
-      const float dx = rows[r].d[b];
-      const int32_t s = rows[r].s[b];
-      __m512i v = _mm512_add_epi32(dot[r][0], dot[r][1]);
-      if constexpr (KIND != kQ4_1) v = _mm512_sub_epi32(v, _mm512_set1_epi32(offset(KIND) * s));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r]);
+      __m512i v = C == 2 ? _mm512_add_epi32(dot[r][0], dot[r][C - 1]) : dot[r][0];
+      if constexpr (KIND != kQ4_1) v = _mm512_sub_epi32(v, _mm512_set1_epi32(x.c[b * N + r]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(d, _mm512_set1_ps(x.d[b * N + r])), acc[r]);
       if constexpr (KIND == kQ4_1) {
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + cb + 32)));
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * static_cast<float>(s)), acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.ms[b * N + r]), acc[r]);
       }
     }
   }
@@ -192,13 +200,14 @@ inline __m256i dot4(__m256i w, __m256i x) {
 }
 
 template <int N, int64_t KIND>
-inline void tile_simd(const uint8_t* tile, int64_t nb, const QRow* rows, float* out) {
+inline void tile_simd(const uint8_t* tile, int64_t nb, const QGroup& x, float* out) {
   constexpr int64_t bb = KIND == kQ8_0 ? 544 : KIND == kQ4_1 ? 320 : 288, cb = KIND == kQ8_0 ? 512 : 256;
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[N][2];
   for (int r = 0; r < N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* blk = tile + b * bb;
+    const int8_t* q = x.q + b * N * kBlock;  // row r's codes of this block: q + 32 r
     __m256i dot[N][2];
     for (int r = 0; r < N; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15
@@ -207,7 +216,7 @@ inline void tile_simd(const uint8_t* tile, int64_t nb, const QRow* rows, float* 
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
           for (int r = 0; r < N; r++) {
             int32_t x4;
-            std::memcpy(&x4, rows[r].q + b * kBlock + 4 * j, 4);
+            std::memcpy(&x4, q + r * kBlock + 4 * j, 4);
             dot[r][h] = _mm256_add_epi32(dot[r][h], dot4<KIND>(w, _mm256_set1_epi32(x4)));
           }
         }
@@ -217,8 +226,8 @@ inline void tile_simd(const uint8_t* tile, int64_t nb, const QRow* rows, float* 
           const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
           for (int r = 0; r < N; r++) {
             int32_t xl, xh;
-            std::memcpy(&xl, rows[r].q + b * kBlock + 4 * p, 4);
-            std::memcpy(&xh, rows[r].q + b * kBlock + 16 + 4 * p, 4);
+            std::memcpy(&xl, q + r * kBlock + 4 * p, 4);
+            std::memcpy(&xh, q + r * kBlock + 16 + 4 * p, 4);
             dot[r][h] = _mm256_add_epi32(dot[r][h], dot4<KIND>(lo, _mm256_set1_epi32(xl)));
             dot[r][h] = _mm256_add_epi32(dot[r][h], dot4<KIND>(hi, _mm256_set1_epi32(xh)));
           }
@@ -228,15 +237,13 @@ inline void tile_simd(const uint8_t* tile, int64_t nb, const QRow* rows, float* 
     for (int h = 0; h < 2; h++) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 16 * h)));
       for (int r = 0; r < N; r++) {
-        const float dx = rows[r].d[b];
-        const int32_t s = rows[r].s[b];
         __m256i v = dot[r][h];
-        if constexpr (KIND == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(8 * s));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[r][h]);
+        if constexpr (KIND == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(x.c[b * N + r]));
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(x.d[b * N + r])), acc[r][h]);
         if constexpr (KIND == kQ4_1) {
           const __m256 m =
               _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 32 + 16 * h)));
-          acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * static_cast<float>(s)), acc[r][h]);
+          acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ms[b * N + r]), acc[r][h]);
         }
       }
     }
@@ -248,25 +255,25 @@ inline void tile_simd(const uint8_t* tile, int64_t nb, const QRow* rows, float* 
 }
 #endif
 
-// n (<= kGroup) rows against one tile.
-inline void tile_rows(const uint8_t* tile, int64_t kind, int64_t nb, const QRow* rows, int n, float* out) {
+// A group of n (<= kGroup) rows against one tile.
+inline void tile_rows(const uint8_t* tile, int64_t kind, int64_t nb, const QGroup& x, int n, float* out) {
 #if defined(WARMKV_QMM_VNNI) || defined(WARMKV_QMM_AVX2)
 #if defined(WARMKV_QMM_VNNI)
 #define WARMKV_QMM_WIDE(K)                                \
-  case 5: return tile_simd<5, K>(tile, nb, rows, out);    \
-  case 6: return tile_simd<6, K>(tile, nb, rows, out);    \
-  case 7: return tile_simd<7, K>(tile, nb, rows, out);    \
-  case 8: return tile_simd<8, K>(tile, nb, rows, out);
+  case 5: return tile_simd<5, K>(tile, nb, x, out);    \
+  case 6: return tile_simd<6, K>(tile, nb, x, out);    \
+  case 7: return tile_simd<7, K>(tile, nb, x, out);    \
+  case 8: return tile_simd<8, K>(tile, nb, x, out);
 #else
 #define WARMKV_QMM_WIDE(K)
 #endif
 #define WARMKV_QMM_CASE(K)                                \
   switch (n) {                                            \
-    case 1: return tile_simd<1, K>(tile, nb, rows, out);  \
-    case 2: return tile_simd<2, K>(tile, nb, rows, out);  \
-    case 3: return tile_simd<3, K>(tile, nb, rows, out);  \
+    case 1: return tile_simd<1, K>(tile, nb, x, out);  \
+    case 2: return tile_simd<2, K>(tile, nb, x, out);  \
+    case 3: return tile_simd<3, K>(tile, nb, x, out);  \
     WARMKV_QMM_WIDE(K)                                    \
-    default: return tile_simd<4, K>(tile, nb, rows, out); \
+    default: return tile_simd<4, K>(tile, nb, x, out); \
   }
   if (kind == kQ4_0) WARMKV_QMM_CASE(kQ4_0)
   if (kind == kQ4_1) WARMKV_QMM_CASE(kQ4_1)
@@ -274,7 +281,7 @@ inline void tile_rows(const uint8_t* tile, int64_t kind, int64_t nb, const QRow*
 #undef WARMKV_QMM_CASE
 #undef WARMKV_QMM_WIDE
 #else
-  tile_scalar(tile, kind, nb, rows, n, out);
+  tile_scalar(tile, kind, nb, x, n, out);
 #endif
 }
 
@@ -285,22 +292,28 @@ inline int64_t tile_grain = 8;
 // y[t, n] (float32) = x[t, k] W^T. packed: [tiles, k/32, block_bytes] bytes.
 inline void matmul(const float* x, int64_t t, int64_t k, const uint8_t* packed, int64_t kind, int64_t n, float* y) {
   const int64_t nb = k / kBlock, tiles = (n + kTile - 1) / kTile, bb = block_bytes(kind);
+  // Rows in groups of kGroup (the last one shorter), each group interleaved per block (QGroup).
   std::vector<int8_t> q(t * k);
-  std::vector<float> d(t * nb);
-  std::vector<int32_t> s(t * nb);
+  std::vector<float> d(t * nb), ms(t * nb);
+  std::vector<int32_t> c(t * nb);
   at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; i++) quantize_row(x + i * k, k, q.data() + i * k, d.data() + i * nb, s.data() + i * nb);
+    for (int64_t i = b; i < e; i++) {
+      const int64_t r0 = i - i % kGroup, g = std::min(kGroup, t - r0);
+      quantize_row(x + i * k, k, kind, g, i - r0, q.data() + r0 * k, d.data() + r0 * nb, c.data() + r0 * nb,
+                   ms.data() + r0 * nb);
+    }
   });
+  auto group = [&](int64_t r0) {
+    return QGroup{q.data() + r0 * k, d.data() + r0 * nb, c.data() + r0 * nb, ms.data() + r0 * nb};
+  };
   at::parallel_for(0, tiles, tile_grain, [&](int64_t begin, int64_t end) {
     float out[kGroup * kTile];
-    QRow rows[kGroup];
     for (int64_t ti = begin; ti < end; ti++) {
       const uint8_t* tile = packed + ti * nb * bb;
       const int64_t width = std::min(kTile, n - ti * kTile);
       for (int64_t r0 = 0; r0 < t; r0 += kGroup) {
         const int g = static_cast<int>(std::min(kGroup, t - r0));
-        for (int r = 0; r < g; r++) rows[r] = {q.data() + (r0 + r) * k, d.data() + (r0 + r) * nb, s.data() + (r0 + r) * nb};
-        tile_rows(tile, kind, nb, rows, g, out);
+        tile_rows(tile, kind, nb, group(r0), g, out);
         for (int r = 0; r < g; r++) std::copy(out + r * kTile, out + r * kTile + width, y + (r0 + r) * n + ti * kTile);
       }
     }
