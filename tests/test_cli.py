@@ -95,6 +95,8 @@ def test_bench_coding_loop_small(tmp_path: Path) -> None:
     assert all(t["tokens_equal"] for t in data["turns"])
     assert data["turns"][0]["reused_tokens"] == 0 and data["turns"][1]["reused_tokens"] >= 350
     assert set(data["summary"]) >= {"warm_over_cold", "warm_over_peer"}
+    # piped output keeps whole cells: at rich's default 80 columns these headers wrapped
+    assert "warm TTFT s" in r.output and "tokens equal" in r.output, r.output
 
 
 def test_run_with_a_regex_constraint(tmp_path: Path) -> None:

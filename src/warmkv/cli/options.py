@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, TypeVar
@@ -21,7 +23,10 @@ from ..backends import BackendOptions, make_options
 from ..config import RuntimeConfig
 from ..runtime import Runtime
 
-console = Console()
+# Piped into a file or a CI log, rich would lay tables out at 80 columns and cut the benches'
+# cells short; a terminal, or COLUMNS, still sets the width.
+PIPED_WIDTH = 200
+console = Console(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else PIPED_WIDTH)
 err = Console(stderr=True)
 
 F = TypeVar("F", bound=Callable[..., Any])
