@@ -67,6 +67,25 @@ def test_the_newest_spelling_wins_and_old_turns_go(rt: warmkv.Runtime) -> None:
     assert len(mem) == 4
 
 
+def test_a_repeated_reply_keeps_each_places_own_tokens(rt: warmkv.Runtime) -> None:
+    """An agent's same call twice: each occurrence is resident as the tokens sampled there."""
+    mem = _memory(rt)
+    first = rt.backend.tokenize(HEAD, add_bos=True, parse_special=True)
+    odd = _odd_tokens(rt, REPLY)
+    mem.remember(first, odd)
+    second = mem.tokenize(HEAD + REPLY + NEXT, True, _tok(rt))
+    assert second[: len(first) + len(odd)] == first + odd
+    canonical = rt.backend.tokenize(REPLY, add_bos=False, parse_special=False)
+    assert odd != canonical
+    mem.remember(second, canonical)  # the same text, sampled after more context, spelled otherwise
+    got = mem.tokenize(HEAD + REPLY + NEXT + REPLY + NEXT, True, _tok(rt))
+    assert got[: len(second) + len(canonical)] == second + canonical
+    assert got[len(second) + len(canonical) :] == rt.backend.tokenize(NEXT, add_bos=False, parse_special=True)
+    # A context it was never sampled in gets the newest spelling.
+    other = "<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n"
+    assert mem.tokenize(other + REPLY, True, _tok(rt))[-len(canonical) :] == canonical
+
+
 def test_calls_map_back_to_raw_text_only_unchanged(rt: warmkv.Runtime) -> None:
     mem = _memory(rt)
     prompt = rt.backend.tokenize(HEAD, add_bos=True, parse_special=True)

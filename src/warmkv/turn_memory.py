@@ -14,6 +14,12 @@ This memory keeps, per generated turn:
   at control tokens, where a tokenizer splits the text anyway, so everything else
   tokenizes exactly as the whole prompt would.
 
+An agent often makes the same call again ("run the tests"): the same text, sampled in
+another context, may come out as other tokens, and each is resident where it was sampled.
+So a text keeps one spelling per context it was generated in (keyed by the tokens up to
+its opener): a prompt takes, at each place, the spelling sampled after exactly the tokens
+it has so far, else the newest.
+
 Bounded (least recently used turns go first) and thread-safe; its lock is a leaf.
 """
 
@@ -30,13 +36,14 @@ from .tools.history import Call
 
 Tokenize = Callable[[str, bool], list[int]]  # (text, add_bos) -> ids, special tokens parsed
 INDEX_CHARS = 16
+SPELLINGS = 16  # per text, the contexts whose own tokens are kept
 
 
 @dataclass(frozen=True)
 class _Turn:
     text: str  # from the opening control token's text on
     opener: str  # that control token's text
-    tokens: tuple[int, ...]  # the tokens of text[len(opener):]
+    tokens: tuple[int, ...]  # the tokens of text[len(opener):], as sampled most recently
 
 
 class TurnMemory:
@@ -58,6 +65,8 @@ class TurnMemory:
         self._turns: OrderedDict[str, _Turn] = OrderedDict()
         self._index: dict[str, set[str]] = {}  # first INDEX_CHARS chars after the opener -> turn texts
         self._calls: OrderedDict[tuple[str, ...], tuple[str, tuple[Call, ...]]] = OrderedDict()
+        # text -> hash of the tokens through its opener -> the tokens sampled after them
+        self._spellings: dict[str, OrderedDict[int, tuple[int, ...]]] = {}
         self.hits = 0
 
     def __len__(self) -> int:
@@ -87,8 +96,14 @@ class TurnMemory:
             return None  # a control token inside the turn would split it differently
         opener = self._control[prompt[opener_at]]
         turn = _Turn(opener + head + raw, opener, tokens)
+        context = hash(tuple(prompt[: opener_at + 1]))
         with self._lock:
             self._add(turn)
+            spellings = self._spellings.setdefault(turn.text, OrderedDict())
+            spellings[context] = tokens
+            spellings.move_to_end(context)
+            while len(spellings) > SPELLINGS:
+                spellings.popitem(last=False)
             if calls:
                 key = tuple(c[0] for c in calls)
                 self._calls[key] = (raw, tuple(calls))
@@ -99,7 +114,7 @@ class TurnMemory:
 
     def _add(self, turn: _Turn) -> None:
         if turn.text in self._turns:
-            # The same text sampled again, maybe as other tokens: the newest is the one resident now.
+            # The same text sampled again, maybe as other tokens: the newest serves unknown contexts.
             self._turns[turn.text] = turn
             self._turns.move_to_end(turn.text)
             return
@@ -107,6 +122,7 @@ class TurnMemory:
         self._index.setdefault(turn.text[len(turn.opener) :][:INDEX_CHARS], set()).add(turn.text)
         while len(self._turns) > self.max_turns:
             _, old = self._turns.popitem(last=False)
+            self._spellings.pop(old.text, None)
             key = old.text[len(old.opener) :][:INDEX_CHARS]
             bucket = self._index.get(key)
             if bucket is not None:
@@ -136,16 +152,18 @@ class TurnMemory:
             return tokenize(text, add_bos)
         out: list[int] = []
         at = 0
-        for start, end, tokens in spans:
+        for start, end, turn in spans:
             out += tokenize(text[at:start], add_bos and at == 0)
-            out += tokens
+            with self._lock:
+                spellings = self._spellings.get(turn.text, {})
+                out += spellings.get(hash(tuple(out)), turn.tokens)
             at = end
         if at < len(text):
             out += tokenize(text[at:], False)
         return out
 
-    def _spans(self, text: str) -> list[tuple[int, int, tuple[int, ...]]]:
-        """Non-overlapping (start, end, tokens) of remembered turns in text, start just after an opener."""
+    def _spans(self, text: str) -> list[tuple[int, int, _Turn]]:
+        """Non-overlapping (start, end, turn) of remembered turns in text, start just after an opener."""
         if self._boundary is None or not self._turns:
             return []
         with self._lock:
@@ -158,7 +176,7 @@ class TurnMemory:
                 best = self._longest(text, m, lengths)
                 if best is not None:
                     end = m.start() + len(best.text)
-                    spans.append((m.end(), end, best.tokens))
+                    spans.append((m.end(), end, best))
                     self._turns.move_to_end(best.text)
                     at = end
             self.hits += len(spans)
