@@ -178,3 +178,20 @@ def test_server_reports_chunk_reuse(chunk_rt: warmkv.Runtime) -> None:
         assert cached >= chunk - recomputed
         exact = http.post("/v1/chat/completions", json={**body, "reuse_mode": "exact"})
         assert exact.status_code == 200 and exact.headers["x-warmkv-chunk-reused-tokens"] == "0"
+
+
+@pytest.mark.skipif("native" not in warmkv.available_backends(), reason="needs the native engine")
+def test_bench_chunks_reports_reuse_and_quality() -> None:
+    from warmkv.bench.chunks import run_chunks
+
+    with warmkv.Runtime.load(backend="native", num_ctx=2048, n_seq_max=4, reuse_mode="chunks", **NO_TIERS) as rt:
+        report = run_chunks(rt, turns=2, max_tokens=4, file_chars=600)
+    first, second = report["turns"]
+    assert first["chunk_reused"] == 0 and second["chunk_reused"] > 0
+    assert second["chunk_prefilled"] < second["exact_prefilled"]
+    for r in report["turns"]:
+        assert 0.0 <= r["greedy_agreement"] <= 1.0
+        # Moved KV is approximate, but it must not scramble the model: most top tokens stay.
+        assert r["top1_agreement"] >= 0.5, r
+        assert 0.9 < r["ppl_ratio"] < 1.1, r
+    assert report["summary"]["median_top1_agreement"] == second["top1_agreement"]

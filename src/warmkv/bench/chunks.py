@@ -7,7 +7,10 @@ files to new positions, so an exact prefix reuses little; chunks mode moves thei
 Per turn, on one runtime loaded with reuse_mode="chunks" (any backend whose chunk_support()
 is None): the exact and chunks sessions' reuse counts and TTFT, the greedy agreement of
 chunks mode with a cold session (leading tokens equal, of max_tokens), and the perplexity
-of a fixed continuation under the chunks session's KV and under cold KV.
+of a fixed continuation under the chunks session's KV and under cold KV. Greedy agreement
+compounds: the first near-tie that flips sends the two runs down other texts. So the same
+continuation also gives a per-token measure that does not: the fraction of its positions
+where the top token under chunk-reused KV is the top token under cold KV (teacher-forced).
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ def _turn(s: Session, text: str, mode: str, max_tokens: int) -> tuple[PrefixStat
     return status, ttft, tokens
 
 
-def _perplexity(rt: Runtime, s: Session, prefix_len: int, continuation: list[int]) -> float:
-    """Perplexity of continuation after the session's prompt, on a fork of its KV."""
+def _continuation(rt: Runtime, s: Session, prefix_len: int, continuation: list[int]) -> tuple[float, np.ndarray]:
+    """Perplexity of continuation after the session's prompt, on a fork of its KV, and each
+    position's top token."""
     child = s.fork()
     try:
         with rt.lock:
@@ -85,7 +89,8 @@ def _perplexity(rt: Runtime, s: Session, prefix_len: int, continuation: list[int
         x = np.asarray(logits, dtype=np.float64)
         m = x.max(axis=1, keepdims=True)
         lp = x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
-        return math.exp(-float(lp[np.arange(len(continuation)), continuation].mean()))
+        ppl = math.exp(-float(lp[np.arange(len(continuation)), continuation].mean()))
+        return ppl, x.argmax(axis=1)
     finally:
         child.close()
 
@@ -115,8 +120,9 @@ def run_chunks(
             c_st, c_ttft, c_tokens = _turn(chunks, text, "chunks", max_tokens)
             with rt.session() as cold:
                 _, cold_ttft, cold_tokens = _turn(cold, text, "exact", max_tokens)
-                cold_ppl = _perplexity(rt, cold, c_st.prefix_tokens, continuation)
+                cold_ppl, cold_top = _continuation(rt, cold, c_st.prefix_tokens, continuation)
             n = c_st.prefix_tokens
+            chunk_ppl, chunk_top = _continuation(rt, chunks, n, continuation)
             row = {
                 "turn": turn,
                 "prompt_tokens": n,
@@ -132,7 +138,8 @@ def run_chunks(
                 "cold_ttft_s": cold_ttft,
                 "ttft_ratio": c_ttft / e_ttft if e_ttft else 0.0,
                 "greedy_agreement": _agreement(c_tokens, cold_tokens),
-                "ppl_chunks": _perplexity(rt, chunks, n, continuation),
+                "top1_agreement": float((chunk_top == cold_top).mean()),
+                "ppl_chunks": chunk_ppl,
                 "ppl_cold": cold_ppl,
             }
             row["ppl_ratio"] = row["ppl_chunks"] / row["ppl_cold"]
@@ -146,6 +153,7 @@ def run_chunks(
         "summary": {
             "max_chunk_prefilled_frac": max(r["chunk_prefilled_frac"] for r in later),
             "median_greedy_agreement": float(np.median([r["greedy_agreement"] for r in later])),
+            "median_top1_agreement": float(np.median([r["top1_agreement"] for r in later])),
             "max_ppl_ratio": max(r["ppl_ratio"] for r in later),
             "median_ttft_ratio": float(np.median([r["ttft_ratio"] for r in later])),
         },
