@@ -78,14 +78,14 @@ def _available_ram() -> int | None:
     return None
 
 
-def _prefill_weights(option: str, quant: str, isa: str | None, layer_params: int) -> str:
-    """The prefill weights of int4 on the C++ kernels (isa: theirs), "bf16" or "int4"; elsewhere the option as given.
+def _prefill_weights(option: str, quant: str, kernels: bool, layer_params: int) -> str:
+    """The prefill weights of int4 on the C++ kernels, "bf16" or "int4"; elsewhere the option as given.
 
     "auto": the bfloat16 copy (2 bytes a weight) where it takes at most half the available RAM,
     else the 4-bit codes. Measured on a Zen 4 with AVX-512 VNNI and BF16, 512-token prefill at the
     1.7B shape: 88-106 tok/s on the copy against 75-82 on the codes (the int8 kernel itself is
     1.2x faster per matmul, but its float32 outputs double the traffic of everything between)."""
-    if quant != "int4" or isa is None or option != "auto":
+    if quant != "int4" or not kernels or option != "auto":
         return option
     ram = _available_ram()
     return "bf16" if ram is None or 2 * layer_params * 2 <= ram else "int4"
@@ -172,8 +172,7 @@ class NativeBackend:
         wanted = opts.cpp_decode if cpu else "off"
         module = decode_ext.extension("auto" if wanted == "off" and cpu and quant == "int4" else wanted)
         layer_params = sum(w.numel() for k, w in ckpt.weights.items() if k.startswith("model.layers.") and w.dim() == 2)
-        isa = module.qmatmul_isa() if module is not None else None
-        prefill_weights = _prefill_weights(opts.prefill_weights, quant, isa, layer_params)
+        prefill_weights = _prefill_weights(opts.prefill_weights, quant, module is not None, layer_params)
         self._model = Transformer(
             args,
             ckpt.weights,
