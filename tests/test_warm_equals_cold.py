@@ -45,6 +45,8 @@ if "native" in BACKENDS:
 def wrt(request: pytest.FixtureRequest) -> Iterator[warmkv.Runtime]:
     backend, dtype = request.param
     opts = {"backend_options": {"compute_dtype": dtype}} if dtype else {}
+    if dtype == "int4":  # pinned: auto takes the bfloat16 copy wherever RAM allows
+        opts = {"backend_options": {"compute_dtype": "int4", "prefill_weights": "int4"}}
     if dtype == "int4-bf16-prefill":
         opts = {"backend_options": {"compute_dtype": "int4", "prefill_weights": "bf16"}}
     with warmkv.Runtime.load(
