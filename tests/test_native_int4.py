@@ -75,3 +75,28 @@ def test_auto_compute_dtype_runs_4bit_ggufs_as_int4(tmp_path: Path) -> None:
     assert resolve_compute_dtype("auto", frozenset({"Q4_1", "Q6_K"}), cpu) == "float32"  # mixed: no re-quantizing
     assert resolve_compute_dtype("auto", frozenset({"Q4_1"}), cuda) == "float32"  # int4 kernels are CPU only
     assert resolve_compute_dtype("bfloat16", frozenset({"Q4_1"}), cpu) == "bfloat16"
+
+
+def test_int4_layers_come_from_the_files_codes_alone() -> None:
+    """A Q4 GGUF's layer matrices go from its blocks straight to the kernels: the loader makes
+    no float copy of them (a 3B model's layers alone would be 11 GB as float32)."""
+    from warmkv.backends.native import decode_ext
+    from warmkv.backends.native.checkpoint import Lazy
+    from warmkv.backends.native.gguf_loader import load_gguf
+    from warmkv.backends.native.model import Transformer
+
+    ext = decode_ext.extension("auto")
+    if ext is None:
+        pytest.skip("the C++ kernels are not built here")
+    ckpt = load_gguf(warmkv.default_model_path())
+    made: list[str] = []
+
+    def make(name: str) -> torch.Tensor:
+        made.append(name)
+        return ckpt.weights[name]
+
+    weights = Lazy({k: ckpt.weights.shape(k) or () for k in ckpt.weights}, make)
+    model = Transformer(ckpt.args, weights, torch.float32, 64, "int4", blocks=ckpt.blocks, ext=ext)
+    assert "model.embed_tokens.weight" in made  # the embedding table is float32
+    assert [n for n in made if n.endswith("_proj.weight")] == []
+    assert all(x.qkind >= 0 for layer in model.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))

@@ -32,7 +32,7 @@ def transformers_llama(ckpt: Any) -> Any:
         tie_word_embeddings=a.tie_embeddings,
     )
     model = transformers.LlamaForCausalLM(cfg)
-    missing, unexpected = model.load_state_dict(ckpt.weights, strict=False)
+    missing, unexpected = model.load_state_dict(dict(ckpt.weights), strict=False)
     if unexpected or not set(missing) <= {"lm_head.weight"}:
         raise Unsupported("transformers comparison", f"weights do not map: missing {missing}, unexpected {unexpected}")
     model.tie_weights()

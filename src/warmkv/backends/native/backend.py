@@ -171,8 +171,7 @@ class NativeBackend:
         # int4 matmuls need the C++ kernels even when the layer loop stays in Python.
         wanted = opts.cpp_decode if cpu else "off"
         module = decode_ext.extension("auto" if wanted == "off" and cpu and quant == "int4" else wanted)
-        layer_params = sum(w.numel() for k, w in ckpt.weights.items() if k.startswith("model.layers.") and w.dim() == 2)
-        prefill_weights = _prefill_weights(opts.prefill_weights, quant, module is not None, layer_params)
+        prefill_weights = _prefill_weights(opts.prefill_weights, quant, module is not None, ckpt.layer_params())
         self._model = Transformer(
             args,
             ckpt.weights,

@@ -1,4 +1,4 @@
-"""GGUF files: metadata, tensors (dequantized to float32) and the tokenizer.
+"""GGUF files: metadata, tensors (float32 or their own blocks, made on access) and the tokenizer.
 
 llama.cpp's converter permutes the rows of Q and K for the llama architecture
 (its RoPE rotates adjacent pairs; HF rotates halves). We undo that permutation
@@ -7,7 +7,6 @@ so one model implementation serves GGUF and HF checkpoints.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import gguf
@@ -16,11 +15,10 @@ import torch
 
 from ...errors import InvalidModelFile, Unsupported
 from .args import ARCHITECTURES, ModelArgs
-from .checkpoint import Checkpoint
-from .qweights import KINDS, from_gguf
+from .checkpoint import Checkpoint, Lazy
+from .qweights import KINDS, Blocks, from_gguf
 from .tokenizer import from_gguf_metadata
 
-log = logging.getLogger(__name__)
 Q = gguf.GGMLQuantizationType
 DEQUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
@@ -122,6 +120,30 @@ class _Reader(gguf.GGUFReader):
         self._plain = value.view(np.ndarray)
 
 
+class _Tensors:
+    """A GGUF's tensors by HF name, read from the mapped file on each call."""
+
+    def __init__(self, tensors: dict[str, gguf.ReaderTensor], permuted: ModelArgs | None) -> None:
+        self._tensors = tensors
+        self._permuted = permuted  # llama: Q and K rows come in llama.cpp's RoPE order
+
+    def _rows_in_order(self, name: str, w: np.ndarray) -> np.ndarray:
+        a = self._permuted
+        if a is None:
+            return w
+        heads = {"attn_q": a.n_heads, "attn_k": a.n_kv_heads}.get(self._tensors[name].name.rsplit(".", 2)[-2])
+        return w if heads is None else unpermute(w, heads)
+
+    def dequantized(self, name: str) -> torch.Tensor:
+        t = self._tensors[name]
+        w = self._rows_in_order(name, np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    def codes(self, name: str) -> Blocks:
+        t = self._tensors[name]  # whole rows move in the unpermute: their blocks with them
+        return from_gguf(t.tensor_type.name, self._rows_in_order(name, np.asarray(t.data)))
+
+
 def load_gguf(path: Path) -> Checkpoint:
     try:
         reader = _Reader(str(path))
@@ -133,10 +155,10 @@ def load_gguf(path: Path) -> Checkpoint:
         raise Unsupported("architecture", f"{arch!r} in {path.name}; the native engine runs {', '.join(ARCHITECTURES)}")
     names = {t.name for t in reader.tensors}
     args = _args(meta, arch, names)
-    weights: dict[str, torch.Tensor] = {}
-    blocks = {}  # the file's own 4/8-bit codes, for the int4 engine to run exactly
+    tensors: dict[str, gguf.ReaderTensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     layer_types: set[str] = set()
-    for i, t in enumerate(reader.tensors):
+    for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
@@ -144,30 +166,24 @@ def load_gguf(path: Path) -> Checkpoint:
             layer_types.add(t.tensor_type.name)
         if t.tensor_type not in DEQUANTIZABLE:
             raise Unsupported("GGUF tensor type", f"{t.tensor_type.name} for {t.name}")
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        raw = t.data if t.tensor_type.name in KINDS and len(t.shape) == 2 else None
-        heads = {"attn_q": args.n_heads, "attn_k": args.n_kv_heads}.get(t.name.rsplit(".", 2)[-2])
-        if arch == "llama" and heads is not None:
-            w = unpermute(w, heads)
-            raw = None if raw is None else unpermute(raw, heads)  # whole rows move: their blocks with them
-        weights[name] = torch.from_numpy(w if w.flags.writeable else w.copy())
-        if raw is not None:
-            blocks[name] = from_gguf(t.tensor_type.name, raw)
-        if i % 50 == 0:
-            log.info("dequantized %d of %d tensors", i + 1, len(reader.tensors))
+        tensors[name] = t
+        shapes[name] = tuple(int(n) for n in reversed(t.shape))  # GGUF lists the fastest axis first
+
+    coded = {k: s for k, s in shapes.items() if tensors[k].tensor_type.name in KINDS and len(s) == 2}
+    source = _Tensors(tensors, args if arch == "llama" else None)
     tokenizer = from_gguf_metadata(meta)
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", arch == "llama" and tokenizer.vocab.bos is not None))
     template = meta.get("tokenizer.chat_template")
     return Checkpoint(
         args=args,
-        weights=weights,
+        weights=Lazy(shapes, source.dequantized),
         tokenizer=tokenizer,
         chat_template=str(template) if template else None,
         name=str(meta.get("general.name") or path.stem),
         add_bos=add_bos,
         metadata={k: _short(v) for k, v in meta.items() if not k.startswith("tokenizer.ggml.")},
         layer_weight_types=frozenset(layer_types),
-        blocks=blocks,
+        blocks=Lazy(coded, source.codes),
     )
 
 

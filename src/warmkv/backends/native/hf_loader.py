@@ -6,13 +6,15 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from ...errors import InvalidModelFile, Unsupported
 from .args import ARCHITECTURES, ModelArgs
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, Lazy
 from .tokenizer import from_tokenizer_json
+
+# safetensors' dtype names as torch prints them: layer_weight_types keeps torch's spelling.
+_TORCH_DTYPES = {"F32": "torch.float32", "F16": "torch.float16", "BF16": "torch.bfloat16"}
 
 
 def _read_json(path: Path) -> dict:
@@ -73,12 +75,22 @@ def load_hf(path: Path) -> Checkpoint:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise InvalidModelFile(f"{path} has no *.safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for f in files:
         try:
-            weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+            with safe_open(str(f), "pt") as st:
+                for k in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    part = st.get_slice(k)
+                    where[k], shapes[k], dtypes[k] = f, tuple(part.get_shape()), part.get_dtype()
         except (SafetensorError, OSError) as e:
             raise InvalidModelFile(f"cannot read {f}: {e}") from None
+
+    def tensor(name: str) -> torch.Tensor:
+        with safe_open(str(where[name]), "pt") as st:
+            return st.get_tensor(name).float()
+
     tok_cfg = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").exists() else {}
     if not (path / "tokenizer.json").exists():
         raise InvalidModelFile(f"{path} has no tokenizer.json")
@@ -90,11 +102,13 @@ def load_hf(path: Path) -> Checkpoint:
         template = (path / "chat_template.jinja").read_text(encoding="utf-8")
     return Checkpoint(
         args=args,
-        weights=weights,
+        weights=Lazy(shapes, tensor),
         tokenizer=tokenizer,
         chat_template=template if isinstance(template, str) else None,
         name=str(cfg.get("_name_or_path") or path.name),
         add_bos=bool(tok_cfg.get("add_bos_token", False)),
         metadata={"general.architecture": args.arch, "source": "hf"},
-        layer_weight_types=frozenset(str(w.dtype) for n, w in weights.items() if ".layers." in n and w.dim() == 2),
+        layer_weight_types=frozenset(
+            _TORCH_DTYPES.get(t, t) for n, t in dtypes.items() if ".layers." in n and len(shapes[n]) == 2
+        ),
     )

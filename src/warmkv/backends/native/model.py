@@ -8,6 +8,7 @@ matmuls run in the compute dtype (float32 or bfloat16).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from types import ModuleType
 
@@ -17,11 +18,13 @@ import torch.nn.functional as F
 from ...errors import InvalidModelFile, Unsupported
 from .args import ModelArgs
 from .attention import RowPlan, paged_attention
+from .checkpoint import Lazy
 from .decode_ext import DecodeLoop
 from .paged_kv import PagedKVCache
 from .qweights import KINDS, Blocks, cat, quantize_q4, quantize_q8
 from .rope import Rope, apply
 
+log = logging.getLogger(__name__)
 INT4_GROUP = 32  # Q4_0/Q4_1's block: a GGUF's own 4-bit codes come back exactly
 
 
@@ -129,25 +132,30 @@ class Layer:
     ffn_norm: torch.Tensor | None = None
 
 
-def _take(weights: dict[str, torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    w = weights.get(name)
-    if w is None:
+def _shape(weights: Lazy[torch.Tensor], name: str, shape: tuple[int, ...]) -> str:
+    """Check a weight's shape without making it; returns its name."""
+    got = weights.shape(name)
+    if got is None:
         raise InvalidModelFile(f"weight {name} is missing")
-    if tuple(w.shape) != shape:
-        raise InvalidModelFile(f"weight {name} has shape {tuple(w.shape)}, expected {shape}")
-    return w
+    if got != shape:
+        raise InvalidModelFile(f"weight {name} has shape {got}, expected {shape}")
+    return name
+
+
+def _take(weights: Lazy[torch.Tensor], name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return weights[_shape(weights, name, shape)]
 
 
 class Transformer:
     def __init__(
         self,
         args: ModelArgs,
-        weights: dict[str, torch.Tensor],
+        weights: Lazy[torch.Tensor],
         dtype: torch.dtype,
         max_pos: int,
         quant: str = "none",
         device: torch.device | None = None,
-        blocks: dict[str, Blocks] | None = None,
+        blocks: Lazy[Blocks] | None = None,
         ext: ModuleType | None = None,
         prefill_dense: bool = True,
     ) -> None:
@@ -163,54 +171,51 @@ class Transformer:
         if quant != "none" and device.type != "cpu":
             raise Unsupported("quantized weights", f"{quant} runs on torch's CPU kernels, not on {device}")
         self.args, self.dtype, self.device = a, dtype, device
-        self._blocks = blocks or {}
+        blocks = blocks if blocks is not None else Lazy.none()  # read while building, never kept: it maps the file
         self._ext = ext if quant == "int4" else None
         self._dense = prefill_dense
         q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         self.embed = _take(weights, "model.embed_tokens.weight", (a.vocab_size, a.dim)).float()
-        head = self.embed if a.tie_embeddings else _take(weights, "lm_head.weight", (a.vocab_size, a.dim))
+        head = "model.embed_tokens.weight" if a.tie_embeddings else "lm_head.weight"
+        _shape(weights, head, (a.vocab_size, a.dim))
         if self._ext is not None:
-            name = "model.embed_tokens.weight" if a.tie_embeddings else "lm_head.weight"
-            head_blocks = self._blocks.get(name) or quantize_q8(head)
+            head_blocks = blocks.get(head) or quantize_q8(self.embed if a.tie_embeddings else weights[head])
             self.lm_head = Linear.blocks(head_blocks, self._ext, None, dense=False)
         else:
-            self.lm_head = Linear.make(head, dtype, "int8" if quant == "int4" else quant, device=device)
+            w = self.embed if a.tie_embeddings else weights[head]
+            self.lm_head = Linear.make(w, dtype, "int8" if quant == "int4" else quant, device=device)
         self.embed = self.embed.to(device)
         # Folding g into the columns would change each 4-bit group's values: int4 keeps the norms apart.
         fold = quant != "int4"
         self.norm = _take(weights, "model.norm.weight", (a.dim,)).float().to(device)
         self.layers: list[Layer] = []
+        qkv_dims = (("q", q_dim), ("k", kv_dim), ("v", kv_dim))
         for i in range(a.n_layers):
+            if i % 8 == 0:
+                log.info("building layer %d of %d", i + 1, a.n_layers)
             p = f"model.layers.{i}."
-
-            def w(name: str, shape: tuple[int, ...], p: str = p) -> torch.Tensor:
-                return _take(weights, p + name, shape)
-
-            qkv = [w(f"self_attn.{x}_proj.weight", (d, a.dim)) for x, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))]
+            qkv = [_shape(weights, f"{p}self_attn.{x}_proj.weight", (d, a.dim)) for x, d in qkv_dims]
+            gate_up = [_shape(weights, f"{p}mlp.{x}_proj.weight", (a.hidden_dim, a.dim)) for x in ("gate", "up")]
+            o = _shape(weights, f"{p}self_attn.o_proj.weight", (a.dim, q_dim))
+            down = _shape(weights, f"{p}mlp.down_proj.weight", (a.dim, a.hidden_dim))
             bias = None
             if a.qkv_bias:
-                parts = [w(f"self_attn.{x}_proj.bias", (d,)) for x, d in (("q", q_dim), ("k", kv_dim), ("v", kv_dim))]
-                bias = torch.cat(parts)
-            gate_up = torch.cat(
-                [w("mlp.gate_proj.weight", (a.hidden_dim, a.dim)), w("mlp.up_proj.weight", (a.hidden_dim, a.dim))]
-            )
+                bias = torch.cat([_take(weights, f"{p}self_attn.{x}_proj.bias", (d,)) for x, d in qkv_dims])
             # (x * r * g) W^T == (x * r) (W * g)^T: the norm's weight g costs nothing per step.
-            attn_norm = w("input_layernorm.weight", (a.dim,)).float()
-            ffn_norm = w("post_attention_layernorm.weight", (a.dim,)).float()
-            qkv_w, gate_up_w = torch.cat(qkv).float(), gate_up.float()
-            if fold:
-                qkv_w, gate_up_w = qkv_w * attn_norm, gate_up_w * ffn_norm
+            attn_norm = _take(weights, f"{p}input_layernorm.weight", (a.dim,)).float()
+            ffn_norm = _take(weights, f"{p}post_attention_layernorm.weight", (a.dim,)).float()
             qk_norm = None
             if a.qk_norm:
-                qn, kn = w("self_attn.q_norm.weight", (a.head_dim,)), w("self_attn.k_norm.weight", (a.head_dim,))
+                qn = _take(weights, f"{p}self_attn.q_norm.weight", (a.head_dim,))
+                kn = _take(weights, f"{p}self_attn.k_norm.weight", (a.head_dim,))
                 qk_norm = torch.cat((qn.float().expand(a.n_heads, -1), kn.float().expand(a.n_kv_heads, -1)))
             self.layers.append(
                 Layer(
-                    qkv=self._linear(p, tuple(f"self_attn.{x}_proj" for x in "qkv"), qkv_w, quant, bias),
-                    o=self._linear(p, ("self_attn.o_proj",), w("self_attn.o_proj.weight", (a.dim, q_dim)), quant),
+                    qkv=self._linear(weights, blocks, qkv, attn_norm if fold else None, quant, bias),
+                    o=self._linear(weights, blocks, [o], None, quant),
                     qk_norm=None if qk_norm is None else qk_norm.to(device),
-                    gate_up=self._linear(p, ("mlp.gate_proj", "mlp.up_proj"), gate_up_w, quant),
-                    down=self._linear(p, ("mlp.down_proj",), w("mlp.down_proj.weight", (a.dim, a.hidden_dim)), quant),
+                    gate_up=self._linear(weights, blocks, gate_up, ffn_norm if fold else None, quant),
+                    down=self._linear(weights, blocks, [down], None, quant),
                     attn_norm=None if fold else attn_norm.to(device),
                     ffn_norm=None if fold else ffn_norm.to(device),
                 )
@@ -221,15 +226,33 @@ class Transformer:
         self.decode_loop: DecodeLoop | None = None  # the C++ layer loop for decode steps, when built
 
     def _linear(
-        self, prefix: str, names: tuple[str, ...], w: torch.Tensor, quant: str, bias: torch.Tensor | None = None
+        self,
+        weights: Lazy[torch.Tensor],
+        blocks: Lazy[Blocks],
+        names: list[str],
+        norm: torch.Tensor | None,
+        quant: str,
+        bias: torch.Tensor | None = None,
     ) -> Linear:
-        """One fused matmul; with the C++ kernels, from the file's own blocks when every part has them."""
-        if self._ext is None or w.shape[1] % INT4_GROUP:
-            return Linear.make(w, self.dtype, quant, bias, self.device)
-        parts = [self._blocks.get(f"{prefix}{n}.weight") for n in names]
-        fused = cat(parts) if all(p is not None and p.kind != "Q8_0" for p in parts) else None  # type: ignore[arg-type]
+        """One fused matmul over the rows of `names`, with a norm's weight folded into its columns.
+
+        With the C++ kernels it takes the file's own blocks when every part has them, and then
+        never makes the float matrix at all.
+        """
+
+        def dense() -> torch.Tensor:
+            w = torch.cat([weights[n] for n in names]).float()
+            return w if norm is None else w * norm
+
+        cols = weights.shape(names[0])[1]  # type: ignore[index]
+        if self._ext is None or cols % INT4_GROUP:
+            return Linear.make(dense(), self.dtype, quant, bias, self.device)
+        fused = None
+        if all(n in blocks for n in names):
+            parts = [blocks[n] for n in names]
+            fused = cat(parts) if all(p.kind != "Q8_0" for p in parts) else None
         b = None if bias is None else bias.to(self.dtype)
-        return Linear.blocks(fused or quantize_q4(w), self._ext, b, dense=self._dense)
+        return Linear.blocks(fused or quantize_q4(dense()), self._ext, b, dense=self._dense)
 
     def dense_bytes(self) -> int:
         """Memory held by the bfloat16 prefill copies."""
