@@ -52,8 +52,9 @@ class Shape:
         return self.dim * (2 * self.dim + 2 * kv) + 3 * self.dim * self.hidden_dim
 
 
-# SmolLM2's published configs; the 3B is Llama-3.2-3B's layer shape (grouped-query attention,
-# head_dim 128) on SmolLM2's 49,152-token vocabulary, so its output head is smaller than the real one.
+# SmolLM2's published configs; the 3B and 8B are Llama-3.2-3B's and Llama-3.1-8B's layer shapes
+# (grouped-query attention, head_dim 128) on SmolLM2's 49,152-token vocabulary, so their output
+# heads are smaller than the real ones.
 SHAPES = {
     s.name: s
     for s in (
@@ -61,6 +62,7 @@ SHAPES = {
         Shape("smollm2-360m", 960, 32, 15, 5, 2560, 100000.0),
         Shape("smollm2-1.7b", 2048, 24, 32, 32, 8192, 130000.0),
         Shape("llama-3.2-3b", 3072, 28, 24, 8, 8192, 500000.0),
+        Shape("llama-3.1-8b", 4096, 32, 32, 8, 14336, 500000.0),
     )
 }
 # warmkv name -> llama.cpp's llama_ftype

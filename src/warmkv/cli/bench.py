@@ -108,7 +108,7 @@ def bench_throughput(
         typer.Option(
             "--shape",
             help="a random-weight GGUF in a real model's shape instead of --model, built and cached on "
-            "first use: smollm2-135m, smollm2-360m, smollm2-1.7b, llama-3.2-3b",
+            "first use: smollm2-135m, smollm2-360m, smollm2-1.7b, llama-3.2-3b, llama-3.1-8b",
         ),
     ] = None,
     quant: Annotated[str, typer.Option("--quant", help="--shape's weights: q4_0, q4_1 or q8_0")] = "q4_0",
