@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from warmkv.cli import app
@@ -182,3 +183,22 @@ def test_bench_throughput_shape_errors() -> None:
     assert r.exit_code != 0 and "quant must be one of" in r.output
     r = runner.invoke(app, ["bench", "throughput", "--shape", "smollm2-135m", "--model", "x.gguf"])
     assert r.exit_code != 0 and "give one" in r.output
+
+
+def test_bench_throughput_rounds_give_medians_and_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    args = ["bench", "throughput", "--engines", "llamacpp,native-default", "--prompt-tokens", "32"]
+    r = runner.invoke(app, [*args, "--decode-tokens", "4", "--rounds", "3", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "median of 3 rounds" in r.output and "decode x llama.cpp" in r.output
+    report = json.loads(out.read_text())
+    llama, native = report["results"]
+    assert llama["engine"].startswith("llama.cpp") and "decode_vs_llamacpp" not in llama
+    assert native["rounds"] == 3 and len(native["samples"]) == 3
+    decode = [s["decode_tokens_per_s"] for s in native["samples"]]
+    assert native["decode_tokens_per_s"] == sorted(decode)[1]  # the median round
+    pairs = zip(native["samples"], llama["samples"], strict=True)
+    ratios = [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in pairs]
+    assert native["decode_vs_llamacpp"] == pytest.approx(sorted(ratios)[1])
+    r = runner.invoke(app, [*args, "--rounds", "0"])
+    assert r.exit_code == 2 and "--rounds" in r.output

@@ -2,7 +2,9 @@
 
 Engines: the native engine (one entry per useful KV/compute dtype), transformers'
 reference implementation on the same dequantized weights, and the llama.cpp backend.
-Every engine sees the same token ids; decode is greedy, one token per step.
+Every engine sees the same token ids; decode is greedy, one token per step. With
+several rounds the engines take turns and the report gives medians and the median
+per-round ratio to llama.cpp: this machine's speed drifts 10-30% by the hour.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import numpy as np
 from ..backends import load_backend
 from ..backends.base import Backend, ForwardRow
 from ..config import RuntimeConfig
-from ..errors import BackendUnavailable, Unsupported
+from ..errors import BackendUnavailable, InvalidConfig, Unsupported
 from ..models import resolve_model
 
 # (label, kv_cache_type, compute dtype, cpp_decode) of the native configurations measured;
@@ -108,6 +110,42 @@ def _time_transformers(path: str, ids: list[int], decode: int, threads: int) -> 
         return EngineResult("transformers f32", len(ids), prefill, decode, time.perf_counter() - t0)
 
 
+def _median(xs: list[float]) -> float:
+    return float(np.median(xs)) if xs else 0.0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """An engine's rounds: medians, spread, and the per-round ratio to llama.cpp."""
+
+    engine: str
+    rounds: list[EngineResult]
+    error: str | None = None
+
+    def to_dict(self, base: Measured | None) -> dict[str, Any]:
+        r = self.rounds
+        pre, dec = [x.prefill_tps for x in r], [x.decode_tps for x in r]
+        out: dict[str, Any] = {
+            "engine": self.engine,
+            "error": self.error,
+            "rounds": len(r),
+            "prefill_tokens": r[0].prefill_tokens if r else 0,
+            "decode_tokens": r[0].decode_tokens if r else 0,
+            "prefill_tokens_per_s": _median(pre),
+            "decode_tokens_per_s": _median(dec),
+            "prefill_tokens_per_s_range": [min(pre), max(pre)] if r else None,
+            "decode_tokens_per_s_range": [min(dec), max(dec)] if r else None,
+            "samples": [x.to_dict() for x in r],
+        }
+        if base is not None and base is not self and base.rounds and r:
+            # Round k of every engine ran in the same minute: the ratio within a round drifts less
+            # with the machine than either engine's own figures do.
+            pairs = list(zip(r, base.rounds, strict=False))
+            out["prefill_vs_llamacpp"] = _median([a.prefill_tps / b.prefill_tps for a, b in pairs if b.prefill_tps])
+            out["decode_vs_llamacpp"] = _median([a.decode_tps / b.decode_tps for a, b in pairs if b.decode_tps])
+        return out
+
+
 def run_throughput(
     model: str | None = None,
     *,
@@ -115,47 +153,73 @@ def run_throughput(
     decode_tokens: int = 128,
     threads: int | None = None,
     engines: tuple[str, ...] = ("native", "transformers", "llamacpp"),
+    rounds: int = 1,
     on_engine: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Measure each engine in turn (one model resident at a time) and return the report."""
+    """Measure each engine in turn, `rounds` times round-robin, and return the report.
+
+    One round loads, measures and closes each engine (one model resident at a time). With
+    more rounds every engine stays loaded and the rounds alternate, so each engine sees the
+    machine's slow and fast minutes alike; the report gives medians and per-round ratios.
+    """
+    if rounds < 1:
+        raise InvalidConfig(f"rounds must be >= 1, got {rounds}")
     path = str(resolve_model(model))
-    cfg = RuntimeConfig(num_ctx=prompt_tokens + decode_tokens + 16, n_seq_max=1, num_threads=threads)
-    results: list[EngineResult] = []
-    ids: list[int] | None = None
-
-    def attempt(label: str, fn: Callable[[], EngineResult]) -> None:
-        if on_engine:
-            on_engine(label)
-        try:
-            results.append(fn())
-        except (BackendUnavailable, Unsupported, ImportError) as e:
-            results.append(EngineResult(label, 0, 0.0, 0, 0.0, error=str(e)))
-
-    def backend_run(label: str, name: str, c: RuntimeConfig, **options: Any) -> EngineResult:
-        nonlocal ids
-        b = load_backend(name, path, c, **options)
-        try:
-            ids = ids or prompt_ids(b, prompt_tokens)
-            return _time_backend(label, b, ids, decode_tokens)
-        finally:
-            b.close()
-
+    # 128 at least: a context below RuntimeConfig's chunk_min_tokens does not validate.
+    cfg = RuntimeConfig(num_ctx=max(128, prompt_tokens + decode_tokens + 16), n_seq_max=1, num_threads=threads)
+    plan: list[tuple[str, Callable[[], Backend]]] = []
     if "llamacpp" in engines:
-        attempt("llama.cpp f16-kv", lambda: backend_run("llama.cpp f16-kv", "llamacpp", cfg))
+        plan.append(("llama.cpp f16-kv", lambda: load_backend("llamacpp", path, cfg)))
     if "native-default" in engines:  # the options a user gets, alone: quicker at large shapes
-        attempt("native default", lambda: backend_run("native default", "native", cfg))
+        plan.append(("native default", lambda: load_backend("native", path, cfg)))
     if "native" in engines:
         for label, kv, compute, cpp in NATIVE_VARIANTS:
             c = RuntimeConfig(**{**asdict(cfg), "kv_cache_type": kv})
             options = {"compute_dtype": compute, "cpp_decode": cpp}
-            attempt(label, lambda label=label, c=c, options=options: backend_run(label, "native", c, **options))
+            plan.append((label, lambda c=c, options=options: load_backend("native", path, c, **options)))
+    measured = {label: Measured(label, []) for label, _ in plan}
+    resident: dict[str, Backend] = {}
+    ids: list[int] | None = None
+    try:
+        for k in range(rounds):
+            for label, load in plan:
+                if measured[label].error is not None:
+                    continue
+                if on_engine:
+                    on_engine(label if rounds == 1 else f"{label}, round {k + 1} of {rounds}")
+                try:
+                    b = resident.pop(label, None) or load()
+                except (BackendUnavailable, Unsupported, ImportError) as e:
+                    measured[label] = Measured(label, [], error=str(e))
+                    continue
+                try:
+                    ids = ids or prompt_ids(b, prompt_tokens)
+                    measured[label].rounds.append(_time_backend(label, b, ids, decode_tokens))
+                finally:
+                    if k + 1 < rounds:
+                        resident[label] = b
+                    else:
+                        b.close()
+    finally:
+        for b in resident.values():
+            b.close()
+    results = list(measured.values())
     resolved_threads = threads or cfg.resolved(n_ctx_train=cfg.num_ctx or 0).num_threads or 1
     if "transformers" in engines and ids is not None:
-        attempt("transformers f32", lambda: _time_transformers(path, ids or [], decode_tokens, resolved_threads))
+        if on_engine:
+            on_engine("transformers f32")
+        try:
+            results.append(
+                Measured("transformers f32", [_time_transformers(path, ids, decode_tokens, resolved_threads)])
+            )
+        except (BackendUnavailable, Unsupported, ImportError) as e:
+            results.append(Measured("transformers f32", [], error=str(e)))
+    base = measured.get("llama.cpp f16-kv")
     return {
         "model": path,
         "prompt_tokens": prompt_tokens,
         "decode_tokens": decode_tokens,
         "threads": resolved_threads,
-        "results": [r.to_dict() for r in results],
+        "rounds": rounds,
+        "results": [m.to_dict(base) for m in results],
     }

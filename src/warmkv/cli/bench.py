@@ -112,6 +112,16 @@ def bench_throughput(
         ),
     ] = None,
     quant: Annotated[str, typer.Option("--quant", help="--shape's weights: q4_0, q4_1 or q8_0")] = "q4_0",
+    rounds: Annotated[
+        int,
+        typer.Option(
+            "--rounds",
+            min=1,
+            max=20,
+            help="measure every engine this many times, taking turns (engines stay loaded); "
+            "medians and per-round ratios to llama.cpp",
+        ),
+    ] = 1,
 ) -> None:
     """Prefill and decode tokens/s: native engine dtypes vs transformers vs llama.cpp, in one run."""
     from ..bench.throughput import run_throughput
@@ -138,21 +148,29 @@ def bench_throughput(
                 decode_tokens=decode_tokens,
                 threads=threads,
                 engines=chosen,
+                rounds=rounds,
                 on_engine=lambda name: status.update(f"measuring {name}..."),
             )
     except WarmkvError as e:
         fail(e)
     t = Table(
         title=f"throughput: {prompt_tokens}-token prefill, {decode_tokens} greedy decode steps, "
-        f"{report['threads']} threads"
+        f"{report['threads']} threads" + (f", median of {rounds} rounds (min-max)" if rounds > 1 else "")
     )
-    for col in ("engine", "prefill tok/s", "decode tok/s", "note"):
+    cols = ("engine", "prefill tok/s", "decode tok/s", "prefill x llama.cpp", "decode x llama.cpp", "note")
+    for col in cols:
         t.add_column(col, justify="left" if col in ("engine", "note") else "right")
+
+    def rate(r: dict, key: str) -> str:
+        lo, hi = r[f"{key}_range"]
+        return f"{r[key]:.1f}" + (f" ({lo:.0f}-{hi:.0f})" if r["rounds"] > 1 else "")
+
     for r in report["results"]:
         if r["error"]:
-            t.add_row(r["engine"], "-", "-", r["error"][:80])
-        else:
-            t.add_row(r["engine"], f"{r['prefill_tokens_per_s']:.1f}", f"{r['decode_tokens_per_s']:.1f}", "")
+            t.add_row(r["engine"], "-", "-", "", "", r["error"][:80])
+            continue
+        ratios = [f"{r[k]:.2f}x" if k in r else "" for k in ("prefill_vs_llamacpp", "decode_vs_llamacpp")]
+        t.add_row(r["engine"], rate(r, "prefill_tokens_per_s"), rate(r, "decode_tokens_per_s"), *ratios, "")
     console.print(t)
     _write_report(json_out, report)
 
