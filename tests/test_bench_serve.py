@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -12,8 +13,14 @@ from warmkv.cli import app
 runner = CliRunner()
 
 
+def _files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*") if p.is_file()}
+
+
 def test_bench_serve_tiny_reports_rates_gaps_and_the_long_prompt(tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
+    cache = Path(os.environ["WARMKV_CACHE_DIR"])
+    before = _files(cache)
     args = ["bench", "serve", "--streams", "1,2", "--max-tokens", "8", "--long-prompt-tokens", "200"]
     r = runner.invoke(app, [*args, "--backend", "llama.cpp", "--num-ctx", "1024", "--json", str(out)])
     assert r.exit_code == 0, r.output
@@ -35,6 +42,8 @@ def test_bench_serve_tiny_reports_rates_gaps_and_the_long_prompt(tmp_path: Path)
         assert lp[key] > 0, key
     # Each of the 3 streams decoded before the prompt came and after its first token: a gap spans the prefill.
     assert lp["streams_outlasted_prefill"] and lp["gaps_during_prefill"] >= 3
+    # The server kept its disk store in a private dir: a second run meets no disk hits from this one.
+    assert _files(cache) == before
 
 
 def test_bench_serve_rejects_what_cannot_run_before_starting_a_server() -> None:

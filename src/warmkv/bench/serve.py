@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -116,7 +117,12 @@ def run_serve_bench(
     for backend in cfg.backends:
         args = ["--backend", backend, "--num-ctx", str(cfg.num_ctx), "--n-seq-max", slots, "--pool-size", slots]
         # server_args first: the flags this benchmark needs come after and win where both name one
-        with serve([*server_args, *args, *step_args]) as server:
+        # A private cache dir: a disk store left by an earlier run would serve this run's prompts
+        # as disk hits (an explicit --kv-store-dir in server_args still wins).
+        with (
+            tempfile.TemporaryDirectory(prefix="warmkv-bench-serve-") as cache,
+            serve([*server_args, *args, *step_args], env={"WARMKV_CACHE_DIR": cache}) as server,
+        ):
             report["model"] = server.model
             result = asyncio.run(
                 _bench_server(server, cfg, lambda s, b=backend: on_progress and on_progress(f"{b}: {s}"))
