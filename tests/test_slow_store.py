@@ -167,3 +167,52 @@ def test_spills_and_disk_hits_do_not_stop_a_running_decode(rt: warmkv.Runtime) -
         f"during a {read[1] - read[0]:.2f}s disk-tier read: {during_read}; {stream.rate()}"
     )
     assert during_put >= MIN_TOKENS and during_read >= MIN_TOKENS
+
+
+def test_a_disk_hit_in_the_scheduler_does_not_stop_its_streams(rt: warmkv.Runtime) -> None:
+    """The server's path: the scheduler reads a turn's disk hit on its reader thread, so the
+    other streams keep their steps (read on the scheduler's own thread, they would all wait)."""
+    from warmkv.scheduler import Scheduler
+
+    store: SlowStore = rt.tiers.store  # type: ignore[union-attr, assignment]
+    with rt.session() as b:
+        b.ensure_prefix(PREFIX_A)
+    assert rt.flush(60)  # on disk: the next lookup reads the (slow) store
+    scheduler = Scheduler(rt)
+    try:
+        with rt.session() as streaming, rt.session() as hitting:
+            stamps: list[float] = []
+            ended = threading.Event()
+
+            def sink(chunk: warmkv.StreamChunk) -> None:
+                stamps.extend([time.perf_counter()] * len(chunk.token_ids))
+                if chunk.done:
+                    ended.set()
+
+            count = "<|im_start|>system\nCount from one to a thousand, one number a line.<|im_end|>\n"
+            cfg = warmkv.DecodeConfig(max_tokens=1500, temperature=0.0, ignore_eos=True)
+            scheduler.submit(streaming.turn(count + USER_A, cfg), sink)
+            deadline = time.monotonic() + 60
+            while len(stamps) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            t0 = time.perf_counter()
+            got: list[object] = []
+            resident = threading.Event()
+
+            def prefilled(status: object) -> None:
+                got.append(status)
+                resident.set()
+
+            one = warmkv.DecodeConfig(max_tokens=1, temperature=0.0)
+            scheduler.submit(hitting.turn(PREFIX_A, one), lambda c: None, on_prefilled=prefilled)
+            assert resident.wait(120)
+            streaming.cancel()
+            assert ended.wait(60)
+        (status,) = got
+        assert isinstance(status, warmkv.PrefixStatus) and status.reuse_source == "disk"
+        read = window(store, "longest_prefix", t0)
+        during = sum(read[0] <= t <= read[1] for t in stamps)
+        print(f"stream tokens during a {read[1] - read[0]:.2f}s disk-tier read in the scheduler: {during}")
+        assert during >= MIN_TOKENS
+    finally:
+        scheduler.close()

@@ -60,6 +60,16 @@ class ChunkMove:
 
 
 @dataclass(frozen=True)
+class DiskRead:
+    """What a disk-tier read found for a plan (None: nothing), read before the load began."""
+
+    hit: WarmHit | None
+
+    def beating(self, reused: int) -> WarmHit | None:
+        return self.hit if self.hit is not None and self.hit.n_tokens > reused else None
+
+
+@dataclass(frozen=True)
 class PrefixPlan:
     """What ensure_prefix will do, decided before any KV changes."""
 
@@ -94,8 +104,12 @@ class PrefixLoad:
         self._placed: list[ChunkMove] = []
         self._stash: MovedKV | None = None
 
-    def begin(self) -> None:
-        """Drop what diverged (or detach it), then restore the longest tier entry that beats the reuse."""
+    def begin(self, disk: DiskRead | None = None) -> None:
+        """Drop what diverged (or detach it), then restore the longest tier entry that beats the reuse.
+
+        disk: the disk tier's answer, read beforehand off the engine loop (tiers.disk_read);
+        without it a lookup reads the disk here, with the model lock let go.
+        """
         ctx, plan = self.ctx, self.plan
         self._t0 = time.perf_counter()
         if tuple(ctx.tokens[: plan.reused]) != plan.tokens[: plan.reused]:
@@ -117,7 +131,10 @@ class PrefixLoad:
         if tiers is not None:
             tokens = list(plan.tokens)
             self._keys = tiers.keys(plan.manifest.digest, tokens)
-            hit = tiers.lookup(plan.manifest.digest, tokens, self._keys, plan.reused)
+            if disk is None:
+                hit = tiers.lookup(plan.manifest.digest, tokens, self._keys, plan.reused)
+            else:  # memory first, as in lookup: it may have gained an entry while the disk was read
+                hit = tiers.lookup_memory(tokens, self._keys, plan.reused) or disk.beating(plan.reused)
             if hit is not None:
                 loaded = self._load(tiers, hit)
                 self.reused, self.source = len(ctx.tokens), hit.source if loaded else "none"

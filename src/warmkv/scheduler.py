@@ -14,6 +14,10 @@ prefills, then decodes. Each step, under the model lock:
    (and a greedy turn's tokens) would depend on what else was running;
 3. every decoding turn takes its logits (DecodeState.take) and its chunk goes to its sink.
 
+A turn whose prompt may be on the disk tier has it read on the reader thread first
+(Session.disk_read): reading and verifying a long prefix's blob takes seconds, and the
+other streams keep stepping meanwhile. The turn's load begins once the read is back.
+
 The model lock is let go between steps, so Python-API calls on other sessions get in.
 With one KV stream per sequence the decode rows do not interact.
 """
@@ -25,6 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,7 +37,7 @@ import numpy as np
 from .backends.base import ForwardRow
 from .decode_state import DecodeState
 from .errors import InvalidInput, SchedulerClosed, SessionFatal, StreamLimit, WarmkvError
-from .prefix_plan import PrefixLoad
+from .prefix_plan import DiskRead, PrefixLoad
 from .runtime import Runtime
 from .session import Session, Turn
 from .types import PrefixStatus, StreamChunk
@@ -71,6 +76,7 @@ class Job:
     on_done: Callable[[], None] | None = None
     on_prefilled: Prefilled | None = None
     load: PrefixLoad | None = None  # while prefilling
+    disk: Future[DiskRead] | None = None  # its disk-tier read, before the load begins
     decoding: bool = False
     tokens: int = 0
     done: bool = False
@@ -99,6 +105,7 @@ class Scheduler:
         self.batched_rows = 0
         self.decoded_tokens = 0
         self.prefilled_tokens = 0
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warmkv-disk-read")
         self._thread = threading.Thread(target=self._run, name="warmkv-scheduler", daemon=True)
         self._thread.start()
 
@@ -163,6 +170,7 @@ class Scheduler:
             self._stopped = True
             self._cond.notify_all()
         self._thread.join(timeout=10)
+        self._reader.shutdown(wait=False, cancel_futures=True)
 
     # -- worker ------------------------------------------------------------------
 
@@ -189,6 +197,8 @@ class Scheduler:
                 n += self._deliver(job, chunk)
             with self._cond:
                 self._jobs = [j for j in self._jobs if not j.done]
+                if not out and self._jobs and all(_reading(j) for j in self._jobs):
+                    self._cond.wait(timeout=0.1)  # every turn waits for the disk: _wake ends this
                 self.steps += 1
                 self.decoded_tokens += n
                 now = time.perf_counter()
@@ -213,8 +223,9 @@ class Scheduler:
             prefilled = False
             for job in jobs:
                 if not job.decoding:
-                    budget = self._prefill(job, budget, first=not prefilled, out=out)
-                    prefilled = True
+                    left = self._prefill(job, budget, first=not prefilled, out=out)
+                    prefilled = prefilled or left < budget
+                    budget = left
                     if budget <= 0:
                         break
             for job in decoding:
@@ -258,7 +269,15 @@ class Scheduler:
                 if plan is None:  # nothing to prefill: decode after what is resident
                     self._start_decoding(job, None)
                     return budget
-                job.load = session.begin_load(plan)
+                if job.disk is None:
+                    read = session.disk_read(plan)
+                    if read is not None:
+                        job.disk = self._reader.submit(read)
+                        job.disk.add_done_callback(self._wake)
+                        return budget
+                elif not job.disk.done():
+                    return budget
+                job.load = session.begin_load(plan, _disk_result(job.disk))
             load = job.load
             while (row := load.next_row()) is not None and (budget > 0 or first):
                 load.accept(row, session.ctx.forward(row))
@@ -272,6 +291,10 @@ class Scheduler:
                 job.load.fail()
             out.append((job, job.state.take(e)))
         return budget
+
+    def _wake(self, _read: Future[DiskRead]) -> None:
+        with self._cond:
+            self._cond.notify()
 
     def _start_decoding(self, job: Job, status: PrefixStatus | None) -> None:
         job.load, job.decoding = None, True
@@ -295,6 +318,22 @@ class Scheduler:
                 if job.on_done is not None:
                     _call(job.on_done)
         return len(chunk.token_ids)
+
+
+def _reading(job: Job) -> bool:
+    """The turn waits for its disk read and has nothing else to do."""
+    return job.disk is not None and job.load is None and not job.disk.done() and not job.done
+
+
+def _disk_result(read: Future[DiskRead] | None) -> DiskRead:
+    """What the read found; nothing when there was no read or it failed (a cold prefill, never wrong KV)."""
+    if read is None:
+        return DiskRead(None)
+    try:
+        return read.result()
+    except Exception as e:
+        log.warning("disk tier read failed: %r", e)
+        return DiskRead(None)
 
 
 def _error_chunk(err: WarmkvError) -> StreamChunk:

@@ -23,7 +23,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,7 +42,7 @@ from .errors import (
     WarmkvError,
 )
 from .manifest import ContextManifest, hash_token_ids, validate_segments
-from .prefix_plan import PrefixLoad, PrefixPlan, plan_moves
+from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan, plan_moves
 from .text import as_text
 from .tokens import common_prefix_len, spell
 from .types import (
@@ -194,12 +194,25 @@ class Session:
                 moves=moves,
             )
 
-    def begin_load(self, plan: PrefixPlan) -> PrefixLoad:
-        """Start executing a plan (call with the model lock held): drop what diverged, load from a tier."""
+    def begin_load(self, plan: PrefixPlan, disk: DiskRead | None = None) -> PrefixLoad:
+        """Start executing a plan (call with the model lock held): drop what diverged, load from a tier.
+
+        disk: the plan's disk read, made beforehand (see disk_read); else a lookup reads the disk here.
+        """
         load = PrefixLoad(self.ctx, plan, self._rt.tiers, self._num_ctx)
         self._manifest = plan.manifest
-        load.begin()
+        load.begin(disk)
         return load
+
+    def disk_read(self, plan: PrefixPlan) -> Callable[[], DiskRead] | None:
+        """The disk-tier read begin_load would make for plan, to run on another thread first;
+        None when it would make none (call with the model lock held)."""
+        tiers = self._rt.tiers
+        if tiers is None:
+            return None
+        tokens = plan.tokens
+        read = tiers.disk_read(plan.manifest.digest, tokens, tiers.keys(plan.manifest.digest, tokens), plan.reused)
+        return None if read is None else lambda: DiskRead(read())
 
     def finish_load(self, load: PrefixLoad) -> PrefixStatus:
         """The plan's prompt is resident: it becomes the prefix (call with the model lock held)."""

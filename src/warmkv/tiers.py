@@ -101,6 +101,22 @@ class KVTiers:
         with self._unlocked():
             return self.read_disk(manifest_digest, tokens, keys, beat)
 
+    def disk_read(
+        self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int
+    ) -> Callable[[], WarmHit | None] | None:
+        """The disk read a lookup would make, to run on another thread; None when it makes none.
+
+        Call under the model lock: None when there is no store, the prompt is too short to beat
+        `beat`, or the memory tier already has a hit (memory wins in lookup, and reading the
+        disk then would be wasted). The read itself takes no lock (see read_disk).
+        """
+        if self.writer is None or len(keys) * self.block_tokens <= beat:
+            return None
+        if self.lookup_memory(tokens, keys, beat) is not None:
+            return None
+        toks, ks = list(tokens), list(keys)
+        return lambda: self.read_disk(manifest_digest, toks, ks, beat)
+
     def lookup_memory(self, tokens: Sequence[int], keys: Sequence[str], beat: int) -> WarmHit | None:
         """The memory tier's longest prefix of `tokens` longer than `beat` (under the model lock)."""
         if self.memory is None or len(keys) * self.block_tokens <= beat:
