@@ -89,7 +89,8 @@ def test_export_import_round_trip(tiny_dir: Path) -> None:
         (la,), (lc,) = b.forward([ForwardRow(a, [9], 37)]), b.forward([ForwardRow(c, [9], 37)])
         assert la is not None and lc is not None and (la == lc).all()
         before = b.cache.table(c) if b.cache else ()
-        for bad in (b"nope", blob[:-3], blob[:8] + b"{}" + blob[10:]):
+        raw = bytes(blob)
+        for bad in (b"nope", raw[:-3], raw[:8] + b"{}" + raw[10:]):
             with pytest.raises(warmkv.InvalidInput):
                 b.import_seq(c, bad)
             assert b.cache is not None and b.cache.table(c) == before

@@ -19,6 +19,10 @@ import numpy as np
 from ..config import DecodeConfig, ResolvedConfig
 from ..errors import ContextOverflow, InvalidInput
 
+# A KV blob (export_seq): bytes-like. The native engine's is a memoryview of an anonymous
+# mapping, so a large context is gathered once into fresh huge pages, never copied again.
+Blob = bytes | bytearray | memoryview
+
 
 class ModelState(StrEnum):
     """cold -> warm (weights loaded) -> active (context created) -> unloaded."""
@@ -187,7 +191,7 @@ class KeptKV(Protocol):
         """Replace seq's KV with this one (KVCacheFull / InvalidInput leave seq unchanged)."""
         ...
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self) -> Blob:
         """The export_seq blob of this KV (for the disk tier)."""
         ...
 
@@ -199,7 +203,7 @@ class KeptKV(Protocol):
 class BlobKV:
     """KV held as an export_seq blob; loading it is an import_seq."""
 
-    def __init__(self, backend: Backend, blob: bytes) -> None:
+    def __init__(self, backend: Backend, blob: Blob) -> None:
         self._backend = backend
         self.blob = blob
         self.nbytes = len(blob)
@@ -207,7 +211,7 @@ class BlobKV:
     def load_into(self, seq: int) -> None:
         self._backend.import_seq(seq, self.blob)
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self) -> Blob:
         return self.blob
 
     def release(self) -> None:
@@ -290,11 +294,11 @@ class Backend(Protocol):
         """Make dst's KV equal the first n positions of src (sharing where the engine can)."""
         ...
 
-    def export_seq(self, seq: int) -> bytes:
+    def export_seq(self, seq: int) -> Blob:
         """The sequence's whole KV as a self-contained blob (snapshots, the disk tier)."""
         ...
 
-    def import_seq(self, seq: int, blob: bytes) -> None:
+    def import_seq(self, seq: int, blob: Blob) -> None:
         """Replace the sequence's KV with a blob from export_seq of the same manifest."""
         ...
 

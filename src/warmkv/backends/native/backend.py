@@ -24,7 +24,7 @@ from ...errors import (
     WarmkvError,
 )
 from ...manifest import file_digest
-from ..base import ForwardRow, KVMemory, ModelInfo, ModelState, TokenSampler, check_embed_tokens, check_rows
+from ..base import Blob, ForwardRow, KVMemory, ModelInfo, ModelState, TokenSampler, check_embed_tokens, check_rows
 from ..compute_thread import ComputeThread, on_compute_thread
 from ..options import NativeOptions
 from ..slots import SeqSlots
@@ -334,13 +334,13 @@ class NativeBackend:
         cache.copy_prefix(src, dst, n)
 
     @on_compute_thread
-    def export_seq(self, seq: int) -> bytes:
+    def export_seq(self, seq: int) -> Blob:
         cache = self._activate()
         self._check_seq(seq)
         return export_seq(cache, seq)
 
     @on_compute_thread
-    def import_seq(self, seq: int, blob: bytes) -> None:
+    def import_seq(self, seq: int, blob: Blob) -> None:
         cache = self._activate()
         self._check_seq(seq)
         import_seq(cache, seq, blob, self.config.num_ctx)

@@ -6,33 +6,70 @@ Layout: b"WKV1" | u32 header length | JSON header | K | V [| K scale | V scale],
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import mmap
 import struct
 
 import torch
 
 from ...errors import InvalidInput
-from .paged_kv import KV_DTYPES, PagedKVCache
+from ..base import Blob
+from .paged_kv import PagedKVCache
 
 MAGIC = b"WKV1"
+_ALIGN = 16  # the JSON header is padded with spaces to this
 
 
-def _bytes(t: torch.Tensor) -> bytes:
-    return t.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+def _sizes(cache: PagedKVCache, length: int) -> list[int]:
+    """Bytes of each storage tensor's part of a blob of `length` tokens."""
+    return [cache.layout.n_layers * length * math.prod(t.shape[2:]) * t.element_size() for t in cache.storage()]
 
 
-def export_seq(cache: PagedKVCache, seq: int) -> bytes:
+def _buffer(n: int) -> memoryview:
+    """n writable bytes on an anonymous mapping, in huge pages where the kernel gives them.
+
+    A fresh 590 MB buffer touched in 4 KiB pages faults 150k times: ~2 s on this kind of VM.
+    """
+    mm = mmap.mmap(-1, n)
+    with contextlib.suppress(AttributeError, OSError):  # no THP: plain pages
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    return memoryview(mm)
+
+
+def export_seq(cache: PagedKVCache, seq: int) -> memoryview:
+    """seq's KV as a blob, gathered straight into one buffer.
+
+    One allocation and one pass: a 3000-token context at a 1.7B shape is 590 MB, and a
+    gather, a copy per tensor and a join took 3 s of it, under the model lock.
+    """
     lay = cache.layout
     slots = cache.slots(seq)
+    length = int(slots.shape[0])
     header = {"n_layers": lay.n_layers, "n_kv_heads": lay.n_kv_heads, "head_dim": lay.head_dim}
-    header |= {"dtype": lay.dtype, "length": int(slots.shape[0])}
+    header |= {"dtype": lay.dtype, "length": length}
     raw = json.dumps(header, sort_keys=True).encode()
-    parts = [MAGIC, struct.pack("<I", len(raw)), raw]
-    parts += [_bytes(t[:, slots]) for t in cache.storage()]
-    return b"".join(parts)
+    raw += b" " * (-(len(raw) + 8) % _ALIGN)  # the body starts aligned, so it views as any dtype
+    sizes = _sizes(cache, length)
+    head = MAGIC + struct.pack("<I", len(raw)) + raw
+    out = _buffer(len(head) + sum(sizes))
+    out[: len(head)] = head
+    if not sum(sizes):
+        return out
+    buf = torch.frombuffer(out, dtype=torch.uint8)
+    offset = len(head)
+    for t, size in zip(cache.storage(), sizes, strict=True):
+        dst = buf[offset : offset + size].view(t.dtype).view(lay.n_layers, length, *t.shape[2:])
+        if t.device.type == "cpu":
+            torch.index_select(t, 1, slots, out=dst)
+        else:
+            dst.copy_(torch.index_select(t, 1, slots))
+        offset += size
+    return out
 
 
-def import_seq(cache: PagedKVCache, seq: int, blob: bytes, max_len: int) -> None:
+def import_seq(cache: PagedKVCache, seq: int, blob: Blob, max_len: int) -> None:
     """Replace seq's KV with blob; checks everything before touching the cache."""
     lay = cache.layout
     if not isinstance(blob, (bytes, bytearray, memoryview)) or bytes(blob[:4]) != MAGIC:
@@ -49,10 +86,7 @@ def import_seq(cache: PagedKVCache, seq: int, blob: bytes, max_len: int) -> None
         raise InvalidInput(f"KV blob was made for {got}, this cache is {want}")
     if not 0 <= length <= max_len:
         raise InvalidInput(f"KV blob holds {length} tokens, more than num_ctx={max_len}")
-    elem = KV_DTYPES[lay.dtype].itemsize
-    sizes = [lay.n_layers * length * lay.n_kv_heads * lay.head_dim * elem] * 2
-    if cache.quantized:
-        sizes += [lay.n_layers * length * lay.n_kv_heads * 4] * 2
+    sizes = _sizes(cache, length)
     body = memoryview(blob)[8 + n :]
     if len(body) != sum(sizes):
         raise InvalidInput(f"KV blob body is {len(body)} bytes, expected {sum(sizes)} for {length} tokens")
@@ -63,7 +97,10 @@ def import_seq(cache: PagedKVCache, seq: int, blob: bytes, max_len: int) -> None
     slots = cache.append(seq, length)
     offset = 0
     for t, size in zip(cache.storage(), sizes, strict=True):
-        shape = (lay.n_layers, length, *t.shape[2:])
-        data = torch.frombuffer(bytearray(body[offset : offset + size]), dtype=torch.uint8)
-        t[:, slots] = data.view(t.dtype).reshape(shape).to(t.device)
+        if size:
+            shape = (lay.n_layers, length, *t.shape[2:])
+            part = body[offset : offset + size]
+            # torch reads a writable buffer in place; read-only bytes need a writable copy first
+            data = torch.frombuffer(bytearray(part) if part.readonly else part, dtype=torch.uint8)
+            t.index_copy_(1, slots, data.view(t.dtype).reshape(shape).to(t.device))
         offset += size

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ..base import Blob
 from .kv_blob import export_seq
 from .paged_kv import PagedKVCache
 
@@ -42,7 +43,7 @@ class PinnedKV:
         pin = self._id()
         self._run(self._cache.copy_prefix, pin, seq, self._cache.length(pin))
 
-    def to_bytes(self) -> bytes:
+    def to_bytes(self) -> Blob:
         return self._run(export_seq, self._cache, self._id())
 
     def release(self) -> None:
