@@ -29,7 +29,7 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_blob(directory: Path, header: BlobHeader, payload: bytes) -> tuple[str, int, int]:
+def write_blob(directory: Path, header: BlobHeader, payload: bytes | memoryview) -> tuple[str, int, int]:
     """Durably write a container under a fresh name; return (file name, size, crc32c)."""
     token = secrets.token_hex(12)
     tmp = directory / f"{TMP_PREFIX}{os.getpid()}-{token}"

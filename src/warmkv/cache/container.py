@@ -89,7 +89,7 @@ def make_header(
     key: str,
     manifest_digest: str,
     tokens: Sequence[int],
-    payload: bytes,
+    payload: bytes | memoryview,
     meta: Mapping[str, object],
     manifest: Mapping[str, object] | None = None,
 ) -> BlobHeader:
@@ -105,7 +105,7 @@ def make_header(
     )
 
 
-def write_container(f: BinaryIO, header: BlobHeader, payload: bytes) -> tuple[int, int]:
+def write_container(f: BinaryIO, header: BlobHeader, payload: bytes | memoryview) -> tuple[int, int]:
     """Write one container to f; return (bytes written, crc32c of the file)."""
     head = header.to_json()
     crc = 0

@@ -211,7 +211,7 @@ class KVStore:
     # -- shared machinery ----------------------------------------------------
 
     def _install(
-        self, header: BlobHeader, payload: bytes, insert: Callable[[sqlite3.Connection, Row, int], None]
+        self, header: BlobHeader, payload: bytes | memoryview, insert: Callable[[sqlite3.Connection, Row, int], None]
     ) -> Row:
         """Write the blob durably, then commit its row, evicting LRU entries to stay under the cap."""
         cap = self.config.capacity_bytes

@@ -24,10 +24,12 @@ def check_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(t) for t in tokens)
 
 
-def check_payload(blob: object) -> bytes:
+def check_payload(blob: object) -> memoryview:
+    """The blob's bytes, not copied: a KV blob is hundreds of MB, and copying it holds the GIL
+    (every stream's step waits for the copy)."""
     if not isinstance(blob, bytes | bytearray | memoryview):
         raise InvalidInput(f"blob must be bytes, got {type(blob).__name__}")
-    return bytes(blob)
+    return memoryview(blob).cast("B")
 
 
 def check_blob(data: bytes, row: Row, kind: str) -> tuple[BlobHeader, bytes] | str:
