@@ -216,3 +216,45 @@ def test_a_disk_hit_in_the_scheduler_does_not_stop_its_streams(rt: warmkv.Runtim
         assert during >= MIN_TOKENS
     finally:
         scheduler.close()
+
+
+COPY_S = 2.0
+
+
+def test_a_spills_copy_does_not_stop_a_running_decode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native engine's spill: the writer copies the kept blocks without the model lock.
+
+    Both ways of copying are slowed; under the lock (the old design) the stream would stop.
+    """
+    from warmkv.backends.native.kv_pin import PinnedKV
+
+    windows: list[tuple[float, float]] = []
+
+    def slowed(fn: Any) -> Any:
+        def copy(self: PinnedKV) -> Any:
+            t0 = time.perf_counter()
+            time.sleep(COPY_S)
+            try:
+                return fn(self)
+            finally:
+                windows.append((t0, time.perf_counter()))
+
+        return copy
+
+    monkeypatch.setattr(PinnedKV, "to_bytes", slowed(PinnedKV.to_bytes))
+    monkeypatch.setattr(PinnedKV, "to_bytes_unlocked", slowed(PinnedKV.to_bytes_unlocked))
+    opts = {"kv_store_dir": str(tmp_path / "kv"), "prefix_cache_mb": 0}
+    with warmkv.Runtime.load(backend="native", num_ctx=2048, n_seq_max=4, **opts) as rt:
+        stream = streaming(rt)
+        try:
+            with rt.session() as b:
+                b.ensure_prefix(PREFIX_A)  # no memory tier: its full blocks spill at once
+            assert rt.flush(60)
+            with rt.session() as c:
+                assert c.ensure_prefix(PREFIX_A).reuse_source == "disk"  # the copy was written
+        finally:
+            stream.stop()
+        (window,) = windows
+        during = stream.tokens_between(*window)
+        print(f"tokens during a {window[1] - window[0]:.2f}s spill copy: {during}; {stream.rate()}")
+        assert during >= MIN_TOKENS

@@ -9,17 +9,22 @@ processes and restarts). An entry evicted from memory is spilled to disk as an
 `export_seq` blob; closing the runtime spills everything. When the native KV
 pool runs short it asks for pinned blocks back (`reclaim`): LRU entries spill.
 
-Disk I/O runs off the model lock (see the lock order in warmkv.runtime): a spill
-copies the KV bytes under the lock, lets go of the pins and queues the bytes for
-the store's writer thread (cache.store_writer); `lookup` matches memory under the
-lock, then reads and verifies a disk blob with the lock let go. Entries queued but
-not yet written are disk hits too, served from the queued bytes.
+Disk I/O runs off the model lock (see the lock order in warmkv.runtime). A spill
+queues the entry for the store's writer thread (cache.store_writer) with its KV
+still kept: the writer copies the bytes without the lock (kept KV never changes)
+and writes them, and the pins are let go at the next tiers call under the lock. A
+3000-token context at a 1.7B shape is 590 MB, seconds to copy on a slow VM; under
+the lock every stream would wait. When the pool runs short (`reclaim`), the copy
+runs there and then, since the blocks are needed now. `lookup` matches memory under
+the lock, then reads and verifies a disk blob with the lock let go. Entries queued
+but not yet written are disk hits too, served from the queued bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
@@ -27,7 +32,7 @@ from typing import Any
 
 from .backends.base import Backend, BlobKV, KeptKV
 from .cache import EvictedEntry, KVStore, PrefixCache, PrefixCacheConfig, SnapshotInfo, StoreConfig, block_keys
-from .cache.store_writer import PendingEntry, StoreWriter
+from .cache.store_writer import LazyBlob, PendingEntry, StoreWriter, blob_bytes
 from .errors import WarmkvError
 from .tokens import common_prefix_len
 
@@ -84,6 +89,8 @@ class KVTiers:
             else None
         )
         self._held_back: list[PendingEntry] | None = None  # spills copied by spill_all, written by close
+        # Spilled entries whose KV is still kept until the writer has copied it (model lock held to touch).
+        self._spilling: deque[tuple[CachedKV, LazyBlob]] = deque()
 
     def keys(self, manifest_digest: str, tokens: Sequence[int]) -> list[str]:
         return block_keys(manifest_digest, tokens, self.block_tokens)
@@ -119,6 +126,7 @@ class KVTiers:
 
     def lookup_memory(self, tokens: Sequence[int], keys: Sequence[str], beat: int) -> WarmHit | None:
         """The memory tier's longest prefix of `tokens` longer than `beat` (under the model lock)."""
+        self._release_spilled()
         if self.memory is None or len(keys) * self.block_tokens <= beat:
             return None
         m = self.memory.match(keys)
@@ -139,7 +147,12 @@ class KVTiers:
         queued = self.writer.pending_match(manifest_digest, tokens, keys, self.block_tokens)
         if queued is not None and queued.n_tokens > beat:
             e = queued.entry
-            return WarmHit("disk", queued.n_tokens, CachedKV(e.tokens, BlobKV(self._backend, e.blob), manifest_digest))
+            try:
+                blob = blob_bytes(e.blob)  # a spill not copied yet: copied here, off the lock
+            except WarmkvError as err:
+                log.warning("queued kv entry unreadable: %s", err)
+                return None
+            return WarmHit("disk", queued.n_tokens, CachedKV(e.tokens, BlobKV(self._backend, blob), manifest_digest))
         try:
             s = self.store.longest_prefix(manifest_digest, tokens, keys, block_size=self.block_tokens)
         except WarmkvError as e:  # a broken store degrades to a cold prefill, never to wrong KV
@@ -161,6 +174,7 @@ class KVTiers:
         """
         if not keys:
             return
+        self._release_spilled()
         cached = CachedKV(tuple(tokens), self._backend.keep_seq(seq), manifest_digest)
         if self.memory is None:
             self._queue(keys, cached)
@@ -175,8 +189,25 @@ class KVTiers:
             cached.kv.release()
 
     def reclaim(self) -> bool:
-        """Spill the least recently used memory entry (the backend's KV pool is short)."""
+        """Give pool blocks back (the backend's KV pool is short): spills already copied first,
+        then the oldest spill still copying (copied here, now), then the LRU memory entry."""
+        if self._release_spilled():
+            return True
+        if self._spilling:
+            cached, blob = self._spilling.popleft()
+            with contextlib.suppress(WarmkvError):  # not copied: the writer counts it as failed
+                blob.get()
+            cached.kv.release()
+            return True
         return self.memory is not None and bool(self.memory.evict(1))
+
+    def _release_spilled(self) -> int:
+        """Let go of the KV of spills the writer has copied (model lock held); how many."""
+        done = [s for s in self._spilling if s[1].done]
+        for s in done:
+            self._spilling.remove(s)
+            s[0].kv.release()
+        return len(done)
 
     def _spill(self, evicted: EvictedEntry) -> None:
         cached: CachedKV = evicted.payload  # type: ignore[assignment]
@@ -186,17 +217,25 @@ class KVTiers:
             self._queue(evicted.keys, cached)
 
     def _queue(self, keys: Sequence[str], kv: CachedKV) -> None:
-        """Copy kv's bytes (model lock held), let go of its KV, and queue the bytes for the writer."""
-        try:
-            if self.writer is None:
-                return
-            entry = PendingEntry(tuple(keys), kv.manifest_digest, kv.tokens, kv.kv.to_bytes())
-        finally:
+        """Queue kv for the writer (model lock held); its KV is let go once the writer copied it.
+
+        Closing (spill_all), the bytes are copied here and the KV let go at once.
+        """
+        if self.writer is None:
             kv.kv.release()
+            return
         if self._held_back is not None:
-            self._held_back.append(entry)
-        elif not self.writer.submit_entry(entry.keys, entry.manifest_digest, entry.tokens, entry.blob):
-            log.info("kv store writer queue full: a %d-token prefix was not spilled", len(entry.tokens))
+            try:
+                self._held_back.append(PendingEntry(tuple(keys), kv.manifest_digest, kv.tokens, kv.kv.to_bytes()))
+            finally:
+                kv.kv.release()
+            return
+        blob = LazyBlob(kv.kv.to_bytes_unlocked, kv.kv.nbytes)
+        if self.writer.submit_entry(keys, kv.manifest_digest, kv.tokens, blob):
+            self._spilling.append((kv, blob))
+        else:
+            kv.kv.release()
+            log.info("kv store writer queue full: a %d-token prefix was not spilled", len(kv.tokens))
 
     def write_snapshot(
         self,
@@ -229,6 +268,11 @@ class KVTiers:
         """Copy every memory entry's bytes and let go of its KV (under the model lock): close's first half."""
         if self._held_back is None:
             self._held_back = []
+        while self._spilling:  # the pool goes away after close: finish the copies now
+            cached, blob = self._spilling.popleft()
+            with contextlib.suppress(WarmkvError):
+                blob.get()
+            cached.kv.release()
         if self.memory is not None:
             self.memory.clear()
 

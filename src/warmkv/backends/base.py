@@ -16,12 +16,9 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from ..cache.store_types import Blob
 from ..config import DecodeConfig, ResolvedConfig
 from ..errors import ContextOverflow, InvalidInput
-
-# A KV blob (export_seq): bytes-like. The native engine's is a memoryview of an anonymous
-# mapping, so a large context is gathered once into fresh huge pages, never copied again.
-Blob = bytes | bytearray | memoryview
 
 
 class ModelState(StrEnum):
@@ -195,6 +192,13 @@ class KeptKV(Protocol):
         """The export_seq blob of this KV (for the disk tier)."""
         ...
 
+    def to_bytes_unlocked(self) -> Blob:
+        """to_bytes on any thread, without the model lock: kept KV never changes until released.
+
+        A spill copies hundreds of MB; done under the lock, every stream would wait for it.
+        """
+        ...
+
     def release(self) -> None:
         """Let go of the KV; idempotent."""
         ...
@@ -212,6 +216,9 @@ class BlobKV:
         self._backend.import_seq(seq, self.blob)
 
     def to_bytes(self) -> Blob:
+        return self.blob
+
+    def to_bytes_unlocked(self) -> Blob:
         return self.blob
 
     def release(self) -> None:

@@ -10,6 +10,10 @@ from pathlib import Path
 
 from ..errors import InvalidConfig
 
+# A KV blob (an engine's export_seq): bytes-like. The native engine's is a memoryview of an
+# anonymous mapping, so a large context is gathered once into fresh huge pages, never copied.
+Blob = bytes | bytearray | memoryview
+
 DEFAULT_CAPACITY = 8 << 30
 
 

@@ -30,9 +30,46 @@ from typing import Any
 from ..errors import InvalidConfig, WarmkvError
 from ..tokens import common_prefix_len
 from .store import KVStore
-from .store_types import SnapshotInfo
+from .store_types import Blob, SnapshotInfo
 
 log = logging.getLogger(__name__)
+
+
+class LazyBlob:
+    """A blob made once, on first use, by whichever thread needs it first: the writer before
+    its write, or a lookup that matches the queued entry. A spill's KV is copied out of pinned
+    pool blocks this way, without the model lock. `done` once the copy ended (or failed)."""
+
+    def __init__(self, make: Callable[[], Blob], nbytes: int) -> None:
+        self._make: Callable[[], Blob] | None = make
+        self._lock = threading.Lock()
+        self._blob: Blob | None = None
+        self._error: BaseException | None = None
+        self.nbytes = nbytes
+        self.done = False
+
+    def get(self) -> Blob:
+        with self._lock:
+            if self._make is not None:
+                make, self._make = self._make, None
+                try:
+                    self._blob = make()
+                except BaseException as e:
+                    self._error = e
+                finally:
+                    self.done = True
+            if self._error is not None:
+                raise WarmkvError(f"the spilled KV could not be copied: {self._error!r}")
+            assert self._blob is not None
+            return self._blob
+
+
+def blob_bytes(blob: Blob | LazyBlob) -> Blob:
+    return blob.get() if isinstance(blob, LazyBlob) else blob
+
+
+def _nbytes(blob: Blob | LazyBlob) -> int:
+    return blob.nbytes if isinstance(blob, LazyBlob) else len(blob)
 
 
 @dataclass(frozen=True)
@@ -42,7 +79,7 @@ class PendingEntry:
     keys: tuple[str, ...]
     manifest_digest: str
     tokens: tuple[int, ...]
-    blob: bytes
+    blob: Blob | LazyBlob
 
 
 @dataclass(frozen=True)
@@ -99,7 +136,13 @@ class StoreWriter:
     # -- callers -------------------------------------------------------------
 
     def submit_entry(
-        self, keys: Sequence[str], manifest_digest: str, tokens: Sequence[int], blob: bytes, *, wait: bool = False
+        self,
+        keys: Sequence[str],
+        manifest_digest: str,
+        tokens: Sequence[int],
+        blob: Blob | LazyBlob,
+        *,
+        wait: bool = False,
     ) -> bool:
         """Queue a prefix entry; False (dropped) when the queue is full and wait is False, or closed."""
         entry = PendingEntry(tuple(keys), manifest_digest, tuple(tokens), blob)
@@ -107,12 +150,12 @@ class StoreWriter:
             self._check_not_held("submit_entry(wait=True)")
         with self._cond:
             if wait:
-                self._wait_room(len(blob))
-            if self._closed or not self._fits(len(blob)):
+                self._wait_room(_nbytes(blob))
+            if self._closed or not self._fits(_nbytes(blob)):
                 self._dropped += 1
                 return False
             self._pending[entry.keys[-1]] = entry
-            self._push(entry, len(blob))
+            self._push(entry, _nbytes(blob))
         return True
 
     def put_snapshot(
@@ -206,7 +249,7 @@ class StoreWriter:
                 if isinstance(job, PendingEntry):
                     if self._pending.get(job.keys[-1]) is job:
                         del self._pending[job.keys[-1]]
-                    self._bytes -= len(job.blob)
+                    self._bytes -= _nbytes(job.blob)
                 else:
                     self._bytes -= job.nbytes
                 self._finished += 1
@@ -221,7 +264,8 @@ class StoreWriter:
             job.done.set()
             return
         try:
-            self.store.put(job.keys[-1], job.manifest_digest, job.tokens, job.blob, block_keys=job.keys)
+            blob = blob_bytes(job.blob)
+            self.store.put(job.keys[-1], job.manifest_digest, job.tokens, blob, block_keys=job.keys)
             self._written += 1
         except WarmkvError as e:  # a spilled prefix that cannot be stored only costs a later prefill
             self._failed += 1

@@ -46,6 +46,12 @@ class PinnedKV:
     def to_bytes(self) -> Blob:
         return self._run(export_seq, self._cache, self._id())
 
+    def to_bytes_unlocked(self) -> Blob:
+        """export_seq on the calling thread: pinned blocks are never written (a sequence sharing
+        them copies on write) and the pool's tensors never move, so it only reads memory that
+        stays put until release()."""
+        return export_seq(self._cache, self._id())
+
     def release(self) -> None:
         if self._pin is not None:
             self._cache.free(self._pin)
