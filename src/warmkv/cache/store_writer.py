@@ -20,7 +20,9 @@ and the store's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -107,6 +109,14 @@ class WriterStats:
     written: int  # prefix entries written
     dropped: int  # prefix entries not queued: the queue was full
     failed: int  # prefix entries the store refused (full, I/O error)
+
+
+def _yield_to_steps() -> None:
+    """Run this thread at the lowest CPU priority (Linux: per thread). Its copies, checksums
+    and writes then use the cores the engine's steps leave idle, instead of slowing every
+    stream's step on a small machine; a spill only has to be done before it is needed."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _shared(a: Sequence[str], b: Sequence[str]) -> int:
@@ -237,6 +247,7 @@ class StoreWriter:
         self._cond.notify_all()
 
     def _run(self) -> None:
+        _yield_to_steps()
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closed)

@@ -12,6 +12,7 @@ import math
 import mmap
 import struct
 
+import numpy as np
 import torch
 
 from ...errors import InvalidInput
@@ -38,11 +39,14 @@ def _buffer(n: int) -> memoryview:
     return memoryview(mm)
 
 
-def export_seq(cache: PagedKVCache, seq: int) -> memoryview:
+def export_seq(cache: PagedKVCache, seq: int, *, background: bool = False) -> memoryview:
     """seq's KV as a blob, gathered straight into one buffer.
 
     One allocation and one pass: a 3000-token context at a 1.7B shape is 590 MB, and a
     gather, a copy per tensor and a join took 3 s of it, under the model lock.
+    background: off the compute thread, beside running steps. The gather then runs on this
+    thread alone (numpy): torch would start a second OpenMP team, and on a small machine the
+    step's team then waits at every barrier for threads the gather has taken its cores from.
     """
     lay = cache.layout
     slots = cache.slots(seq)
@@ -61,7 +65,10 @@ def export_seq(cache: PagedKVCache, seq: int) -> memoryview:
     offset = len(head)
     for t, size in zip(cache.storage(), sizes, strict=True):
         dst = buf[offset : offset + size].view(t.dtype).view(lay.n_layers, length, *t.shape[2:])
-        if t.device.type == "cpu":
+        if t.device.type == "cpu" and background:
+            rows = t.view(torch.uint8).numpy()  # bytes: numpy has no bfloat16
+            np.take(rows, slots.numpy(), axis=1, out=dst.view(torch.uint8).numpy())
+        elif t.device.type == "cpu":
             torch.index_select(t, 1, slots, out=dst)
         else:
             dst.copy_(torch.index_select(t, 1, slots))

@@ -50,7 +50,7 @@ class PinnedKV:
         """export_seq on the calling thread: pinned blocks are never written (a sequence sharing
         them copies on write) and the pool's tensors never move, so it only reads memory that
         stays put until release()."""
-        return export_seq(self._cache, self._id())
+        return export_seq(self._cache, self._id(), background=True)
 
     def release(self) -> None:
         if self._pin is not None:
