@@ -43,6 +43,9 @@ class Lazy(Mapping[str, T], Generic[T]):
         """The value's shape without making it; None when absent."""
         return self._shapes.get(name)
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._shapes  # Mapping's own would make the value
+
     def __getitem__(self, name: str) -> T:
         if name not in self._shapes:
             raise KeyError(name)
