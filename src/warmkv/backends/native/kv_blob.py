@@ -67,7 +67,8 @@ def export_seq(cache: PagedKVCache, seq: int, *, background: bool = False) -> me
         dst = buf[offset : offset + size].view(t.dtype).view(lay.n_layers, length, *t.shape[2:])
         if t.device.type == "cpu" and background:
             rows = t.view(torch.uint8).numpy()  # bytes: numpy has no bfloat16
-            np.take(rows, slots.numpy(), axis=1, out=dst.view(torch.uint8).numpy())
+            # mode="wrap": the slots are in range, and "raise" gathers through a full-size temporary
+            np.take(rows, slots.numpy(), axis=1, out=dst.view(torch.uint8).numpy(), mode="wrap")
         elif t.device.type == "cpu":
             torch.index_select(t, 1, slots, out=dst)
         else:
