@@ -66,6 +66,18 @@ def test_match_insert_and_partial_match() -> None:
     assert cache.check_integrity()
 
 
+def test_an_uncounted_match_is_not_a_use() -> None:
+    cache, _ = make(capacity=20)
+    old = cache.insert(chain("a"), "A", 10).entry
+    cache.insert(chain("b"), "B", 10)
+    assert cache.match(chain("x"), count=False).entry is None
+    assert cache.match(chain("a"), count=False).entry is old
+    s = cache.stats()
+    assert (s.hits, s.misses, s.hit_blocks) == (0, 0, 0)
+    cache.insert(chain("c"), "C", 10)  # "a" was only looked at: still the least recently used
+    assert cache.match(chain("a")).entry is None
+
+
 def test_longer_entry_supersedes_unlocked_prefix() -> None:
     cache, released = make()
     short = cache.insert(chain("ab"), "short", 10).entry

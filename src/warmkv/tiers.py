@@ -119,17 +119,21 @@ class KVTiers:
         """
         if self.writer is None or len(keys) * self.block_tokens <= beat:
             return None
-        if self.lookup_memory(tokens, keys, beat) is not None:
+        if self.lookup_memory(tokens, keys, beat, count=False) is not None:  # begin_load counts its own
             return None
         toks, ks = list(tokens), list(keys)
         return lambda: self.read_disk(manifest_digest, toks, ks, beat)
 
-    def lookup_memory(self, tokens: Sequence[int], keys: Sequence[str], beat: int) -> WarmHit | None:
-        """The memory tier's longest prefix of `tokens` longer than `beat` (under the model lock)."""
+    def lookup_memory(
+        self, tokens: Sequence[int], keys: Sequence[str], beat: int, *, count: bool = True
+    ) -> WarmHit | None:
+        """The memory tier's longest prefix of `tokens` longer than `beat` (under the model lock).
+
+        count=False: not counted as a hit or miss (see PrefixCache.match)."""
         self._release_spilled()
         if self.memory is None or len(keys) * self.block_tokens <= beat:
             return None
-        m = self.memory.match(keys)
+        m = self.memory.match(keys, count=count)
         if m.entry is not None:
             kv: CachedKV = m.entry.payload  # type: ignore[assignment]
             n = common_prefix_len(kv.tokens, tokens)

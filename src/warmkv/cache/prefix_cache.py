@@ -100,18 +100,23 @@ class PrefixCache:
 
     # -- lookups -------------------------------------------------------------
 
-    def match(self, keys: Sequence[str], *, lock: bool = False) -> PrefixMatch:
-        """Longest cached prefix of keys; with lock=True the entry is locked atomically."""
+    def match(self, keys: Sequence[str], *, lock: bool = False, count: bool = True) -> PrefixMatch:
+        """Longest cached prefix of keys; with lock=True the entry is locked atomically.
+
+        count=False: a look that is not a use (no hit or miss counted, no LRU touch), for a
+        caller that decides something before the lookup proper.
+        """
         keys = _check_keys(keys)
         with self._lock:
             node = self._walk(keys)
             if node is self._root:
-                self._misses += bool(keys)
+                self._misses += bool(keys) and count
                 return PrefixMatch(0, None)
             entry = max(node.entries.values(), key=lambda e: e._tick)
-            self._touch(entry)
-            self._hits += 1
-            self._hit_blocks += node.depth
+            if count:
+                self._touch(entry)
+                self._hits += 1
+                self._hit_blocks += node.depth
             if lock:
                 self._lock_entry(entry)
             return PrefixMatch(node.depth, entry)
