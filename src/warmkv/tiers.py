@@ -198,12 +198,16 @@ class KVTiers:
         if self._release_spilled():
             return True
         if self._spilling:
-            cached, blob = self._spilling.popleft()
-            with contextlib.suppress(WarmkvError):  # not copied: the writer counts it as failed
-                blob.get()
-            cached.kv.release()
+            self._finish_spill()
             return True
         return self.memory is not None and bool(self.memory.evict(1))
+
+    def _finish_spill(self) -> None:
+        """Copy the oldest pending spill here and now (or wait for the writer's copy), then let go of its KV."""
+        cached, blob = self._spilling.popleft()
+        with contextlib.suppress(WarmkvError):  # not copied: the writer counts it as failed
+            blob.get()
+        cached.kv.release()
 
     def _release_spilled(self) -> int:
         """Let go of the KV of spills the writer has copied (model lock held); how many."""
@@ -273,10 +277,7 @@ class KVTiers:
         if self._held_back is None:
             self._held_back = []
         while self._spilling:  # the pool goes away after close: finish the copies now
-            cached, blob = self._spilling.popleft()
-            with contextlib.suppress(WarmkvError):
-                blob.get()
-            cached.kv.release()
+            self._finish_spill()
         if self.memory is not None:
             self.memory.clear()
 
