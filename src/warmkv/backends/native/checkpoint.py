@@ -31,11 +31,6 @@ class Lazy(Mapping[str, T], Generic[T]):
         self._make = make
 
     @staticmethod
-    def of(values: Mapping[str, torch.Tensor]) -> Lazy[torch.Tensor]:
-        """Tensors already in memory, behind the same interface."""
-        return Lazy({k: tuple(v.shape) for k, v in values.items()}, values.__getitem__)
-
-    @staticmethod
     def none() -> Lazy[Blocks]:
         return Lazy({}, _absent)
 
