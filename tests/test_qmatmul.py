@@ -79,6 +79,14 @@ def test_a_rows_result_does_not_depend_on_the_batch(ext, kind: str) -> None:  # 
     ext.set_qmatmul_grain(8)
 
 
+def test_the_kernels_run_on_every_thread(ext) -> None:  # type: ignore[no-untyped-def]
+    """A build without OpenMP runs every at::parallel_for on one thread: decode at half speed."""
+    threads = torch.get_num_threads()
+    if threads < 2:
+        pytest.skip("one thread here")
+    assert ext.parallel_threads() == threads
+
+
 def test_gguf_codes_come_through_exactly() -> None:
     """The default model's Q4_1 layers and Q8_0 embeddings: the packed blocks dequantize to gguf's own floats."""
     import gguf

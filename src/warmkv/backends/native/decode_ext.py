@@ -41,7 +41,9 @@ log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "decode_step.cpp"
-FLAGS = ("-O3", "-march=native")
+# -fopenmp: without it the `#pragma omp parallel` inside at::parallel_for compiles to nothing and
+# every kernel runs on one thread (the process has one libgomp, torch's, either way).
+FLAGS = ("-O3", "-march=native", "-fopenmp")
 # Built results per (build dir, compiler): a failed build is not retried on every model load.
 _built: dict[tuple[str, str], ModuleType | Exception] = {}
 
@@ -62,7 +64,9 @@ def _build() -> ModuleType:
     _ensure_ninja()
     t0 = time.perf_counter()
     log.info("loading the C++ decode loop (the first build on a machine takes ~40 s)")
-    module = cpp_extension.load(_build_name(), [str(SOURCE)], extra_cflags=list(FLAGS), verbose=False)
+    module = cpp_extension.load(
+        _build_name(), [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], verbose=False
+    )
     log.info("C++ decode loop ready in %.1f s", time.perf_counter() - t0)
     return module
 

@@ -7,6 +7,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <vector>
 
@@ -58,6 +59,14 @@ Tensor huge_page_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
 }
 
 Tensor huge_page_copy(const Tensor& t) { return huge_page_empty(t.sizes(), t.scalar_type()).copy_(t); }
+
+// How many threads at::parallel_for really runs on here: 1 in a build without OpenMP, whatever
+// at::get_num_threads() says (its pragma then compiles to nothing).
+int64_t parallel_threads() {
+  std::vector<char> ran(at::get_num_threads(), 0);
+  at::parallel_for(0, static_cast<int64_t>(ran.size()), 1, [&](int64_t, int64_t) { ran[at::get_thread_num()] = 1; });
+  return std::count(ran.begin(), ran.end(), 1);
+}
 
 // model.Linear: 4/8-bit blocks (qmatmul, float32 out), float weights (F.linear), int8 rows or int4
 // groups (torch's CPU kernels).
@@ -237,5 +246,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul", &qmatmul, py::call_guard<py::gil_scoped_release>());
   m.def("qmatmul_isa", &warmkv::qmm::isa);
   m.def("huge_page_copy", &huge_page_copy);
+  m.def("parallel_threads", &parallel_threads);
   m.def("set_qmatmul_grain", [](int64_t g) { warmkv::qmm::tile_grain = std::max<int64_t>(1, g); });
 }
