@@ -218,6 +218,44 @@ def test_a_disk_hit_in_the_scheduler_does_not_stop_its_streams(rt: warmkv.Runtim
         scheduler.close()
 
 
+def test_a_turn_waiting_on_the_disk_does_not_hold_back_the_next_turns_prefill(rt: warmkv.Runtime) -> None:
+    """With the step budget spent on decode rows, each step still prefills a piece of one waiting
+    turn: the first that can go, not the first in line while its disk read is under way."""
+    from warmkv.scheduler import Scheduler, SchedulerConfig
+
+    store: SlowStore = rt.tiers.store  # type: ignore[union-attr, assignment]
+    with rt.session() as b:
+        b.ensure_prefix(PREFIX_A)
+    assert rt.flush(60)
+    scheduler = Scheduler(rt, SchedulerConfig(max_step_tokens=1))  # one decode row spends it all
+    try:
+        with rt.session() as streaming, rt.session() as hitting, rt.session() as fresh:
+            started = threading.Event()
+            cfg = warmkv.DecodeConfig(max_tokens=1500, temperature=0.0, ignore_eos=True)
+            count = "<|im_start|>system\nCount from one to a thousand, one number a line.<|im_end|>\n"
+            scheduler.submit(streaming.turn(count + USER_A, cfg), lambda c: started.set())
+            assert started.wait(60)
+            t0 = time.perf_counter()
+            done: dict[str, float] = {}
+            events = {name: threading.Event() for name in ("hitting", "fresh")}
+
+            def on(name: str) -> Any:
+                return lambda status: (done.setdefault(name, time.perf_counter()), events[name].set())
+
+            one = warmkv.DecodeConfig(max_tokens=1, temperature=0.0)
+            scheduler.submit(hitting.turn(PREFIX_A, one), lambda c: None, on_prefilled=on("hitting"))
+            scheduler.submit(fresh.turn(USER_A, one), lambda c: None, on_prefilled=on("fresh"))
+            assert events["hitting"].wait(120) and events["fresh"].wait(120)
+            streaming.cancel()
+        read = window(store, "longest_prefix", t0)
+        print(
+            f"disk read {read[0] - t0:.2f}-{read[1] - t0:.2f}s; the other turn prefilled at {done['fresh'] - t0:.2f}s"
+        )
+        assert done["fresh"] < read[1]
+    finally:
+        scheduler.close()
+
+
 COPY_S = 2.0
 
 

@@ -8,7 +8,8 @@ prefills, then decodes. Each step, under the model lock:
    for a turn that emits no text this step;
 2. prefill: the waiting turns, oldest first, get cold-aligned prefill pieces under the
    step's token budget (max_step_tokens less the decode rows; SARATHI-style chunked
-   prefill), at least one piece per step so a prompt always advances. Each piece is its
+   prefill), at least one piece per step (to the oldest turn not waiting on a disk read)
+   so a prompt always advances. Each piece is its
    own forward: batched with other rows, a piece would be split at other places by the
    native engine's num_batch planner and run through GEMMs of other shapes, so its numbers
    (and a greedy turn's tokens) would depend on what else was running;
@@ -226,7 +227,7 @@ class Scheduler:
                     left = self._prefill(job, budget, first=not prefilled, out=out)
                     prefilled = prefilled or left < budget
                     budget = left
-                    if budget <= 0:
+                    if budget <= 0 and prefilled:
                         break
             for job in decoding:
                 out.append((job, job.state.take(results.get(id(job)))))
