@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from warmkv.cache import KVStore, StoreConfig, block_keys
-from warmkv.cache.store_writer import StoreWriter
+from warmkv.cache.store_writer import LazyBlob, StoreWriter
+from warmkv.errors import WarmkvError
 
 BLOCK = 4
 MD = "m" * 64
@@ -58,6 +59,23 @@ def test_queued_entry_is_found_before_and_after_it_is_written(store: GatedStore)
     got = store.longest_prefix(MD, prompt, block_keys(MD, prompt, BLOCK), block_size=BLOCK)
     assert got is not None and got.n_tokens == 9 and got.entry.blob == blob
     assert writer.stats().written == 1
+    writer.close()
+
+
+def test_a_spills_bytes_are_let_go_once_written(store: GatedStore) -> None:
+    """The tiers keep a spill's LazyBlob until they next run: the writer must not leave a whole
+    prefix's KV in it after the write."""
+    writer = StoreWriter(store, max_pending_bytes=1 << 20)
+    keys, tokens, blob = entry(list(range(12)))
+    lazy = LazyBlob(lambda: blob, len(blob))
+    assert writer.submit_entry(keys, MD, tokens, lazy)
+    assert lazy.get() == blob and lazy.done  # a lookup may copy it before the write
+    store.gate.set()
+    assert writer.flush(10)
+    with pytest.raises(WarmkvError, match="left the queue"):
+        lazy.get()
+    got = store.longest_prefix(MD, tokens, keys, block_size=BLOCK)
+    assert got is not None and got.entry.blob == blob
     writer.close()
 
 

@@ -153,10 +153,11 @@ class KVTiers:
             e = queued.entry
             try:
                 blob = blob_bytes(e.blob)  # a spill not copied yet: copied here, off the lock
-            except WarmkvError as err:
-                log.warning("queued kv entry unreadable: %s", err)
-                return None
-            return WarmHit("disk", queued.n_tokens, CachedKV(e.tokens, BlobKV(self._backend, blob), manifest_digest))
+                return WarmHit(
+                    "disk", queued.n_tokens, CachedKV(e.tokens, BlobKV(self._backend, blob), manifest_digest)
+                )
+            except WarmkvError as err:  # written meanwhile (the store has it), or its copy failed
+                log.debug("queued kv entry not readable: %s", err)
         try:
             s = self.store.longest_prefix(manifest_digest, tokens, keys, block_size=self.block_tokens)
         except WarmkvError as e:  # a broken store degrades to a cold prefill, never to wrong KV

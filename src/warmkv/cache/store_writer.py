@@ -40,13 +40,15 @@ log = logging.getLogger(__name__)
 class LazyBlob:
     """A blob made once, on first use, by whichever thread needs it first: the writer before
     its write, or a lookup that matches the queued entry. A spill's KV is copied out of pinned
-    pool blocks this way, without the model lock. `done` once the copy ended (or failed)."""
+    pool blocks this way, without the model lock. `done` once the copy ended (or failed).
+    The writer drops the bytes once it has written them: the tiers keep this object until
+    they next run, and the bytes are a whole prefix's KV."""
 
     def __init__(self, make: Callable[[], Blob], nbytes: int) -> None:
         self._make: Callable[[], Blob] | None = make
         self._lock = threading.Lock()
         self._blob: Blob | None = None
-        self._error: BaseException | None = None
+        self._error: str | None = None
         self.nbytes = nbytes
         self.done = False
 
@@ -57,13 +59,19 @@ class LazyBlob:
                 try:
                     self._blob = make()
                 except BaseException as e:
-                    self._error = e
+                    self._error = f"the spilled KV could not be copied: {e!r}"
                 finally:
                     self.done = True
             if self._error is not None:
-                raise WarmkvError(f"the spilled KV could not be copied: {self._error!r}")
+                raise WarmkvError(self._error)
             assert self._blob is not None
             return self._blob
+
+    def drop(self) -> None:
+        """The writer is done with the bytes (written or refused): later reads go to the store."""
+        with self._lock:
+            self._make, self._blob, self.done = None, None, True
+            self._error = self._error or "the spilled KV has left the queue for the store"
 
 
 def blob_bytes(blob: Blob | LazyBlob) -> Blob:
@@ -261,6 +269,8 @@ class StoreWriter:
                     if self._pending.get(job.keys[-1]) is job:
                         del self._pending[job.keys[-1]]
                     self._bytes -= _nbytes(job.blob)
+                    if isinstance(job.blob, LazyBlob):
+                        job.blob.drop()
                 else:
                     self._bytes -= job.nbytes
                 self._finished += 1
