@@ -107,6 +107,7 @@ def test_bad_input_changes_nothing(tmp_path: Path) -> None:
             lambda: store.put("", MD, [1], b"x"),
             lambda: store.put("k", MD, [-1], b"x"),
             lambda: store.put("k", MD, [1], "not bytes"),
+            lambda: store.put("k", MD, [1], memoryview(b"abcd")[::2]),  # not contiguous
             lambda: store.put("k", MD, [1], b"x", {"f": object()}),
             lambda: store.put("k", MD, [1], b"x", block_keys="abc"),
             lambda: store.longest_prefix(MD, [1] * 32, ["k"], block_size=16),

@@ -29,7 +29,10 @@ def check_payload(blob: object) -> memoryview:
     (every stream's step waits for the copy)."""
     if not isinstance(blob, bytes | bytearray | memoryview):
         raise InvalidInput(f"blob must be bytes, got {type(blob).__name__}")
-    return memoryview(blob).cast("B")
+    view = memoryview(blob)
+    if not view.c_contiguous:
+        raise InvalidInput(f"blob must be contiguous bytes, got a strided {view.format!r} view of shape {view.shape}")
+    return view.cast("B")
 
 
 def check_blob(data: bytes, row: Row, kind: str) -> tuple[BlobHeader, bytes] | str:
