@@ -155,7 +155,7 @@ def bench_throughput(
         fail(e)
     t = Table(
         title=f"throughput: {prompt_tokens}-token prefill, {decode_tokens} greedy decode steps, "
-        f"{report['threads']} threads" + (f", median of {rounds} rounds (min-max)" if rounds > 1 else "")
+        f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}" + (f", median of {rounds} rounds (min-max)" if rounds > 1 else "")
     )
     cols = ("engine", "prefill tok/s", "decode tok/s", "prefill x llama.cpp", "decode x llama.cpp", "note")
     for col in cols:
