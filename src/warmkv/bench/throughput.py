@@ -22,6 +22,7 @@ from ..config import RuntimeConfig
 from ..errors import BackendUnavailable, InvalidConfig, Unsupported
 from ..models import resolve_model
 
+ENGINES = ("native", "native-default", "native-bf16-prefill", "transformers", "llamacpp")
 # (label, kv_cache_type, compute dtype, cpp_decode) of the native configurations measured;
 # one row decodes in the Python layer loop, to show what the C++ loop is worth.
 NATIVE_VARIANTS = (
@@ -172,6 +173,8 @@ def run_throughput(
         plan.append(("llama.cpp f16-kv", lambda: load_backend("llamacpp", path, cfg)))
     if "native-default" in engines:  # the options a user gets, alone: quicker at large shapes
         plan.append(("native default", lambda: load_backend("native", path, cfg)))
+    if "native-bf16-prefill" in engines:  # the default but for prefill on a bf16 copy of the layers
+        plan.append(("native bf16 prefill", lambda: load_backend("native", path, cfg, prefill_weights="bf16")))
     if "native" in engines:
         for label, kv, compute, cpp in NATIVE_VARIANTS:
             c = RuntimeConfig(**{**asdict(cfg), "kv_cache_type": kv})

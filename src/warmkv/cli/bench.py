@@ -96,7 +96,10 @@ def bench_throughput(
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=16, max=32768)] = 1024,
     decode_tokens: Annotated[int, typer.Option("--decode-tokens", min=1, max=4096)] = 128,
     engines: Annotated[
-        str, typer.Option("--engines", help="comma-separated: native,native-default,transformers,llamacpp")
+        str,
+        typer.Option(
+            "--engines", help="comma-separated: native,native-default,native-bf16-prefill,transformers,llamacpp"
+        ),
     ] = "native,transformers,llamacpp",
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
     model: Annotated[
@@ -124,7 +127,7 @@ def bench_throughput(
     ] = 1,
 ) -> None:
     """Prefill and decode tokens/s: native engine dtypes vs transformers vs llama.cpp, in one run."""
-    from ..bench.throughput import run_throughput
+    from ..bench.throughput import ENGINES, run_throughput
 
     if shape is not None:
         if model is not None:
@@ -137,9 +140,9 @@ def bench_throughput(
         except WarmkvError as e:
             fail(e)
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
-    unknown = sorted(set(chosen) - {"native", "native-default", "transformers", "llamacpp"})
+    unknown = sorted(set(chosen) - set(ENGINES))
     if unknown or not chosen:
-        fail(ValueError(f"--engines takes native, native-default, transformers, llamacpp; got {engines!r}"))
+        fail(ValueError(f"--engines takes {', '.join(ENGINES)}; got {engines!r}"))
     try:
         with err.status("measuring...") as status:
             report = run_throughput(
@@ -155,7 +158,8 @@ def bench_throughput(
         fail(e)
     t = Table(
         title=f"throughput: {prompt_tokens}-token prefill, {decode_tokens} greedy decode steps, "
-        f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}" + (f", median of {rounds} rounds (min-max)" if rounds > 1 else "")
+        f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}"
+        + (f", median of {rounds} rounds (min-max)" if rounds > 1 else "")
     )
     cols = ("engine", "prefill tok/s", "decode tok/s", "prefill x llama.cpp", "decode x llama.cpp", "note")
     for col in cols:
