@@ -184,7 +184,9 @@ class DecodeLoop {
     Tensor h = at::empty({t, dim}, opts.dtype(dtype_));
     Tensor q = at::empty({t, n_heads_ * d}, opts);
     Tensor o = at::empty({t, n_heads_ * d}, opts.dtype(dtype_));
-    std::vector<float> att(n_heads_ * d);
+    std::vector<float> att(t * n_heads_ * d);
+    std::vector<warmkv::QueryKeys> keys(t);
+    for (int64_t i = 0; i < t; i++) keys[i] = {a.slots[i].data_ptr<int64_t>(), a.first[i], a.slots[i].size(0)};
     const int64_t* write = a.write_slots.data_ptr<int64_t>();
     const float *cos = a.cos.data_ptr<float>(), *sin = a.sin.data_ptr<float>();
     for (size_t li = 0; li < layers_.size(); li++) {
@@ -203,13 +205,9 @@ class DecodeLoop {
                            vp + slot * kv_row, ks ? ks + slot * n_kv_ : nullptr, vs ? vs + slot * n_kv_ : nullptr);
       }
       const warmkv::PoolLayer<K> pool{kp, vp, ks, vs};
-      for (int64_t i = 0; i < t; i++) {
-        const Tensor& keys = a.slots[i];
-        warmkv::attend(q.data_ptr<float>() + i * n_heads_ * d, pool, keys.data_ptr<int64_t>(), a.first[i],
-                       keys.size(0), n_heads_, n_kv_, d, scale, att.data());
-        T* oi = ptr<T>(o) + i * n_heads_ * d;
-        for (int64_t j = 0; j < n_heads_ * d; j++) oi[j] = warmkv::from_f<T>(att[j]);
-      }
+      warmkv::attend(q.data_ptr<float>(), pool, keys, n_heads_, n_kv_, d, scale, att.data());
+      T* op = ptr<T>(o);
+      for (int64_t j = 0; j < t * n_heads_ * d; j++) op[j] = warmkv::from_f<T>(att[j]);
       x = L.o.add_to(x, o);
       norm_rows<T>(x, L.ffn_norm, h);
       Tensor gu = L.gate_up(h).contiguous();

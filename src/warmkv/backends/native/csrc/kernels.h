@@ -317,57 +317,85 @@ void attend_task_fixed(const Task<K>& t, const float* qs, float* s, Part part) {
 }
 #endif
 
-// One query token over its keys (slot ids `slots`, or the range starting at `first` when >= 0):
-// out[h] = softmax(scale * q[h] . K^T) V for every query head h, grouped by the kv head they share.
-// Tasks of (kv head range, key chunk) run in parallel; the partial softmaxes are merged in chunk order.
-// A task's head range only sets which rows it reads together: every (kv head, chunk) partial is
-// computed the same way whatever the range, so the thread count changes no bits.
+// The keys of one query token: slot ids `slots`, or the range starting at `first` when >= 0.
+struct QueryKeys {
+  const int64_t* slots;
+  int64_t first, n;
+};
+
+// Every query token of a step over its own keys: out[i][h] = softmax(scale * q[i][h] . K_i^T) V_i
+// for every query head h, grouped by the kv head they share. q, out: [queries, n_heads * d].
+// Tasks of (query, kv head range, key chunk) run in one parallel region for all the queries (a
+// region per query cost each of a step's streams a fork and a join per layer); the partial
+// softmaxes are merged per query in chunk order. A task's head range only sets which rows it
+// reads together: every (kv head, chunk) partial is computed the same way whatever the range,
+// so neither the thread count nor the other queries change a query's bits.
 template <typename K>
-void attend(const float* q, PoolLayer<K> pool, const int64_t* slots, int64_t first, int64_t n_keys, int64_t n_heads,
-            int64_t n_kv, int64_t d, float scale, float* out) {
-  const int64_t group = n_heads / n_kv, chunks = (n_keys + kChunk - 1) / kChunk;
+void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& keys, int64_t n_heads, int64_t n_kv,
+            int64_t d, float scale, float* out) {
+  const int64_t nq = static_cast<int64_t>(keys.size()), group = n_heads / n_kv, row = n_heads * d;
   const int64_t stride = group * (d + 2);  // per (kv head, chunk): (max, sum, acc[d]) per query head
+  std::vector<int64_t> chunks(nq), part_at(nq + 1, 0);
+  int64_t all_chunks = 0;
+  for (int64_t i = 0; i < nq; i++) {
+    chunks[i] = (keys[i].n + kChunk - 1) / kChunk;
+    all_chunks += chunks[i];
+    part_at[i + 1] = part_at[i] + n_kv * chunks[i] * stride;
+  }
   // Enough tasks for every thread (twice over, for balance), each spanning as many heads as that allows.
-  const int64_t spans = std::clamp<int64_t>((2 * at::get_num_threads() + chunks - 1) / chunks, 1, n_kv);
+  const int64_t spans = std::clamp<int64_t>((2 * at::get_num_threads() + all_chunks - 1) / all_chunks, 1, n_kv);
   const int64_t per_span = (n_kv + spans - 1) / spans;
-  std::vector<float> part(n_kv * chunks * stride), qs(n_heads * d);
-  for (int64_t i = 0; i < n_heads * d; i++) qs[i] = q[i] * scale;
-  at::parallel_for(0, spans * chunks, 1, [&](int64_t begin, int64_t end) {
+  std::vector<int64_t> task_at(nq + 1, 0);  // query i's tasks: [task_at[i], task_at[i + 1])
+  for (int64_t i = 0; i < nq; i++) task_at[i + 1] = task_at[i] + spans * chunks[i];
+  std::vector<float> part(part_at[nq]), qs(nq * row);
+  for (int64_t i = 0; i < nq * row; i++) qs[i] = q[i] * scale;
+  at::parallel_for(0, task_at[nq], 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(per_span * group * kChunk);
+    int64_t i = std::upper_bound(task_at.begin(), task_at.end(), begin) - task_at.begin() - 1;
     for (int64_t task = begin; task < end; task++) {
-      const int64_t h0 = (task / chunks) * per_span, h1 = std::min(n_kv, h0 + per_span), c = task % chunks;
+      while (task >= task_at[i + 1]) i++;
+      const int64_t local = task - task_at[i], nc = chunks[i];
+      const int64_t h0 = (local / nc) * per_span, h1 = std::min(n_kv, h0 + per_span), c = local % nc;
       if (h0 >= h1) continue;
-      const Task<K> t{pool, slots, first, n_kv, h0, h1, c * kChunk, std::min(kChunk, n_keys - c * kChunk)};
-      auto part_of = [&](int64_t h) { return part.data() + (h * chunks + c) * stride; };
+      const QueryKeys& k = keys[i];
+      const Task<K> t{pool, k.slots, k.first, n_kv, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
+      const float* qi = qs.data() + i * row;
+      auto part_of = [&](int64_t h) { return part.data() + part_at[i] + (h * nc + c) * stride; };
 #ifdef WARMKV_AVX2
 #define WARMKV_FIXED(D, G) \
-  if (d == D && group == G) { attend_task_fixed<K, D, G>(t, qs.data(), s.data(), part_of); continue; }
+  if (d == D && group == G) { attend_task_fixed<K, D, G>(t, qi, s.data(), part_of); continue; }
       WARMKV_FIXED(64, 1) WARMKV_FIXED(64, 2) WARMKV_FIXED(64, 3) WARMKV_FIXED(64, 4) WARMKV_FIXED(64, 5)
       WARMKV_FIXED(64, 6) WARMKV_FIXED(64, 7) WARMKV_FIXED(64, 8) WARMKV_FIXED(128, 1) WARMKV_FIXED(128, 2)
       WARMKV_FIXED(128, 3) WARMKV_FIXED(128, 4) WARMKV_FIXED(128, 5) WARMKV_FIXED(128, 6) WARMKV_FIXED(128, 7)
       WARMKV_FIXED(128, 8)
 #undef WARMKV_FIXED
 #endif
-      attend_task(t, qs.data(), group, d, s.data(), part_of);
+      attend_task(t, qi, group, d, s.data(), part_of);
     }
   });
-  std::vector<float> acc(d);
-  for (int64_t h = 0; h < n_kv; h++) {
-    for (int64_t g = 0; g < group; g++) {
-      float m = -INFINITY;
-      for (int64_t c = 0; c < chunks; c++) m = std::max(m, part[(h * chunks + c) * stride + g * (d + 2)]);
-      float total = 0.f;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t c = 0; c < chunks; c++) {
-        const float* p = part.data() + (h * chunks + c) * stride + g * (d + 2);
-        const float w = std::exp(p[0] - m);
-        total += w * p[1];
-        for (int64_t j = 0; j < d; j++) acc[j] += w * p[2 + j];
+  at::parallel_for(0, nq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(d);
+    for (int64_t i = begin; i < end; i++) {
+      const int64_t nc = chunks[i];
+      const float* pi = part.data() + part_at[i];
+      for (int64_t h = 0; h < n_kv; h++) {
+        for (int64_t g = 0; g < group; g++) {
+          float m = -INFINITY;
+          for (int64_t c = 0; c < nc; c++) m = std::max(m, pi[(h * nc + c) * stride + g * (d + 2)]);
+          float total = 0.f;
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t c = 0; c < nc; c++) {
+            const float* p = pi + (h * nc + c) * stride + g * (d + 2);
+            const float w = std::exp(p[0] - m);
+            total += w * p[1];
+            for (int64_t j = 0; j < d; j++) acc[j] += w * p[2 + j];
+          }
+          float* o = out + i * row + (h * group + g) * d;
+          for (int64_t j = 0; j < d; j++) o[j] = acc[j] / total;
+        }
       }
-      float* o = out + (h * group + g) * d;
-      for (int64_t j = 0; j < d; j++) o[j] = acc[j] / total;
     }
-  }
+  });
 }
 
 }  // namespace warmkv
