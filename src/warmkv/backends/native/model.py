@@ -34,7 +34,7 @@ class Linear:
 
     int8: a scale per output row. int4 with the C++ kernels (`ext`): blocks of 32 packed for
     qmatmul (csrc/qmatmul.h), `qkind` >= 0, plus an optional bfloat16 copy `dense` that
-    prefill rows multiply by (compute-bound there, where bf16 beats integer unpacking).
+    prefill rows multiply by (prefill_weights="bf16": on CPUs without int8 dot products).
     int4 without them: torch's CPU int4 kernel (groups with a scale and a minimum each);
     `scale` then holds [in/32, out, 2] (scale, zero) as it wants them.
     """
