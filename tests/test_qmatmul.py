@@ -122,10 +122,9 @@ def test_prefill_weights_is_validated() -> None:
         NativeOptions(prefill_weights="fp8")
 
 
-def test_prefill_weights_resolve_and_name_the_matmuls() -> None:
+def test_prefill_weights_resolve_and_name_the_matmuls(ext) -> None:  # type: ignore[no-untyped-def]
     """The manifest says which kernel computed prefill pieces: their KV differs in the last bits."""
     from warmkv.backends import load_backend
-    from warmkv.backends.native import decode_ext
 
     cfg = warmkv.RuntimeConfig(num_ctx=128, n_seq_max=1)
     path = str(warmkv.default_model_path())
@@ -135,7 +134,7 @@ def test_prefill_weights_resolve_and_name_the_matmuls() -> None:
             resolved = b.options.prefill_weights
             if option != "auto":
                 assert resolved == option
-            elif decode_ext.extension("on").qmatmul_isa() == "avx512-vnni":
+            elif ext.qmatmul_isa() == "avx512-vnni":
                 assert resolved == "int4"  # faster than the copy there, and no copy
             else:
                 assert resolved in ("bf16", "int4")

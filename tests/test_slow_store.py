@@ -27,6 +27,8 @@ MIN_TOKENS = 2
 # Two ~150-token prefixes sharing their first two 64-token blocks.
 RULES = "<|im_start|>system\nYou review patches.\n" + "".join(f"Rule {i}: keep functions short.\n" for i in range(18))
 PREFIX_A = RULES + "## a.py\ndef area(w, h):\n    return w * h\n<|im_end|>\n"
+# A system prompt that keeps a stream decoding.
+COUNT = "<|im_start|>system\nCount from one to a thousand, one number a line.<|im_end|>\n"
 PREFIX_B = RULES + "## b.py\ndef perimeter(w, h):\n    return 2 * (w + h)\n<|im_end|>\n"
 
 
@@ -111,7 +113,7 @@ def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[warmkv.Runti
 
 def streaming(rt: warmkv.Runtime) -> Stream:
     s = rt.session()
-    s.ensure_prefix("<|im_start|>system\nCount from one to a thousand, one number a line.<|im_end|>\n")
+    s.ensure_prefix(COUNT)
     s.prefill_suffix(USER_A)
     return Stream(s)
 
@@ -189,9 +191,8 @@ def test_a_disk_hit_in_the_scheduler_does_not_stop_its_streams(rt: warmkv.Runtim
                 if chunk.done:
                     ended.set()
 
-            count = "<|im_start|>system\nCount from one to a thousand, one number a line.<|im_end|>\n"
             cfg = warmkv.DecodeConfig(max_tokens=1500, temperature=0.0, ignore_eos=True)
-            scheduler.submit(streaming.turn(count + USER_A, cfg), sink)
+            scheduler.submit(streaming.turn(COUNT + USER_A, cfg), sink)
             deadline = time.monotonic() + 60
             while len(stamps) < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -232,8 +233,7 @@ def test_a_turn_waiting_on_the_disk_does_not_hold_back_the_next_turns_prefill(rt
         with rt.session() as streaming, rt.session() as hitting, rt.session() as fresh:
             started = threading.Event()
             cfg = warmkv.DecodeConfig(max_tokens=1500, temperature=0.0, ignore_eos=True)
-            count = "<|im_start|>system\nCount from one to a thousand, one number a line.<|im_end|>\n"
-            scheduler.submit(streaming.turn(count + USER_A, cfg), lambda c: started.set())
+            scheduler.submit(streaming.turn(COUNT + USER_A, cfg), lambda c: started.set())
             assert started.wait(60)
             t0 = time.perf_counter()
             done: dict[str, float] = {}
