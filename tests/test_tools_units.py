@@ -154,6 +154,13 @@ def test_a_cut_off_call_is_an_error_not_a_crash() -> None:
     assert p.calls == [] and p.error is not None and "cut off" in p.error
 
 
+def test_a_next_call_cut_off_in_its_marker_is_not_text() -> None:
+    """The budget ran out while a second call opened: the first call stands, the stub is no content."""
+    for stub in ("<tool_call", "<", "<tool_call>"):
+        p, _ = _parse(GENERIC, '<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>\n' + stub, cuts=5)
+        assert p.calls == [("id0", "run_tests", "{}")] and p.content == "" and p.error is None, stub
+
+
 def test_unconstrained_key_order_still_parses() -> None:
     p, _ = _parse(GENERIC, '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>')
     assert p.calls == [("id0", "get_weather", '{"city": "Oslo"}')]

@@ -148,7 +148,7 @@ class ToolCallParser:
             for marker in (self.fmt.call_close.strip(_WS), self.fmt.list_close):
                 if marker and rest.startswith(marker):
                     rest = rest[len(marker) :].strip(_WS)
-            if rest:
+            if rest and not any(m.startswith(rest) for m in self._markers()):  # else a marker cut off by the budget
                 out += self._text(rest)
         elif self._call is not None:
             self.error = f"the reply ended inside tool call {self._call.index} ({self._state}): it was cut off"
@@ -216,6 +216,11 @@ class ToolCallParser:
             return self._read_tail(out)
         return False
 
+    def _markers(self) -> list[str]:
+        """What may stand between calls: their open and close markers, separators, the list's end."""
+        fmt = self.fmt
+        return [m.strip(_WS) for m in (fmt.call_open, fmt.call_close, fmt.call_sep, fmt.list_close) if m.strip(_WS)]
+
     def _between(self, out: list[Event]) -> bool:
         fmt = self.fmt
         stripped = self._buf.lstrip(_WS)
@@ -226,7 +231,7 @@ class ToolCallParser:
             self._call = _Call(len(self.calls))
             self._buf, self._state = stripped, "head"
             return True
-        markers = [m.strip(_WS) for m in (fmt.call_open, fmt.call_close, fmt.call_sep, fmt.list_close) if m.strip(_WS)]
+        markers = self._markers()
         for m in markers:
             if stripped.startswith(m):
                 self._buf = stripped[len(m) :]
