@@ -134,7 +134,7 @@ def test_prefill_weights_resolve_and_name_the_matmuls(ext) -> None:  # type: ign
             resolved = b.options.prefill_weights
             if option != "auto":
                 assert resolved == option
-            elif ext.qmatmul_isa() == "avx512-vnni":
+            elif ext.qmatmul_isa() in ("avx512-vnni", "avx2"):
                 assert resolved == "int4"  # faster than the copy there, and no copy
             else:
                 assert resolved in ("bf16", "int4")

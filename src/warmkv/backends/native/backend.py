@@ -82,14 +82,14 @@ def _available_ram() -> int | None:
 def _prefill_weights(option: str, quant: str, module: ModuleType | None, layer_params: int) -> str:
     """The prefill weights of int4 on the C++ kernels, "bf16" or "int4"; elsewhere the option as given.
 
-    "auto": the 4-bit codes where the kernel has AVX-512 VNNI. Measured on a Zen 4 (2 threads),
-    prefill on the codes against a bfloat16 copy: 135 / 104 tok/s at the 1.7B shape (512 tokens),
-    484 / 386 at 360M, 1004 / 918 on the default model (1,024), and no copy in RAM. Elsewhere
-    (AVX2's int8 products take three instructions, unmeasured) the bfloat16 copy where it takes at
-    most half the available RAM, else the codes."""
+    "auto": the 4-bit codes wherever the kernel has SIMD int8 products. Prefill on the codes against
+    a bfloat16 copy, 2 threads: on a Zen 4 (AVX-512 VNNI) 135 / 104 tok/s at the 1.7B shape (512
+    tokens), 484 / 386 at 360M, 1004 / 918 on the default model (1,024); on an AVX2-only EPYC, 360
+    / 70 on the default model (a CPU without bfloat16 instructions converts every weight it reads).
+    The plain C++ kernel keeps the bfloat16 copy where it takes at most half the available RAM."""
     if quant != "int4" or module is None or option != "auto":
         return option
-    if module.qmatmul_isa() == "avx512-vnni":
+    if module.qmatmul_isa() in ("avx512-vnni", "avx2"):
         return "int4"
     ram = _available_ram()
     return "bf16" if ram is None or 2 * layer_params * 2 <= ram else "int4"
