@@ -67,10 +67,11 @@ def _trace(backend: NativeBackend) -> Iterator[np.ndarray]:
 
 # Bounds on |C++ - Python| logits: the two round differently (float32 sums in another order, one
 # rounding instead of two in bf16), and a rounding flip in stored K/V moves a logit by about one
-# step of the storage type. Measured: 4e-5 (f32), 5e-3 (f16 KV), 7e-2 (int8 KV), 0.4 (bf16 compute).
+# step of the storage type. Measured: 4e-5 (f32), 5e-3 (f16 KV), 7e-2 (int8 KV; 0.22 on an AVX2-only
+# EPYC, where ATen's float32 kernels round differently), 0.4 (bf16 compute).
 # int4: qmatmul quantizes activations to int8, and a last-bit difference at a rounding boundary
 # flips a code: 0.3-0.9 from the first step on, at most 1.41 over the trace (bf16 KV).
-TOLERANCE = {"f32": 1e-3, "f16": 2e-2, "q8_0": 0.2, "bf16": 1.0, "int4": 2.0}
+TOLERANCE = {"f32": 1e-3, "f16": 2e-2, "q8_0": 0.3, "bf16": 1.0, "int4": 2.0}
 
 
 @pytest.mark.parametrize(
