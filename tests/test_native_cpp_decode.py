@@ -134,6 +134,38 @@ def test_cpp_rows_do_not_depend_on_batching(kv: str) -> None:
         backend.close()
 
 
+@pytest.mark.parametrize("kv", ["bf16", "q8_0"])
+def test_cpp_prefill_does_not_depend_on_where_pieces_begin(kv: str) -> None:
+    """On the 4-bit codes (no bfloat16 copy) prefill runs in the C++ loop too, each token alone over
+    its keys: a prompt cut into pieces anywhere, batched with another sequence's decode rows or not,
+    gets bitwise the same KV and last logits, and they are the logits a decode step gives that token."""
+    cfg = replace(CFG, kv_cache_type=kv, n_seq_max=5)
+    path = str(warmkv.default_model_path())
+    backend = NativeBackend(path, cfg, compute_dtype="int4", prefill_weights="int4", cpp_decode="on")
+    try:
+        assert backend.rows_invariant()
+        rng = np.random.default_rng(2)
+        prompt, more = rng.integers(3, 49152, size=150).tolist(), rng.integers(3, 49152, size=4).tolist()
+        whole, uneven, beside, decoded, other = (backend.acquire_seq() for _ in range(5))
+        backend.forward([ForwardRow(other, prompt[:20], 0)])
+        last = {whole: backend.forward([ForwardRow(whole, prompt, 0)])[0]}
+        for a, b in ((0, 7), (7, 57), (57, 150)):
+            last[uneven] = backend.forward([ForwardRow(uneven, prompt[a:b], a)])[0]
+        for i, a in enumerate(range(0, 150, 11)):  # pieces of 11 in the forward of another sequence's decode rows
+            rows = [ForwardRow(other, [prompt[i]], 20 + i, decode=True), ForwardRow(beside, prompt[a : a + 11], a)]
+            last[beside] = backend.forward(rows)[1]
+        backend.forward([ForwardRow(decoded, prompt[:149], 0, want_logits=False)])
+        last[decoded] = backend.forward([ForwardRow(decoded, prompt[149:], 149, decode=True)])[0]
+        for seq in (uneven, beside, decoded):
+            assert np.array_equal(last[seq], last[whole]), f"{float(np.abs(last[seq] - last[whole]).max()):.3e}"
+        for i, t in enumerate(more):  # the same KV: the same next logits
+            rows = [ForwardRow(seq, [t], 150 + i, decode=True) for seq in (whole, uneven, beside, decoded)]
+            outs = backend.forward(rows)
+            assert all(np.array_equal(o, outs[0]) for o in outs[1:]), f"decode step {i}"
+    finally:
+        backend.close()
+
+
 def test_without_a_compiler(
     tiny_dirs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -293,6 +293,16 @@ class Backend(Protocol):
         """
         ...
 
+    def rows_invariant(self) -> bool:
+        """A token's numbers depend neither on the other rows of its forward nor on where its prefill
+        piece begins: a scheduler may cut pieces anywhere and run them with the decode rows."""
+        ...
+
+    def attention_depth(self) -> int | None:
+        """About the position at which a token's attention costs as much as its matmuls (a scheduler
+        charges a prefill token at position p 1 + p / this of a step's budget); None: not modelled."""
+        ...
+
     def truncate(self, seq: int, n: int) -> None:
         """Keep positions [0, n) of seq, drop the rest (mlx-lm's trim)."""
         ...

@@ -416,6 +416,12 @@ class LlamaCppBackend:
 
     # -- evaluation ----------------------------------------------------------
 
+    def rows_invariant(self) -> bool:
+        return False  # llama.cpp picks its kernels by batch size: a piece's numbers follow its batch
+
+    def attention_depth(self) -> int | None:
+        return None
+
     @on_compute_thread
     def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:
         """Pack rows into batches of at most num_batch tokens; one llama_decode each."""

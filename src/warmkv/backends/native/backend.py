@@ -66,6 +66,10 @@ def resolve_compute_dtype(compute_dtype: str, weight_types: frozenset[str], devi
 
 
 GGUF_MAGIC = b"GGUF"
+# Per multiply-add, the C++ loop's attention runs about this much slower than qmatmul's matmuls
+# (measured on the default model, 2 threads: a 64-token piece costs ~2.0 ms a token at position
+# 0 and ~6.5 at 2,944), so one token's attention outweighs its matmuls from about 1,300 keys on.
+ATTENTION_SLOWDOWN = 2.4
 
 
 def _available_ram() -> int | None:
@@ -242,6 +246,7 @@ class NativeBackend:
             "compute_dtype": self.options.compute_dtype,
             # The C++ loop's kernels round differently from ATen's: generated tokens' K/V differ in the last bits.
             "decode_loop": "cpp" if self._model.decode_loop is not None else "python",
+            "prefill_loop": "cpp" if self.rows_invariant() else "python",
             # int4: decode rows on 4-bit blocks x int8 activations (qmatmul) or torch's int4 kernel;
             # prefill pieces on the bfloat16 copy or the same 4-bit kernel. Each rounds its own way.
             "matmul": self._matmuls(),
@@ -399,6 +404,15 @@ class NativeBackend:
             self._cache.reclaim = reclaim
 
     # -- evaluation ------------------------------------------------------------------
+
+    def rows_invariant(self) -> bool:
+        loop = self._model.decode_loop
+        return loop is not None and loop.prefills
+
+    def attention_depth(self) -> int | None:
+        a = self._model.args
+        macs = a.head_dim * a.dim * (2 * a.n_heads + 2 * a.n_kv_heads) + 3 * a.dim * a.hidden_dim  # matmuls, per layer
+        return max(1, round(macs / (2 * a.n_heads * a.head_dim) / ATTENTION_SLOWDOWN))
 
     @on_compute_thread
     def forward(self, rows: Sequence[ForwardRow]) -> list[np.ndarray | None]:

@@ -117,21 +117,31 @@ def _linear(lin: Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tenso
 
 
 class DecodeLoop:
-    """A Transformer's layers, handed to the C++ loop once; `run` replaces the Python layer loop."""
+    """A Transformer's layers, handed to the C++ loop once; `run` replaces the Python layer loop.
+
+    prefills: every layer's matmuls are qmatmul's 4/8-bit codes (no bfloat16 prefill copy), so
+    prefill pieces run here too, each token alone over its own keys: a row's numbers are then
+    the same whatever rows share its batch and wherever its piece begins, and a prompt's last
+    token gets the logits a decode step would give it. Elsewhere (float, torch's int4 and int8
+    kernels) the matmuls round differently for other row counts, and prefill stays in Python.
+    """
 
     def __init__(self, module: ModuleType, model: Transformer) -> None:
         a = model.args
         # qmatmul takes and gives float32: rounding its input to bfloat16 would only lose bits.
         dtype = torch.float32 if model.layers and model.layers[0].qkv.qkind >= 0 else model.dtype
         self._loop = module.DecodeLoop(a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps, model.scale, dtype)
+        linears = [x for layer in model.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.prefills = bool(linears) and all(x.qkind >= 0 and x.dense is None for x in linears)
         for layer in model.layers:
-            linears = [_linear(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            self._loop.add_layer(linears, [layer.qk_norm, layer.attn_norm, layer.ffn_norm])
+            self._loop.add_layer(
+                [_linear(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)],
+                [layer.qk_norm, layer.attn_norm, layer.ffn_norm],
+            )
 
-    @staticmethod
-    def takes(rows: list[RowPlan]) -> bool:
-        """Steps whose every token attends alone: decode rows and verified drafts (prefill stays in Python)."""
-        return all(r.decode and (r.n == 1 or r.per_query) for r in rows)
+    def takes(self, rows: list[RowPlan]) -> bool:
+        """Steps whose every token can attend alone: decode rows and verified drafts, and prefill where it prefills."""
+        return self.prefills or all(r.decode and (r.n == 1 or r.per_query) for r in rows)
 
     def run(
         self,
@@ -144,7 +154,7 @@ class DecodeLoop:
     ) -> torch.Tensor:
         k_scale, v_scale = (cache.k_scale, cache.v_scale) if cache.quantized else (None, None)
         cos, sin = cos.reshape(len(write_slots), -1), sin.reshape(len(write_slots), -1)
-        queries = [q for r in rows for q in ([r.query(i) for i in range(r.n)] if r.per_query else [r])]
+        queries = [r.query(i) for r in rows for i in range(r.n)] if any(r.n > 1 for r in rows) else rows
         slots = [q.slots for q in queries]
         first = [-1 if q.first_slot is None else q.first_slot for q in queries]
         return self._loop.run(x, cache.k, cache.v, k_scale, v_scale, write_slots, slots, first, cos, sin)

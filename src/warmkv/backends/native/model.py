@@ -292,7 +292,11 @@ class Transformer:
         """
         x = self.embed[tokens]
         decode = [r for r in rows if r.decode and not hidden]
-        if len(decode) == len(rows):
+        loop = self.decode_loop
+        if not hidden and loop is not None and loop.prefills:  # one C++ pass for every row: all attend alone
+            cos, sin = self.rope.tables(positions, torch.float32)
+            x = loop.run(x, cache, rows, write_slots, cos, sin)
+        elif len(decode) == len(rows):
             x = self._decode(x, positions, rows, write_slots, cache)
         elif not decode:
             x = self._layers(x, positions, rows, write_slots, cache, prefill=True)
@@ -312,7 +316,7 @@ class Transformer:
     def _decode(
         self, x: torch.Tensor, positions: torch.Tensor, rows: list[RowPlan], slots: torch.Tensor, cache: PagedKVCache
     ) -> torch.Tensor:
-        if self.decode_loop is not None and DecodeLoop.takes(rows):
+        if self.decode_loop is not None and self.decode_loop.takes(rows):
             cos, sin = self.rope.tables(positions, torch.float32)  # the C++ loop rotates in float32
             return self.decode_loop.run(x, cache, rows, slots, cos, sin)
         return self._layers(x, positions, rows, slots, cache, prefill=False)

@@ -198,12 +198,12 @@ class DecodeLoop {
       norm_rows<T>(x, L.attn_norm, h);
       Tensor qkv = L.qkv(h).contiguous();
       TORCH_CHECK(qkv.scalar_type() == dtype_ && qkv.size(1) == (n_heads_ + 2 * n_kv_) * d, "qkv: unexpected shape");
-      for (int64_t i = 0; i < t; i++) {
+      per_token(t, [&](int64_t i) {
         const int64_t slot = write[i];
         warmkv::rope_store(ptr<T>(qkv) + i * qkv.size(1), n_heads_, n_kv_, d, cos + i * d, sin + i * d,
                            ptr_or_null(L.qk_norm), eps, q.data_ptr<float>() + i * n_heads_ * d, kp + slot * kv_row,
                            vp + slot * kv_row, ks ? ks + slot * n_kv_ : nullptr, vs ? vs + slot * n_kv_ : nullptr);
-      }
+      });
       const warmkv::PoolLayer<K> pool{kp, vp, ks, vs};
       warmkv::attend(q.data_ptr<float>(), pool, keys, n_heads_, n_kv_, d, scale, att.data());
       T* op = ptr<T>(o);
@@ -213,7 +213,7 @@ class DecodeLoop {
       Tensor gu = L.gate_up(h).contiguous();
       const int64_t hidden = gu.size(1) / 2;
       Tensor act = at::empty({t, hidden}, opts.dtype(dtype_));
-      for (int64_t i = 0; i < t; i++) warmkv::silu_mul(ptr<T>(gu) + i * 2 * hidden, hidden, ptr<T>(act) + i * hidden);
+      per_token(t, [&](int64_t i) { warmkv::silu_mul(ptr<T>(gu) + i * 2 * hidden, hidden, ptr<T>(act) + i * hidden); });
       x = L.down.add_to(x, act);
     }
     return x;
@@ -223,8 +223,18 @@ class DecodeLoop {
   void norm_rows(const Tensor& x, const optional<Tensor>& weight, Tensor& out) const {
     const int64_t t = x.size(0), dim = x.size(1);
     const float* w = ptr_or_null(weight);
-    for (int64_t i = 0; i < t; i++)
+    per_token(t, [&](int64_t i) {
       warmkv::rms_norm(x.data_ptr<float>() + i * dim, w, dim, static_cast<float>(eps_), ptr<T>(out) + i * dim);
+    });
+  }
+
+  // f(i) for every token: on the thread pool for a prefill piece, inline for a few decode rows (a
+  // fork costs more than their work). Each token's arithmetic is its own, whatever the thread.
+  template <typename F>
+  static void per_token(int64_t t, const F& f) {
+    at::parallel_for(0, t, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; i++) f(i);
+    });
   }
 
   int64_t n_heads_, n_kv_, head_dim_;

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -268,49 +269,66 @@ void attend_task(const Task<K>& t, const float* qs, int64_t group, int64_t d, fl
   }
 }
 
+// Up to kTileQ query tokens of one sequence (a prefill piece's, or a draft's) over the same chunk
+// of keys: each key row is read once for all of them. Query q sees the chunk's first len[q] keys
+// (causal: later queries see more); its partials go to part(q, h).
+constexpr int64_t kTileQ = 4;
+
 #ifdef WARMKV_AVX2
 // Head size D and group G known at compile time: each key row is converted once into registers
-// and serves every query head of its group.
+// and serves every query head of its group, for every query of the tile. A query's arithmetic,
+// and its order, are the same whatever else is in its tile: a score is one dot product, and each
+// output element accumulates its keys in order in one register (the same FMAs as a memory axpy).
 template <typename K, int D, int G, typename Part>
-void attend_task_fixed(const Task<K>& t, const float* qs, float* s, Part part) {
+void attend_tile_fixed(const Task<K>& t, const float* const* qs, const int64_t* len, int64_t nq, float* s,
+                       Part part) {
   constexpr int V = D / 8;
+  constexpr int VB = G <= 4 ? 2 : 1;  // output registers per pass: G * VB accumulators stay in registers
+  const int64_t span = t.h1 - t.h0, per_q = span * G * kChunk;
   for (int64_t i = 0; i < t.n; i++) {
     for (int64_t h = t.h0; h < t.h1; h++) {
       const K* kr = t.k_row(i, h, D);
       __m256 k[V];
       for (int v = 0; v < V; v++) k[v] = load8(kr + 8 * v);
       const float ks = t.k_scale(i, h);
-      float* sh = s + (h - t.h0) * G * kChunk;
-      for (int g = 0; g < G; g++) {
-        const float* q = qs + (h * G + g) * D;
-        __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]), a1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
-        for (int v = 2; v < V; v += 2) {
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), k[v], a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v + 8), k[v + 1], a1);
+      for (int64_t qi = 0; qi < nq; qi++) {
+        if (i >= len[qi]) continue;
+        float* sh = s + qi * per_q + (h - t.h0) * G * kChunk;
+        for (int g = 0; g < G; g++) {
+          const float* q = qs[qi] + (h * G + g) * D;
+          __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]), a1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
+          for (int v = 2; v < V; v += 2) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), k[v], a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v + 8), k[v + 1], a1);
+          }
+          sh[g * kChunk + i] = hsum(_mm256_add_ps(a0, a1)) * ks;
         }
-        sh[g * kChunk + i] = hsum(_mm256_add_ps(a0, a1)) * ks;
       }
     }
   }
-  for (int64_t h = t.h0; h < t.h1; h++) {
-    float* p = part(h);
-    softmax_parts(s + (h - t.h0) * G * kChunk, G, t.n, D, p);
-    for (int g = 0; g < G; g++) std::fill(p + g * (D + 2) + 2, p + (g + 1) * (D + 2), 0.f);
-  }
-  for (int64_t i = 0; i < t.n; i++) {
+  for (int64_t qi = 0; qi < nq; qi++) {
+    const int64_t n = len[qi];
+    if (n <= 0) continue;
     for (int64_t h = t.h0; h < t.h1; h++) {
-      const K* vr = t.v_row(i, h, D);
-      const float vs = t.v_scale(i, h);
-      const float* sh = s + (h - t.h0) * G * kChunk;
-      float* p = part(h);
-      __m256 w[G];
-      for (int g = 0; g < G; g++) w[g] = _mm256_set1_ps(sh[g * kChunk + i] * vs);
-      for (int v = 0; v < V; v++) {
-        const __m256 x = load8(vr + 8 * v);
-        for (int g = 0; g < G; g++) {
-          float* a = p + g * (D + 2) + 2 + 8 * v;
-          _mm256_storeu_ps(a, _mm256_fmadd_ps(w[g], x, _mm256_loadu_ps(a)));
+      float* p = part(qi, h);
+      float* sh = s + qi * per_q + (h - t.h0) * G * kChunk;
+      softmax_parts(sh, G, n, D, p);
+      for (int vb = 0; vb < V; vb += VB) {
+        __m256 acc[G][VB];
+        for (int g = 0; g < G; g++)
+          for (int u = 0; u < VB; u++) acc[g][u] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+          const K* vr = t.v_row(i, h, D) + 8 * vb;
+          const float vs = t.v_scale(i, h);
+          __m256 x[VB];
+          for (int u = 0; u < VB; u++) x[u] = load8(vr + 8 * u);
+          for (int g = 0; g < G; g++) {
+            const __m256 w = _mm256_set1_ps(sh[g * kChunk + i] * vs);
+            for (int u = 0; u < VB; u++) acc[g][u] = _mm256_fmadd_ps(w, x[u], acc[g][u]);
+          }
         }
+        for (int g = 0; g < G; g++)
+          for (int u = 0; u < VB; u++) _mm256_storeu_ps(p + g * (D + 2) + 2 + 8 * (vb + u), acc[g][u]);
       }
     }
   }
@@ -325,59 +343,87 @@ struct QueryKeys {
 
 // Every query token of a step over its own keys: out[i][h] = softmax(scale * q[i][h] . K_i^T) V_i
 // for every query head h, grouped by the kv head they share. q, out: [queries, n_heads * d].
-// Tasks of (query, kv head range, key chunk) run in one parallel region for all the queries (a
-// region per query cost each of a step's streams a fork and a join per layer); the partial
-// softmaxes are merged per query in chunk order. A task's head range only sets which rows it
-// reads together: every (kv head, chunk) partial is computed the same way whatever the range,
-// so neither the thread count nor the other queries change a query's bits.
+// Consecutive queries over one key list (a prefill piece's tokens: each sees one more key) form
+// tiles of up to kTileQ that read each key row once. Tasks of (tile, kv head range, key chunk) run
+// in one parallel region for all the queries (a region per query cost each of a step's streams a
+// fork and a join per layer); the partial softmaxes are merged per query in chunk order. Chunks
+// start at key 0, and neither a task's head range nor its tile changes how a (query, kv head,
+// chunk) partial is computed: the thread count, the other queries and where a prefill piece
+// begins never change a query's bits. A token prefilled in a piece gets the numbers it gets as
+// a decode row.
 template <typename K>
 void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& keys, int64_t n_heads, int64_t n_kv,
             int64_t d, float scale, float* out) {
   const int64_t nq = static_cast<int64_t>(keys.size()), group = n_heads / n_kv, row = n_heads * d;
   const int64_t stride = group * (d + 2);  // per (kv head, chunk): (max, sum, acc[d]) per query head
-  std::vector<int64_t> chunks(nq), part_at(nq + 1, 0);
-  int64_t all_chunks = 0;
+  std::vector<int64_t> chunks(nq), part_at(nq + 1, 0), tile_at{0};
   for (int64_t i = 0; i < nq; i++) {
     chunks[i] = (keys[i].n + kChunk - 1) / kChunk;
-    all_chunks += chunks[i];
     part_at[i + 1] = part_at[i] + n_kv * chunks[i] * stride;
+    const int64_t t0 = tile_at.back();
+    const bool joins = i > t0 && i - t0 < kTileQ && keys[i].slots == keys[t0].slots && keys[i].first == keys[t0].first;
+    if (i > 0 && !joins) tile_at.push_back(i);
+  }
+  tile_at.push_back(nq);
+  const int64_t n_tiles = static_cast<int64_t>(tile_at.size()) - 1;
+  std::vector<int64_t> tile_chunks(n_tiles);
+  int64_t all_chunks = 0;
+  for (int64_t j = 0; j < n_tiles; j++) {
+    for (int64_t i = tile_at[j]; i < tile_at[j + 1]; i++) tile_chunks[j] = std::max(tile_chunks[j], chunks[i]);
+    all_chunks += tile_chunks[j];
   }
   // Enough tasks for every thread (twice over, for balance), each spanning as many heads as that allows.
   const int64_t spans = std::clamp<int64_t>((2 * at::get_num_threads() + all_chunks - 1) / all_chunks, 1, n_kv);
   const int64_t per_span = (n_kv + spans - 1) / spans;
-  std::vector<int64_t> task_at(nq + 1, 0);  // query i's tasks: [task_at[i], task_at[i + 1])
-  for (int64_t i = 0; i < nq; i++) task_at[i + 1] = task_at[i] + spans * chunks[i];
-  std::vector<float> part(part_at[nq]), qs(nq * row);
+  std::vector<int64_t> task_at(n_tiles + 1, 0);  // tile j's tasks: [task_at[j], task_at[j + 1])
+  for (int64_t j = 0; j < n_tiles; j++) task_at[j + 1] = task_at[j] + spans * tile_chunks[j];
+  // Every partial is written before it is read: no need to zero megabytes of it per layer.
+  std::unique_ptr<float[]> part(new float[part_at[nq]]);
+  std::vector<float> qs(nq * row);
   for (int64_t i = 0; i < nq * row; i++) qs[i] = q[i] * scale;
-  at::parallel_for(0, task_at[nq], 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(per_span * group * kChunk);
-    int64_t i = std::upper_bound(task_at.begin(), task_at.end(), begin) - task_at.begin() - 1;
+  at::parallel_for(0, task_at[n_tiles], 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(kTileQ * per_span * group * kChunk);
+    int64_t j = std::upper_bound(task_at.begin(), task_at.end(), begin) - task_at.begin() - 1;
     for (int64_t task = begin; task < end; task++) {
-      while (task >= task_at[i + 1]) i++;
-      const int64_t local = task - task_at[i], nc = chunks[i];
+      while (task >= task_at[j + 1]) j++;
+      const int64_t local = task - task_at[j], nc = tile_chunks[j], i0 = tile_at[j], nt = tile_at[j + 1] - i0;
       const int64_t h0 = (local / nc) * per_span, h1 = std::min(n_kv, h0 + per_span), c = local % nc;
       if (h0 >= h1) continue;
-      const QueryKeys& k = keys[i];
+      int64_t longest = i0;
+      for (int64_t u = 1; u < nt; u++) longest = keys[i0 + u].n > keys[longest].n ? i0 + u : longest;
+      const QueryKeys& k = keys[longest];
       const Task<K> t{pool, k.slots, k.first, n_kv, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
-      const float* qi = qs.data() + i * row;
-      auto part_of = [&](int64_t h) { return part.data() + part_at[i] + (h * nc + c) * stride; };
+      int64_t len[kTileQ];
+      const float* qt[kTileQ];
+      for (int64_t u = 0; u < nt; u++) {
+        len[u] = std::clamp<int64_t>(keys[i0 + u].n - c * kChunk, 0, kChunk);
+        qt[u] = qs.data() + (i0 + u) * row;
+      }
+      auto part_of = [&](int64_t u, int64_t h) {
+        return part.get() + part_at[i0 + u] + (h * chunks[i0 + u] + c) * stride;
+      };
 #ifdef WARMKV_AVX2
 #define WARMKV_FIXED(D, G) \
-  if (d == D && group == G) { attend_task_fixed<K, D, G>(t, qi, s.data(), part_of); continue; }
+  if (d == D && group == G) { attend_tile_fixed<K, D, G>(t, qt, len, nt, s.data(), part_of); continue; }
       WARMKV_FIXED(64, 1) WARMKV_FIXED(64, 2) WARMKV_FIXED(64, 3) WARMKV_FIXED(64, 4) WARMKV_FIXED(64, 5)
       WARMKV_FIXED(64, 6) WARMKV_FIXED(64, 7) WARMKV_FIXED(64, 8) WARMKV_FIXED(128, 1) WARMKV_FIXED(128, 2)
       WARMKV_FIXED(128, 3) WARMKV_FIXED(128, 4) WARMKV_FIXED(128, 5) WARMKV_FIXED(128, 6) WARMKV_FIXED(128, 7)
       WARMKV_FIXED(128, 8)
 #undef WARMKV_FIXED
 #endif
-      attend_task(t, qi, group, d, s.data(), part_of);
+      for (int64_t u = 0; u < nt; u++) {
+        if (len[u] <= 0) continue;
+        Task<K> tu = t;
+        tu.n = len[u];
+        attend_task(tu, qt[u], group, d, s.data(), [&](int64_t h) { return part_of(u, h); });
+      }
     }
   });
   at::parallel_for(0, nq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(d);
     for (int64_t i = begin; i < end; i++) {
       const int64_t nc = chunks[i];
-      const float* pi = part.data() + part_at[i];
+      const float* pi = part.get() + part_at[i];
       for (int64_t h = 0; h < n_kv; h++) {
         for (int64_t g = 0; g < group; g++) {
           float m = -INFINITY;
