@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
 
 import warmkv
-from conftest import NO_TIERS
+from conftest import BACKENDS, NO_TIERS, SYSTEM
+from warmkv.backends.base import ForwardRow
 from warmkv.scheduler import Scheduler, SchedulerConfig
 from warmkv.server.errors import from_warmkv
 
@@ -94,3 +96,59 @@ def test_an_unstarted_stream_blocks_no_later_complete(lrt: warmkv.Runtime) -> No
     started.close()  # ... and closing lets it go
     assert isinstance(lrt.complete(MULTIBYTE, max_tokens=4, temperature=0.0), warmkv.Completion)
     assert "".join(c.text for c in first) == done.text  # the unstarted stream still works when iterated
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="needs the native engine")
+def test_invariant_rows_prefill_in_the_decode_forward() -> None:
+    """Native int4 runs every token alone, so a waiting prompt's pieces are cut to what the step's
+    budget affords (shorter the deeper they start) and run in the decoding stream's forward, and
+    the prompt's greedy tokens are still those of a cold prefill alone."""
+    prompt = SYSTEM + "".join(f"<|im_start|>user\nStep {i}: list the files.<|im_end|>\n" for i in range(40))
+    cfg = warmkv.DecodeConfig(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with warmkv.Runtime.load(backend="native", num_ctx=2048, n_seq_max=3, prefill_chunk=64, **NO_TIERS) as rt:
+        backend = rt.backend
+        assert backend.rows_invariant()
+        depth = backend.attention_depth()
+        assert depth is not None
+        with rt.session() as s:
+            s.ensure_prefix(prompt)
+            cold = [t for c in s.decode(cfg) for t in c.token_ids]
+        forwards: list[list[ForwardRow]] = []
+        real = backend.forward
+
+        def spy(rows: list[ForwardRow]) -> list[object]:
+            forwards.append(list(rows))
+            return real(rows)
+
+        backend.forward = spy  # type: ignore[method-assign]
+        scheduler = Scheduler(rt, SchedulerConfig(max_step_tokens=12))
+        try:
+            with rt.session() as a, rt.session() as b:
+                decoding, done = threading.Event(), threading.Event()
+                long_cfg = warmkv.DecodeConfig(max_tokens=1500, temperature=0.0, ignore_eos=True)
+                job = scheduler.submit(
+                    a.turn(MULTIBYTE, long_cfg), lambda c: None, on_prefilled=lambda _: decoding.set()
+                )
+                assert decoding.wait(60)
+                got: list[int] = []
+
+                def sink(c: warmkv.StreamChunk) -> None:
+                    got.extend(c.token_ids)
+                    if c.done:
+                        done.set()
+
+                at = len(forwards)
+                scheduler.submit(b.turn(prompt, cfg), sink)
+                assert done.wait(120)
+                job.cancel()
+        finally:
+            scheduler.close()
+            del backend.forward
+    assert got == cold
+    pieces = [(rows[1].start, len(rows[1].tokens)) for rows in forwards[at:] if len(rows) == 2 and not rows[1].decode]
+    assert all(rows[0].decode for rows in forwards[at:] if len(rows) == 2)
+    assert len(pieces) > 10 and pieces[0][0] == 0
+    for (start, size), (following, _) in itertools.pairwise(pieces):  # the last is what was left
+        assert following == start + size
+        assert size == max(1, 11 * depth // (depth + start)), (start, size)  # 11 tokens of budget at its depth
+    assert pieces[-1][1] < pieces[0][1]  # deeper pieces are shorter

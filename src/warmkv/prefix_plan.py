@@ -168,14 +168,17 @@ class PrefixLoad:
     def remaining(self) -> int:
         return max(0, len(self.plan.tokens) - self.ctx.live)
 
-    def next_row(self) -> ForwardRow | None:
-        """The next cold-aligned prefill piece, stopping at the tier boundary; None when all is resident."""
+    def next_row(self, limit: int | None = None) -> ForwardRow | None:
+        """The next cold-aligned prefill piece, stopping at the tier boundary; None when all is resident.
+
+        limit: at most this many tokens, for a backend whose rows are invariant: the piece then starts
+        where the last one ended and holds at most prefill_chunk tokens, wherever that ends."""
         ctx, n = self.ctx, len(self.plan.tokens)
         self._place_ready()
         at = ctx.live
         if at >= n:
             return None
-        end = ctx.piece_end(at, n)
+        end = ctx.piece_end(at, n) if limit is None else min(n, at + min(ctx.chunk, max(1, limit)))
         if at < self._boundary < end:
             end = self._boundary
         if self._moves and at < self._moves[0][1].place_at < end:

@@ -4,15 +4,20 @@ A turn (Session.turn: a prompt plan and a decode state) waits in a FIFO queue, t
 prefills, then decodes. Each step, under the model lock:
 
 1. decode: the next row of every decoding turn (its pending token, or that token and a
-   draft to verify) goes into ONE backend.forward: one step's worth of tokens each, even
-   for a turn that emits no text this step;
-2. prefill: the waiting turns, oldest first, get cold-aligned prefill pieces under the
-   step's token budget (max_step_tokens less the decode rows; SARATHI-style chunked
-   prefill), at least one piece per step (to the oldest turn not waiting on a disk read)
-   so a prompt always advances. Each piece is its
-   own forward: batched with other rows, a piece would be split at other places by the
-   native engine's num_batch planner and run through GEMMs of other shapes, so its numbers
-   (and a greedy turn's tokens) would depend on what else was running;
+   draft to verify): one step's worth of tokens each, even for a turn that emits no text;
+2. prefill: the waiting turns, oldest first, get prefill pieces under the step's token
+   budget (max_step_tokens less the decode rows; SARATHI-style chunked prefill), at least
+   one piece per step (to the oldest turn not waiting on a disk read) so a prompt always
+   advances. Where the backend's rows are invariant (Backend.rows_invariant: a token's
+   numbers depend neither on the rest of its batch nor on where its piece begins), each
+   waiting turn's piece is cut to what the budget affords and runs in the decode rows'
+   forward: ONE forward per step, the weights read once for all. A prefill token costs
+   1 + position / attention_depth of the budget, so a piece deep in a long prompt, whose
+   attention outweighs its matmuls, stays as short in time as one near the start.
+   Elsewhere the decode rows run in one forward and each piece in its own, cut at the
+   cold-aligned places a cold prefill uses (a batched piece would be split at other places
+   and run through GEMMs of other shapes, so a greedy turn's tokens would depend on what
+   else was running);
 3. every decoding turn takes its logits (DecodeState.take) and its chunk goes to its sink.
 
 A turn whose prompt may be on the disk tier has it read on the reader thread first
@@ -51,8 +56,9 @@ log = logging.getLogger("warmkv.scheduler")
 @dataclass(frozen=True)
 class SchedulerConfig:
     """max_streams bounds turns (waiting and running); max_step_tokens is a step's token budget
-    (decode rows first, prefill pieces in what is left; 256 by default, to be tuned by benchmark);
-    rate_window_s is the window of the tokens/s figure."""
+    (decode rows first, prefill in what is left: where pieces can be cut, a prefill token at
+    position p counts 1 + p / Backend.attention_depth(); `warmkv serve` uses 16, see the README's
+    concurrent-streams section); rate_window_s is the window of the tokens/s figure."""
 
     max_streams: int = 256
     max_step_tokens: int = 256
@@ -219,16 +225,12 @@ class Scheduler:
                     results[id(job)] = err
                 elif (row := job.state.next_row()) is not None:
                     rows.append((job, row))
-            self._forward_decode(rows, results)
             budget = self.config.max_step_tokens - sum(len(r.tokens) for _, r in rows)
-            prefilled = False
-            for job in jobs:
-                if not job.decoding:
-                    left = self._prefill(job, budget, first=not prefilled, out=out)
-                    prefilled = prefilled or left < budget
-                    budget = left
-                    if budget <= 0 and prefilled:
-                        break
+            if self._rt.backend.rows_invariant():
+                self._forward_together(jobs, rows, results, budget, out)
+            else:
+                self._forward_decode(rows, results)
+                self._prefill_apart(jobs, budget, out)
             for job in decoding:
                 out.append((job, job.state.take(results.get(id(job)))))
         return out
@@ -253,14 +255,107 @@ class Scheduler:
             results[id(job)] = x
         self.batched_rows += len(rows)
 
-    def _prefill(self, job: Job, budget: int, *, first: bool, out: list[tuple[Job, StreamChunk]]) -> int:
-        """Give one waiting turn prefill pieces under the budget; what is left of the budget."""
+    def _prefill_apart(self, jobs: list[Job], budget: int, out: list[tuple[Job, StreamChunk]]) -> None:
+        """Cold-aligned pieces, each its own forward, oldest turn first, under the budget."""
+        first = True
+        for job in jobs:
+            if job.decoding or (budget <= 0 and not first):
+                continue
+            load = self._load(job, out)
+            if load is None:
+                continue
+            try:
+                while (row := load.next_row()) is not None and (budget > 0 or first):
+                    load.accept(row, job.session.ctx.forward(row))
+                    budget -= len(row.tokens)
+                    self.prefilled_tokens += len(row.tokens)
+                    first = False
+                if load.done:
+                    self._start_decoding(job, job.session.loaded(load, job.state))
+            except WarmkvError as e:
+                self._end(job, e, out)
+
+    def _forward_together(
+        self,
+        jobs: list[Job],
+        rows: list[tuple[Job, ForwardRow]],
+        results: dict[int, np.ndarray | WarmkvError | None],
+        budget: int,
+        out: list[tuple[Job, StreamChunk]],
+    ) -> None:
+        """The decode rows and one budget-cut piece per waiting turn, in one forward."""
+        depth = self._rt.backend.attention_depth()
+        pieces: list[tuple[Job, ForwardRow]] = []
+        for job in jobs:
+            if job.decoding or (budget <= 0 and pieces):
+                continue
+            load = self._load(job, out)
+            if load is None:
+                continue
+            ctx = job.session.ctx
+            afford = max(budget, 0) if depth is None else max(budget, 0) * depth // (depth + ctx.live)
+            if not rows and not pieces:  # no stream to hold up: a whole piece
+                afford = max(afford, ctx.chunk)
+            if afford < 1 and pieces:
+                continue
+            try:
+                row = load.next_row(limit=max(afford, 1))
+            except WarmkvError as e:
+                self._end(job, e, out)
+                continue
+            if row is not None:
+                pieces.append((job, row))
+                budget -= _cost(row, depth)
+        if not pieces:
+            self._forward_decode(rows, results)
+            return
+        try:
+            logits = self._rt.backend.forward([row for _, row in rows] + [row for _, row in pieces])
+        except SessionFatal as e:
+            for job, _ in rows:
+                job.session.ctx.fatal = str(e)
+                results[id(job)] = e
+            for job, _ in pieces:
+                job.session.ctx.fatal = str(e)
+                self._end(job, e, out)
+            return
+        except WarmkvError:  # nothing was evaluated (KVCacheFull...): each part alone, to end only whose it is
+            self._forward_decode(rows, results)
+            for job, row in pieces:
+                try:
+                    alone = job.session.ctx.forward(row)
+                except WarmkvError as e:
+                    self._end(job, e, out)
+                else:
+                    self._accept(job, row, alone, out)
+            return
+        for (job, _), x in zip(rows, logits, strict=False):
+            results[id(job)] = x
+        self.batched_rows += len(rows)
+        for (job, row), x in zip(pieces, logits[len(rows) :], strict=True):
+            self._accept(job, row, x, out)
+
+    def _accept(self, job: Job, row: ForwardRow, logits: np.ndarray | None, out: list[tuple[Job, StreamChunk]]) -> None:
+        """Record an evaluated piece; the turn decodes once its prompt is in."""
+        load = job.load
+        assert load is not None
+        try:
+            load.accept(row, logits)
+            self.prefilled_tokens += len(row.tokens)
+            if load.done:
+                self._start_decoding(job, job.session.loaded(load, job.state))
+        except WarmkvError as e:
+            self._end(job, e, out)
+
+    def _load(self, job: Job, out: list[tuple[Job, StreamChunk]]) -> PrefixLoad | None:
+        """A waiting turn's prefix load, begun when it can prefill; None when it cannot this step
+        (its disk read is out), has nothing to prefill (it starts decoding), or ended."""
         session = job.session
         if session._cancel.is_set():  # the client left, or the scheduler is closing
             if job.load is not None:
                 job.load.fail()
             out.append((job, job.state.take(None)))  # a "cancelled" end
-            return budget
+            return None
         try:
             err = session.usable_error()
             if err is not None:
@@ -269,29 +364,29 @@ class Scheduler:
                 plan = job.turn.plan
                 if plan is None:  # nothing to prefill: decode after what is resident
                     self._start_decoding(job, None)
-                    return budget
+                    return None
                 if job.disk is None:
                     read = session.disk_read(plan)
                     if read is not None:
                         job.disk = self._reader.submit(read)
                         job.disk.add_done_callback(self._wake)
-                        return budget
+                        return None
                 elif not job.disk.done():
-                    return budget
+                    return None
                 job.load = session.begin_load(plan, _disk_result(job.disk))
-            load = job.load
-            while (row := load.next_row()) is not None and (budget > 0 or first):
-                load.accept(row, session.ctx.forward(row))
-                budget -= len(row.tokens)
-                self.prefilled_tokens += len(row.tokens)
-                first = False
-            if load.done:
-                self._start_decoding(job, session.loaded(load, job.state))
+            if job.load.done:  # a full hit: nothing left to evaluate
+                self._start_decoding(job, session.loaded(job.load, job.state))
+                return None
+            return job.load
         except WarmkvError as e:
-            if job.load is not None:
-                job.load.fail()
-            out.append((job, job.state.take(e)))
-        return budget
+            self._end(job, e, out)
+            return None
+
+    def _end(self, job: Job, err: WarmkvError, out: list[tuple[Job, StreamChunk]]) -> None:
+        """End a prefilling turn with an error, its prefill rolled back."""
+        if job.load is not None:
+            job.load.fail()
+        out.append((job, job.state.take(err)))
 
     def _wake(self, _read: Future[DiskRead]) -> None:
         with self._cond:
@@ -335,6 +430,12 @@ def _disk_result(read: Future[DiskRead] | None) -> DiskRead:
     except Exception as e:
         log.warning("disk tier read failed: %r", e)
         return DiskRead(None)
+
+
+def _cost(row: ForwardRow, depth: int | None) -> int:
+    """A prefill piece's share of a step's budget: 1 + position / depth a token, rounded up."""
+    n = len(row.tokens)
+    return n if depth is None else -(-n * (depth + row.start) // depth)
 
 
 def _error_chunk(err: WarmkvError) -> StreamChunk:
