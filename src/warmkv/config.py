@@ -27,10 +27,14 @@ DEFAULT_MAX_CTX = 4096
 # `warmkv serve` out of the box: 20 resident sessions, 16 of them the pool for plain /v1
 # requests (16 concurrent streams) and SESSIONS_RESERVED for /v1/sessions.
 SERVE_N_SEQ_MAX = 20
-# A server's engine step: decode rows plus one 64-token prefill piece. Against 256, a long
-# prompt beside running streams stalls them 3.1x less (236 vs 729 ms, native int4, 2 cores)
-# and prefills 1.09x slower alone.
-SERVE_STEP_TOKENS = 64
+# A server's prefill piece: against 256, a long prompt beside running streams stalls them 3.1x
+# less (236 vs 729 ms, native int4, 2 cores) and prefills 1.09x slower alone.
+SERVE_PREFILL_CHUNK = 64
+# A server's step budget: decode rows, then prefill. Native int4 cuts pieces to it (depth-weighted)
+# inside the decode forward: a 3,000-token prompt beside 3 streams then stalls them 70 ms at p99
+# against 178 ms at 64, and takes 2.25x its time alone against 1.17x (2-thread AVX2 EPYC). Where
+# pieces cannot be cut (llama.cpp), one whole piece still runs each step.
+SERVE_STEP_TOKENS = 16
 SESSIONS_RESERVED = 4
 
 

@@ -9,11 +9,11 @@ from typing import Annotated
 import typer
 
 from .. import WarmkvError
-from ..config import SERVE_N_SEQ_MAX, SERVE_STEP_TOKENS
+from ..config import SERVE_N_SEQ_MAX, SERVE_PREFILL_CHUNK, SERVE_STEP_TOKENS
 from .options import RuntimeOptions, err, fail, runtime_options
 
 
-@runtime_options(n_seq_max=SERVE_N_SEQ_MAX, prefill_chunk=SERVE_STEP_TOKENS)
+@runtime_options(n_seq_max=SERVE_N_SEQ_MAX, prefill_chunk=SERVE_PREFILL_CHUNK)
 def serve(
     host: Annotated[str, typer.Option("--host", help="address to bind (non-loopback needs --api-key)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8000,
@@ -31,7 +31,8 @@ def serve(
         typer.Option(
             "--max-step-tokens",
             min=1,
-            help="tokens per engine step: decode rows, then prefill pieces of --prefill-chunk tokens",
+            help="tokens per engine step: decode rows, then prefill (native int4: pieces cut to fit; "
+            "elsewhere at least one --prefill-chunk piece)",
         ),
     ] = SERVE_STEP_TOKENS,
     cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="allow this browser origin")] = None,
