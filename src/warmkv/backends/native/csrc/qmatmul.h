@@ -186,72 +186,72 @@ inline void tile_simd(const uint8_t* tile, int64_t nb, const QGroup& x, float* o
   for (int r = 0; r < N; r++) _mm512_storeu_ps(out + r * kTile, acc[r]);
 }
 #elif defined(WARMKV_QMM_AVX2)
-// Sum of 4 adjacent u8 x s8 products into each int32 lane, exact: Q4 codes are <= 15 (no int16
-// saturation); Q8 uses |w| x sign(w)*x, then adds back the 128 * sum(x) its offset form expects.
-template <int64_t KIND>
-inline __m256i dot4(__m256i w, __m256i x) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (KIND == kQ8_0) {
-    const __m256i ws = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws)), ones);
-  } else {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), ones);
+// Q8: the sum of 4 adjacent code x activation products into each int32 lane, exact. w ^ 0x80 is
+// the signed code, and maddubs wants one side unsigned: |code| x sign(code) * x.
+inline __m256i dot4_q8(__m256i w, __m256i x) {
+  const __m256i ws = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws)), _mm256_set1_epi16(1));
+}
+
+// One half of a tile (output rows 8h .. 8h + 7) over all its blocks: AVX2 has 16 registers, and
+// both halves at once (2N accumulators, 2N dot sums) spilled them. Each output's operations, and
+// their order over the blocks, are those of any other split.
+template <int N, int64_t KIND>
+inline void half_simd(const uint8_t* tile, int64_t nb, const QGroup& x, int h, float* out) {
+  constexpr int64_t bb = KIND == kQ8_0 ? 544 : KIND == kQ4_1 ? 320 : 288, cb = KIND == kQ8_0 ? 512 : 256;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[N];
+  for (int r = 0; r < N; r++) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; b++) {
+    const uint8_t* blk = tile + b * bb;
+    const int8_t* q = x.q + b * N * kBlock;  // row r's codes of this block: q + 32 r
+    __m256i dot[N];
+    if constexpr (KIND == kQ8_0) {
+      for (int r = 0; r < N; r++) dot[r] = _mm256_setzero_si256();
+      for (int j = 0; j < 8; j++) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
+        for (int r = 0; r < N; r++) {
+          int32_t x4;
+          std::memcpy(&x4, q + r * kBlock + 4 * j, 4);
+          dot[r] = _mm256_add_epi32(dot[r], dot4_q8(w, _mm256_set1_epi32(x4)));
+        }
+      }
+    } else {
+      // The eight maddubs sums of a block add up in int16 before one madd widens them: a lane
+      // pair is at most 2 * 15 * 127 = 3810, eight of them 30480 < 32767, so the sum stays exact.
+      __m256i s16[N];
+      for (int r = 0; r < N; r++) s16[r] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; p++) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * p + 32 * h));
+        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        for (int r = 0; r < N; r++) {
+          int32_t xl, xh;
+          std::memcpy(&xl, q + r * kBlock + 4 * p, 4);
+          std::memcpy(&xh, q + r * kBlock + 16 + 4 * p, 4);
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)));
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+        }
+      }
+      for (int r = 0; r < N; r++) dot[r] = _mm256_madd_epi16(s16[r], ones);
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 16 * h)));
+    for (int r = 0; r < N; r++) {
+      __m256i v = dot[r];
+      if constexpr (KIND == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(x.c[b * N + r]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(x.d[b * N + r])), acc[r]);
+      if constexpr (KIND == kQ4_1) {
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 32 + 16 * h)));
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ms[b * N + r]), acc[r]);
+      }
+    }
   }
+  for (int r = 0; r < N; r++) _mm256_storeu_ps(out + r * kTile + 8 * h, acc[r]);
 }
 
 template <int N, int64_t KIND>
 inline void tile_simd(const uint8_t* tile, int64_t nb, const QGroup& x, float* out) {
-  constexpr int64_t bb = KIND == kQ8_0 ? 544 : KIND == kQ4_1 ? 320 : 288, cb = KIND == kQ8_0 ? 512 : 256;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[N][2];
-  for (int r = 0; r < N; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; b++) {
-    const uint8_t* blk = tile + b * bb;
-    const int8_t* q = x.q + b * N * kBlock;  // row r's codes of this block: q + 32 r
-    __m256i dot[N][2];
-    for (int r = 0; r < N; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
-    for (int h = 0; h < 2; h++) {  // rows 0-7, then 8-15
-      if constexpr (KIND == kQ8_0) {
-        for (int j = 0; j < 8; j++) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
-          for (int r = 0; r < N; r++) {
-            int32_t x4;
-            std::memcpy(&x4, q + r * kBlock + 4 * j, 4);
-            dot[r][h] = _mm256_add_epi32(dot[r][h], dot4<KIND>(w, _mm256_set1_epi32(x4)));
-          }
-        }
-      } else {
-        for (int p = 0; p < 4; p++) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * p + 32 * h));
-          const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-          for (int r = 0; r < N; r++) {
-            int32_t xl, xh;
-            std::memcpy(&xl, q + r * kBlock + 4 * p, 4);
-            std::memcpy(&xh, q + r * kBlock + 16 + 4 * p, 4);
-            dot[r][h] = _mm256_add_epi32(dot[r][h], dot4<KIND>(lo, _mm256_set1_epi32(xl)));
-            dot[r][h] = _mm256_add_epi32(dot[r][h], dot4<KIND>(hi, _mm256_set1_epi32(xh)));
-          }
-        }
-      }
-    }
-    for (int h = 0; h < 2; h++) {
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 16 * h)));
-      for (int r = 0; r < N; r++) {
-        __m256i v = dot[r][h];
-        if constexpr (KIND == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(x.c[b * N + r]));
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(x.d[b * N + r])), acc[r][h]);
-        if constexpr (KIND == kQ4_1) {
-          const __m256 m =
-              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 32 + 16 * h)));
-          acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ms[b * N + r]), acc[r][h]);
-        }
-      }
-    }
-  }
-  for (int r = 0; r < N; r++) {
-    _mm256_storeu_ps(out + r * kTile, acc[r][0]);
-    _mm256_storeu_ps(out + r * kTile + 8, acc[r][1]);
-  }
+  half_simd<N, KIND>(tile, nb, x, 0, out);
+  half_simd<N, KIND>(tile, nb, x, 1, out);
 }
 #endif
 
