@@ -31,8 +31,8 @@ SERVE_N_SEQ_MAX = 20
 # less (236 vs 729 ms, native int4, 2 cores) and prefills 1.09x slower alone.
 SERVE_PREFILL_CHUNK = 64
 # A server's step budget: decode rows, then prefill. Native int4 cuts pieces to it (depth-weighted)
-# inside the decode forward: a 3,000-token prompt beside 3 streams then stalls them 70 ms at p99
-# against 178 ms at 64, and takes 2.25x its time alone against 1.17x (2-thread AVX2 EPYC). Where
+# inside the decode forward: a 3,000-token prompt beside 3 streams then stalls them 76 ms at p99
+# against 166 ms at 64, and takes 2.20x its time alone against 1.27x (2-thread AVX2 EPYC). Where
 # pieces cannot be cut (llama.cpp), one whole piece still runs each step.
 SERVE_STEP_TOKENS = 16
 SESSIONS_RESERVED = 4
