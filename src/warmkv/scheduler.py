@@ -50,6 +50,7 @@ from .types import PrefixStatus, StreamChunk
 
 Sink = Callable[[StreamChunk], None]
 Prefilled = Callable[[PrefixStatus | WarmkvError | None], None]
+Results = dict[int, np.ndarray | WarmkvError | None]  # a step's decode outcome per turn (id of its Job)
 log = logging.getLogger("warmkv.scheduler")
 
 
@@ -218,7 +219,7 @@ class Scheduler:
         with self._rt.lock:
             decoding = [j for j in jobs if j.decoding]
             rows: list[tuple[Job, ForwardRow]] = []
-            results: dict[int, np.ndarray | WarmkvError | None] = {}
+            results: Results = {}
             for job in decoding:
                 err = job.session.usable_error()
                 if err is not None:
@@ -235,23 +236,19 @@ class Scheduler:
                 out.append((job, job.state.take(results.get(id(job)))))
         return out
 
-    def _forward_decode(
-        self, rows: list[tuple[Job, ForwardRow]], results: dict[int, np.ndarray | WarmkvError | None]
-    ) -> None:
+    def _forward_decode(self, rows: list[tuple[Job, ForwardRow]], results: Results) -> None:
         if not rows:
             return
         try:
             logits = self._rt.backend.forward([row for _, row in rows])
-        except SessionFatal as e:
-            for job, _ in rows:
-                job.session.ctx.fatal = str(e)
-                results[id(job)] = e
+        except WarmkvError as e:  # fatal, or nothing was evaluated (KVCacheFull...): each turn ends with it
+            _fail(rows, e, results)
             return
-        except WarmkvError as e:  # nothing was evaluated (KVCacheFull...): each turn ends with the error
-            for job, _ in rows:
-                results[id(job)] = e
-            return
-        for (job, _), x in zip(rows, logits, strict=True):
+        self._give(rows, logits, results)
+
+    def _give(self, rows: list[tuple[Job, ForwardRow]], logits: list[np.ndarray | None], results: Results) -> None:
+        """Each decode row's logits (the first len(rows) of a forward's) to its turn."""
+        for (job, _), x in zip(rows, logits, strict=False):
             results[id(job)] = x
         self.batched_rows += len(rows)
 
@@ -265,13 +262,10 @@ class Scheduler:
             if load is None:
                 continue
             try:
-                while (row := load.next_row()) is not None and (budget > 0 or first):
-                    load.accept(row, job.session.ctx.forward(row))
+                while (budget > 0 or first) and not load.done and (row := load.next_row()) is not None:
+                    self._record(job, row, job.session.ctx.forward(row))
                     budget -= len(row.tokens)
-                    self.prefilled_tokens += len(row.tokens)
                     first = False
-                if load.done:
-                    self._start_decoding(job, job.session.loaded(load, job.state))
             except WarmkvError as e:
                 self._end(job, e, out)
 
@@ -279,7 +273,7 @@ class Scheduler:
         self,
         jobs: list[Job],
         rows: list[tuple[Job, ForwardRow]],
-        results: dict[int, np.ndarray | WarmkvError | None],
+        results: Results,
         budget: int,
         out: list[tuple[Job, StreamChunk]],
     ) -> None:
@@ -312,9 +306,7 @@ class Scheduler:
         try:
             logits = self._rt.backend.forward([row for _, row in rows] + [row for _, row in pieces])
         except SessionFatal as e:
-            for job, _ in rows:
-                job.session.ctx.fatal = str(e)
-                results[id(job)] = e
+            _fail(rows, e, results)
             for job, _ in pieces:
                 job.session.ctx.fatal = str(e)
                 self._end(job, e, out)
@@ -329,23 +321,25 @@ class Scheduler:
                 else:
                     self._accept(job, row, alone, out)
             return
-        for (job, _), x in zip(rows, logits, strict=False):
-            results[id(job)] = x
-        self.batched_rows += len(rows)
+        self._give(rows, logits, results)
         for (job, row), x in zip(pieces, logits[len(rows) :], strict=True):
             self._accept(job, row, x, out)
 
     def _accept(self, job: Job, row: ForwardRow, logits: np.ndarray | None, out: list[tuple[Job, StreamChunk]]) -> None:
+        """_record, ending the turn on an error."""
+        try:
+            self._record(job, row, logits)
+        except WarmkvError as e:
+            self._end(job, e, out)
+
+    def _record(self, job: Job, row: ForwardRow, logits: np.ndarray | None) -> None:
         """Record an evaluated piece; the turn decodes once its prompt is in."""
         load = job.load
         assert load is not None
-        try:
-            load.accept(row, logits)
-            self.prefilled_tokens += len(row.tokens)
-            if load.done:
-                self._start_decoding(job, job.session.loaded(load, job.state))
-        except WarmkvError as e:
-            self._end(job, e, out)
+        load.accept(row, logits)
+        self.prefilled_tokens += len(row.tokens)
+        if load.done:
+            self._start_decoding(job, job.session.loaded(load, job.state))
 
     def _load(self, job: Job, out: list[tuple[Job, StreamChunk]]) -> PrefixLoad | None:
         """A waiting turn's prefix load, begun when it can prefill; None when it cannot this step
@@ -430,6 +424,14 @@ def _disk_result(read: Future[DiskRead] | None) -> DiskRead:
     except Exception as e:
         log.warning("disk tier read failed: %r", e)
         return DiskRead(None)
+
+
+def _fail(rows: list[tuple[Job, ForwardRow]], err: WarmkvError, results: Results) -> None:
+    """Each decode row's turn ends with err; a fatal one marks its KV unknown."""
+    for job, _ in rows:
+        if isinstance(err, SessionFatal):
+            job.session.ctx.fatal = str(err)
+        results[id(job)] = err
 
 
 def _cost(row: ForwardRow, depth: int | None) -> int:

@@ -139,9 +139,11 @@ class DecodeLoop:
                 [layer.qk_norm, layer.attn_norm, layer.ffn_norm],
             )
 
-    def takes(self, rows: list[RowPlan]) -> bool:
-        """Steps whose every token can attend alone: decode rows and verified drafts, and prefill where it prefills."""
-        return self.prefills or all(r.decode and (r.n == 1 or r.per_query) for r in rows)
+    @staticmethod
+    def takes(rows: list[RowPlan]) -> bool:
+        """Steps whose every token attends alone: decode rows and verified drafts (where the loop
+        prefills, Transformer.forward hands it every row before asking)."""
+        return all(r.decode and (r.n == 1 or r.per_query) for r in rows)
 
     def run(
         self,
