@@ -23,12 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 
 from ..backends import registered_backends
 from ..errors import InvalidConfig
 from .server_proc import LiveServer, serve, serve_has_option
-from .stream_timing import TimedStream, gap_stats, stream_request
+from .stream_timing import TimedStream, client_session, gap_stats, stream_request
 
 TOPICS = (
     "recursion",
@@ -132,7 +132,7 @@ def run_serve_bench(
 
 
 async def _bench_server(server: LiveServer, cfg: ServeBenchConfig, note: Callable[[str], Any]) -> dict[str, Any]:
-    async with httpx.AsyncClient(timeout=600) as client:
+    async with client_session() as client:
         await _level(client, server, 1, 8, "warm-up")  # first context use, caches
         levels = []
         for n in cfg.streams:
@@ -160,7 +160,9 @@ def _chat_body(model: str, i: int, tag: str, max_tokens: int) -> dict[str, Any]:
     }
 
 
-async def _level(client: httpx.AsyncClient, server: LiveServer, n: int, max_tokens: int, tag: str) -> dict[str, Any]:
+async def _level(
+    client: aiohttp.ClientSession, server: LiveServer, n: int, max_tokens: int, tag: str
+) -> dict[str, Any]:
     url = f"{server.base}/v1/chat/completions"
     recs = [TimedStream() for _ in range(n)]
     t0 = time.perf_counter()
@@ -187,21 +189,19 @@ async def _level(client: httpx.AsyncClient, server: LiveServer, n: int, max_toke
     }
 
 
-async def _long_text(client: httpx.AsyncClient, base: str, n_tokens: int, label: str) -> str:
+async def _long_text(client: aiohttp.ClientSession, base: str, n_tokens: int, label: str) -> str:
     """Code-like text of n_tokens tokens that differs from every other label's from its first line on."""
     lines = (f"def {label}_{i}(x):\n    return x * {i} + {7 * i % 13}\n" for i in range(n_tokens // 4 + 16))
     text = f"# {label}\n" + "".join(lines)
-    r = await client.post(f"{base}/tokenize", json={"content": text})
-    r.raise_for_status()
-    ids = r.json()["tokens"]
+    async with client.post(f"{base}/tokenize", json={"content": text}, raise_for_status=True) as r:
+        ids = (await r.json())["tokens"]
     if len(ids) < n_tokens:
         raise RuntimeError(f"long prompt text has {len(ids)} tokens, wanted {n_tokens}")
-    r = await client.post(f"{base}/detokenize", json={"tokens": ids[:n_tokens]})
-    r.raise_for_status()
-    return r.json()["content"]
+    async with client.post(f"{base}/detokenize", json={"tokens": ids[:n_tokens]}, raise_for_status=True) as r:
+        return (await r.json())["content"]
 
 
-async def _complete(client: httpx.AsyncClient, server: LiveServer, prompt: str) -> TimedStream:
+async def _complete(client: aiohttp.ClientSession, server: LiveServer, prompt: str) -> TimedStream:
     body = {
         "model": server.model,
         "prompt": prompt,
@@ -217,7 +217,7 @@ async def _complete(client: httpx.AsyncClient, server: LiveServer, prompt: str) 
     return rec
 
 
-async def _long_prompt(client: httpx.AsyncClient, server: LiveServer, cfg: ServeBenchConfig) -> dict[str, Any]:
+async def _long_prompt(client: aiohttp.ClientSession, server: LiveServer, cfg: ServeBenchConfig) -> dict[str, Any]:
     n = cfg.long_prompt_tokens
     # Alone twice (the first long prefill may pay one-time costs); each text is new to every cache.
     alone = [await _complete(client, server, await _long_text(client, server.base, n, f"alone{k}")) for k in (1, 2)]

@@ -1,4 +1,9 @@
-"""One streamed request to a live server, with a timestamp per chunk; gaps and percentiles of them."""
+"""One streamed request to a live server, with a timestamp per chunk; gaps and percentiles of them.
+
+The client is aiohttp: it runs on the machine that serves, and every chunk it parses takes CPU
+from the server it measures. httpx spent ~280 us of CPU per chunk here and aiohttp (C parser)
+~90 us, at 8 streams that is a tenth of a core less taken from the engine.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-import httpx
+import aiohttp
 
 
 @dataclass
@@ -38,8 +43,15 @@ class TimedStream:
         return list(pairwise(self.chunks))
 
 
+def client_session(timeout_s: float = 600) -> aiohttp.ClientSession:
+    """A session with no connection limit (every stream of a level at once) and a whole-request timeout."""
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout_s), connector=aiohttp.TCPConnector(limit=0)
+    )
+
+
 async def stream_request(
-    client: httpx.AsyncClient,
+    client: aiohttp.ClientSession,
     url: str,
     body: dict[str, Any],
     rec: TimedStream,
@@ -48,12 +60,11 @@ async def stream_request(
     """POST body (stream=true) to url, recording into rec; leaving early (stop set) closes the
     connection, which cancels the decode on the server."""
     rec.start = time.perf_counter()
-    async with client.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            raise RuntimeError(f"POST {url} answered {r.status_code}: {r.text[:500]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
+    async with client.post(url, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"POST {url} answered {r.status}: {(await r.text())[:500]}")
+        async for line in r.content:
+            if not line.startswith(b"data: {"):
                 continue
             now = time.perf_counter()
             event = json.loads(line[6:])
@@ -66,6 +77,7 @@ async def stream_request(
                 rec.prompt_tokens = usage["prompt_tokens"]
                 rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
             if stop is not None and stop.is_set():
+                r.close()  # drop the connection: the server sees the client leave
                 break
     rec.end = time.perf_counter()
     return rec
