@@ -59,6 +59,21 @@ def test_kernel_matches_the_float_reference(ext, kind: str, n: int, k: int) -> N
     assert float((y.double() - exact).abs().max() / exact.abs().max()) < 2e-2
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_activation_ties_round_to_even(ext, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """Codes on a .5 tie round to even (the SIMD path's cvtps and the scalar nearbyint agree with
+    torch.round); rounding half away from zero would be a whole code off, far above the bound."""
+    from warmkv.backends.native.qweights import KINDS
+
+    b = _blocks(kind, 24, 64)
+    halves = torch.arange(31, dtype=torch.float32) - 15.5  # -15.5 .. 14.5: every one a tie
+    row = torch.cat([torch.tensor([127.0]), halves])  # absmax 127: inv is exactly 1
+    x = torch.stack([torch.cat([row, -row]), torch.cat([-row, row * 0.5])])
+    y = ext.qmatmul(x, b.pack(), KINDS[kind], 24)
+    ref = _reference(b, x)
+    assert float((y.double() - ref).abs().max() / ref.abs().max()) < 1e-5
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_a_rows_result_does_not_depend_on_the_batch(ext, kind: str) -> None:  # type: ignore[no-untyped-def]
     """Rows are grouped only to share weight loads: T=1 and every T>1 give the same bits."""
