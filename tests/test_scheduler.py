@@ -152,3 +152,51 @@ def test_invariant_rows_prefill_in_the_decode_forward() -> None:
         assert following == start + size
         assert size == max(1, 11 * depth // (depth + start)), (start, size)  # 11 tokens of budget at its depth
     assert pieces[-1][1] < pieces[0][1]  # deeper pieces are shorter
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="needs the native engine")
+def test_prefill_keeps_a_floor_when_decode_rows_fill_the_budget() -> None:
+    """With more streams decoding than max_step_tokens, a new prompt's pieces still get a quarter
+    of the budget (it advanced one token a step before, and waited seconds at 16 streams)."""
+    prompt = SYSTEM + "<|im_start|>user\nList the files in the repository, then explain each one.<|im_end|>\n"
+    long_cfg = warmkv.DecodeConfig(max_tokens=400, temperature=0.0, ignore_eos=True)
+    n = 17  # decoding streams: more rows than the budget of 16
+    with warmkv.Runtime.load(backend="native", num_ctx=1024, n_seq_max=n + 1, **NO_TIERS) as rt:
+        backend = rt.backend
+        depth = backend.attention_depth()
+        assert depth is not None
+        forwards: list[list[ForwardRow]] = []
+        real = backend.forward
+
+        def spy(rows: list[ForwardRow]) -> list[object]:
+            forwards.append(list(rows))
+            return real(rows)
+
+        backend.forward = spy  # type: ignore[method-assign]
+        scheduler = Scheduler(rt, SchedulerConfig(max_step_tokens=16))
+        sessions = [rt.session() for _ in range(n + 1)]
+        try:
+            started = [threading.Event() for _ in range(n)]
+            jobs = [
+                scheduler.submit(s.turn(MULTIBYTE, long_cfg), lambda c: None, on_prefilled=lambda _, e=e: e.set())
+                for s, e in zip(sessions, started, strict=False)
+            ]
+            assert all(e.wait(120) for e in started)
+            resident = threading.Event()
+            at = len(forwards)
+            cfg = warmkv.DecodeConfig(max_tokens=1, temperature=0.0)
+            scheduler.submit(sessions[n].turn(prompt, cfg), lambda c: None, on_prefilled=lambda _: resident.set())
+            assert resident.wait(120)
+            for job in jobs:
+                job.cancel()
+        finally:
+            scheduler.close()
+            del backend.forward
+            for s in sessions:
+                s.close()
+    steps = [rows for rows in forwards[at:] if any(not r.decode for r in rows)]
+    assert all(sum(r.decode for r in rows) == n for rows in steps)  # every stream decoded beside each piece
+    pieces = [next(r for r in rows if not r.decode) for rows in steps]
+    assert len(pieces) > 3 and pieces[0].start == 0
+    for piece in pieces[:-1]:  # the last is what was left
+        assert len(piece.tokens) == max(1, 4 * depth // (depth + piece.start)), piece.start  # 16 // 4 at its depth

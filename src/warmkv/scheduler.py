@@ -6,14 +6,15 @@ prefills, then decodes. Each step, under the model lock:
 1. decode: the next row of every decoding turn (its pending token, or that token and a
    draft to verify): one step's worth of tokens each, even for a turn that emits no text;
 2. prefill: the waiting turns, oldest first, get prefill pieces under the step's token
-   budget (max_step_tokens less the decode rows; SARATHI-style chunked prefill), at least
-   one piece per step (to the oldest turn not waiting on a disk read) so a prompt always
-   advances. Where the backend's rows are invariant (Backend.rows_invariant: a token's
-   numbers depend neither on the rest of its batch nor on where its piece begins), each
-   waiting turn's piece is cut to what the budget affords and runs in the decode rows'
-   forward: ONE forward per step, the weights read once for all. A prefill token costs
-   1 + position / attention_depth of the budget, so a piece deep in a long prompt, whose
-   attention outweighs its matmuls, stays as short in time as one near the start.
+   budget (max_step_tokens less the decode rows, but at least a quarter of it;
+   SARATHI-style chunked prefill), at least one piece per step (to the oldest turn not
+   waiting on a disk read) so a prompt always advances. Where the backend's rows are
+   invariant (Backend.rows_invariant: a token's numbers depend neither on the rest of its
+   batch nor on where its piece begins), each waiting turn's piece is cut to what the
+   budget affords and runs in the decode rows' forward: ONE forward per step, the weights
+   read once for all. A prefill token costs 1 + position / attention_depth of the budget,
+   so a piece deep in a long prompt, whose attention outweighs its matmuls, stays as short
+   in time as one near the start.
    Elsewhere the decode rows run in one forward and each piece in its own, cut at the
    cold-aligned places a cold prefill uses (a batched piece would be split at other places
    and run through GEMMs of other shapes, so a greedy turn's tokens would depend on what
@@ -51,15 +52,20 @@ from .types import PrefixStatus, StreamChunk
 Sink = Callable[[StreamChunk], None]
 Prefilled = Callable[[PrefixStatus | WarmkvError | None], None]
 Results = dict[int, np.ndarray | WarmkvError | None]  # a step's decode outcome per turn (id of its Job)
+# Prefill gets at least max_step_tokens // PREFILL_FLOOR of a step's budget however many streams
+# decode: with the decode rows alone filling a budget of 16, a new prompt advanced one token a
+# step and waited seconds for its first token at 16 streams.
+PREFILL_FLOOR = 4
 log = logging.getLogger("warmkv.scheduler")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """max_streams bounds turns (waiting and running); max_step_tokens is a step's token budget
-    (decode rows first, prefill in what is left: where pieces can be cut, a prefill token at
-    position p counts 1 + p / Backend.attention_depth(); `warmkv serve` uses 16, see the README's
-    concurrent-streams section); rate_window_s is the window of the tokens/s figure."""
+    (decode rows first, prefill in what is left but at least a quarter of it: where pieces can
+    be cut, a prefill token at position p counts 1 + p / Backend.attention_depth(); `warmkv
+    serve` uses 16, see the README's concurrent-streams section); rate_window_s is the window
+    of the tokens/s figure."""
 
     max_streams: int = 256
     max_step_tokens: int = 256
@@ -226,7 +232,8 @@ class Scheduler:
                     results[id(job)] = err
                 elif (row := job.state.next_row()) is not None:
                     rows.append((job, row))
-            budget = self.config.max_step_tokens - sum(len(r.tokens) for _, r in rows)
+            step = self.config.max_step_tokens
+            budget = max(step - sum(len(r.tokens) for _, r in rows), step // PREFILL_FLOOR)
             if self._rt.backend.rows_invariant():
                 self._forward_together(jobs, rows, results, budget, out)
             else:
