@@ -220,7 +220,7 @@ def bench_speculative(
 @runtime_options(num_ctx=4096)
 def bench_serve(
     streams: Annotated[str, typer.Option("--streams", help="comma-separated concurrency levels")] = "1,4,8,16",
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, max=4096)] = 64,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, max=4096)] = 128,
     long_prompt_tokens: Annotated[
         int, typer.Option("--long-prompt-tokens", min=0, help="prompt prefilled beside 3 streams (0: skip)")
     ] = 3000,
