@@ -210,3 +210,32 @@ def test_history_token_out_of_range(bad: int, penalty: float) -> None:
     with pytest.raises(InvalidInput, match=str(bad)):
         s.sample(torch.from_numpy(logits), torch.tensor([1, 2, bad, 3]))
     assert 0 <= s.sample(logits, [0, 7]) < 8
+
+
+def test_only_threadless_sampling_skips_the_compute_thread() -> None:
+    """Greedy without a penalty samples in place; anything that runs torch ops goes to the compute thread."""
+    from warmkv.backends.compute_thread import ComputeThread
+    from warmkv.backends.native.backend import _ComputeSampler
+
+    class Counting(ComputeThread):
+        calls = 0
+
+        def call(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+            Counting.calls += 1
+            return super().call(fn, *args, **kwargs)
+
+    compute = Counting("test-compute")
+    logits = np.array([0.5, 2.0, -1.0, 1.5], dtype=np.float32)
+    try:
+        for cfg, hops in (
+            (DecodeConfig(temperature=0.0), 0),
+            (DecodeConfig(temperature=0.7, top_k=1), 0),
+            (DecodeConfig(temperature=0.0, repeat_penalty=1.3), 1),
+            (DecodeConfig(temperature=0.7, seed=1), 1),
+        ):
+            Counting.calls = 0
+            token = _ComputeSampler(TorchSampler(cfg), compute).sample(logits, [1, 3])
+            assert Counting.calls == hops, cfg
+            assert token == TorchSampler(cfg).sample(logits, [1, 3]) or not cfg.greedy
+    finally:
+        compute.stop()

@@ -34,6 +34,12 @@ class TorchSampler:
         # float64 is cheap on CPU and matches the numpy sampler; GPUs (and MPS) get float32.
         self._work_dtype = torch.float64 if self.device.type == "cpu" else torch.float32
 
+    @property
+    def threadless(self) -> bool:
+        """Greedy on the CPU without a penalty: numpy's argmax and nothing that starts threads, so
+        any thread may sample (a penalty clones the row, and torch splits that copy over threads)."""
+        return self.device.type == "cpu" and self.config.greedy and self.config.repeat_penalty == 1.0
+
     def _as_tensor(self, logits: np.ndarray | torch.Tensor) -> torch.Tensor:
         if isinstance(logits, np.ndarray):
             if logits.ndim != 1 or logits.shape[0] == 0:
