@@ -40,6 +40,8 @@ def test_bench_serve_tiny_reports_rates_gaps_and_the_long_prompt(tmp_path: Path)
     assert abs(lp["prompt_tokens"] - 200) <= 4 and lp["cached_tokens"] < 8  # new to every cache: prefilled whole
     for key in ("ttft_alone_s", "ttft_beside_s", "ttft_ratio", "itl_p99_s_before", "itl_p99_s_during_prefill"):
         assert lp[key] > 0, key
+    # The streams went on after the prompt's first token: their own pace there, and each gap against it.
+    assert lp["itl_p50_s_after"] > 0 and lp["itl_p99_over_own_pace"] > 0
     # Each of the 3 streams decoded before the prompt came and after its first token: a gap spans the prefill.
     assert lp["streams_outlasted_prefill"] and lp["gaps_during_prefill"] >= 3
     # The server kept its disk store in a private dir: a second run meets no disk hits from this one.

@@ -11,6 +11,10 @@ For each backend a fresh `warmkv serve` child process runs on 127.0.0.1. Against
 - long prompt: a prompt of --long-prompt-tokens tokens, timed to its first token alone, then
   again while 3 streams decode beside it; the streams' gaps while it prefills show whether a
   prefill stalls running decodes (a server that stalls them shows one gap as long as the prefill).
+  The streams decode on through the prefill, so their own steps slow as their contexts grow (at
+  ~700 tokens a 3-stream step took 1.6x one at ~150, with no prefill at all): each gap while it
+  prefills is also set against the streams' own pace at that moment, their p50 gap before the
+  prompt and after its first token, interpolated in time.
 
 Figures of different backends and levels come from the same run, so their ratios are comparable.
 """
@@ -30,7 +34,7 @@ import aiohttp
 from ..backends import registered_backends
 from ..errors import InvalidConfig
 from .server_proc import LiveServer, serve, serve_has_option
-from .stream_timing import TimedStream, client_session, gap_stats, stream_request
+from .stream_timing import TimedStream, client_session, gap_stats, percentile, stream_request
 
 TOPICS = (
     "recursion",
@@ -45,6 +49,7 @@ TOPICS = (
 BACKEND_ALIASES = {"llama.cpp": "llamacpp", "llama-cpp": "llamacpp", "llama_cpp": "llamacpp"}
 CHAT_ROOM = 128  # a short chat prompt, rendered, fits in this many tokens
 LONG_ROOM = 16  # tokens after the long prompt: BOS and its two completion tokens
+AFTER_CHUNKS = 32  # chunks each stream beside the long prompt decodes after its first token
 
 
 def backend_names(values: Sequence[str]) -> tuple[str, ...]:
@@ -246,14 +251,30 @@ async def _long_prompt(client: aiohttp.ClientSession, server: LiveServer, cfg: S
                 raise RuntimeError("a stream beside the long prompt ended before it was submitted")
             await asyncio.sleep(0.005)
         long = await _complete(client, server, beside_text)
+        done = long.first or long.start
+        deadline = time.perf_counter() + 10
+        while min(sum(c > done for c in r.chunks) for r in recs) < AFTER_CHUNKS and time.perf_counter() < deadline:
+            if any(t.done() for t in tasks):
+                break  # an error, raised below
+            await asyncio.sleep(0.005)
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
     for t in tasks:
         t.result()  # a stream's own error, if it failed
     sent, first = long.start, long.first or long.start
-    during = gap_stats(g for r in recs for g in r.gaps() if g[1] > sent and g[0] < first)
+    during_gaps = [g for r in recs for g in r.gaps() if g[1] > sent and g[0] < first]
+    during = gap_stats(during_gaps)
     before = gap_stats(g for r in recs for g in r.gaps() if g[1] <= sent)
+    after = gap_stats(g for r in recs for g in r.gaps() if g[0] >= first)
+    p0, p1 = before["p50_s"], after["p50_s"]
+
+    def pace(t: float) -> float:  # the streams' own p50 gap at time t, between before and after
+        if p0 is None or p1 is None or first <= sent:
+            return p0 or p1 or 0.0
+        return p0 + (p1 - p0) * min(max((t - sent) / (first - sent), 0.0), 1.0)
+
+    over_pace = [(b - a) / pace(b) for a, b in during_gaps if pace(b) > 0]
     ttft_alone = min(r.ttft_s or 0.0 for r in alone)
     ttft_beside = long.ttft_s or 0.0
     return {
@@ -265,6 +286,8 @@ async def _long_prompt(client: aiohttp.ClientSession, server: LiveServer, cfg: S
         "ttft_ratio": ttft_beside / ttft_alone if ttft_alone > 0 else None,
         "itl_p50_s_before": before["p50_s"],
         "itl_p99_s_before": before["p99_s"],
+        "itl_p50_s_after": after["p50_s"],
+        "itl_p99_over_own_pace": percentile(over_pace, 99),
         "itl_p99_s_during_prefill": during["p99_s"],
         "itl_max_s_during_prefill": during["max_s"],
         "gaps_during_prefill": during["gaps"],

@@ -16,6 +16,10 @@ def _num(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _ratio(lp: dict[str, Any], a: str, b: str) -> str:
+    return "-" if lp.get(a) is None or not lp.get(b) else f"{lp[a] / lp[b]:.2f}"
+
+
 def print_serve_report(console: Console, report: dict[str, Any]) -> None:
     t = Table(
         title=f"warmkv serve: {report['model']}, {report['max_tokens']} greedy tokens per stream",
@@ -62,9 +66,13 @@ def print_serve_report(console: Console, report: dict[str, Any]) -> None:
         ("TTFT alone s", lambda lp: f"{lp['ttft_alone_s']:.3f}"),
         (f"TTFT beside {n} streams s", lambda lp: f"{lp['ttft_beside_s']:.3f}"),
         ("TTFT beside / alone", lambda lp: _num(lp["ttft_ratio"], ".2f")),
+        ("streams' ITL p50 before it, ms", lambda lp: _ms(lp["itl_p50_s_before"])),
+        ("streams' ITL p50 after it, ms", lambda lp: _ms(lp.get("itl_p50_s_after"))),
         ("streams' ITL p99 before it, ms", lambda lp: _ms(lp["itl_p99_s_before"])),
         ("streams' ITL p99 while it prefills, ms", lambda lp: _ms(lp["itl_p99_s_during_prefill"])),
         ("streams' longest gap while it prefills, ms", lambda lp: _ms(lp["itl_max_s_during_prefill"])),
+        ("ITL p99 during / p50 before", lambda lp: _ratio(lp, "itl_p99_s_during_prefill", "itl_p50_s_before")),
+        ("gaps while it prefills / own pace, p99", lambda lp: _num(lp.get("itl_p99_over_own_pace"), ".2f")),
         ("streams outlasted the prefill", lambda lp: "yes" if lp["streams_outlasted_prefill"] else "NO"),
     )
     for label, cell in rows:
