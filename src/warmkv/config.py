@@ -31,9 +31,10 @@ SERVE_N_SEQ_MAX = 20
 # less (236 vs 729 ms, native int4, 2 cores) and prefills 1.09x slower alone.
 SERVE_PREFILL_CHUNK = 64
 # A server's step budget: decode rows, then prefill. Native int4 cuts pieces to it (depth-weighted)
-# inside the decode forward: a 3,000-token prompt beside 3 streams then stalls them 76 ms at p99
-# against 166 ms at 64, and takes 2.20x its time alone against 1.27x (2-thread AVX2 EPYC). Where
-# pieces cannot be cut (llama.cpp), one whole piece still runs each step.
+# inside the decode forward: a 3,000-token prompt beside 3 streams then holds their gaps to ~3x
+# their own pace at p99 and takes 1.7-2.3x its time alone; at 64 it stalled them 8.6x and took
+# 1.27x (2-thread AVX2 EPYC, README's concurrent-streams section). Where pieces cannot be cut
+# (llama.cpp), one whole piece still runs each step.
 SERVE_STEP_TOKENS = 16
 SESSIONS_RESERVED = 4
 
