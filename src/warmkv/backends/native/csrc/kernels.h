@@ -366,10 +366,14 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
   }
   tile_at.push_back(nq);
   const int64_t n_tiles = static_cast<int64_t>(tile_at.size()) - 1;
-  std::vector<int64_t> tile_chunks(n_tiles);
+  // A tile's longest key list (its last query's, in a causal piece) sets its chunks and its tasks' keys.
+  std::vector<int64_t> tile_longest(n_tiles), tile_chunks(n_tiles);
   int64_t all_chunks = 0;
   for (int64_t j = 0; j < n_tiles; j++) {
-    for (int64_t i = tile_at[j]; i < tile_at[j + 1]; i++) tile_chunks[j] = std::max(tile_chunks[j], chunks[i]);
+    int64_t longest = tile_at[j];
+    for (int64_t i = tile_at[j] + 1; i < tile_at[j + 1]; i++) longest = keys[i].n > keys[longest].n ? i : longest;
+    tile_longest[j] = longest;
+    tile_chunks[j] = chunks[longest];
     all_chunks += tile_chunks[j];
   }
   // Enough tasks for every thread (twice over, for balance), each spanning as many heads as that allows.
@@ -389,9 +393,7 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
       const int64_t local = task - task_at[j], nc = tile_chunks[j], i0 = tile_at[j], nt = tile_at[j + 1] - i0;
       const int64_t h0 = (local / nc) * per_span, h1 = std::min(n_kv, h0 + per_span), c = local % nc;
       if (h0 >= h1) continue;
-      int64_t longest = i0;
-      for (int64_t u = 1; u < nt; u++) longest = keys[i0 + u].n > keys[longest].n ? i0 + u : longest;
-      const QueryKeys& k = keys[longest];
+      const QueryKeys& k = keys[tile_longest[j]];
       const Task<K> t{pool, k.slots, k.first, n_kv, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
       int64_t len[kTileQ];
       const float* qt[kTileQ];
