@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
 import warmkv
 from conftest import BACKENDS, NO_TIERS, SYSTEM
-from warmkv.backends.base import ForwardRow
+from warmkv.backends.base import Backend, ForwardRow
 from warmkv.scheduler import Scheduler, SchedulerConfig
 from warmkv.server.errors import from_warmkv
 
@@ -98,6 +100,23 @@ def test_an_unstarted_stream_blocks_no_later_complete(lrt: warmkv.Runtime) -> No
     assert "".join(c.text for c in first) == done.text  # the unstarted stream still works when iterated
 
 
+@contextmanager
+def _spy_forwards(backend: Backend) -> Iterator[list[list[ForwardRow]]]:
+    """Every forward's rows, in order, while inside."""
+    forwards: list[list[ForwardRow]] = []
+    real = backend.forward
+
+    def spy(rows: list[ForwardRow]) -> list[object]:
+        forwards.append(list(rows))
+        return real(rows)
+
+    backend.forward = spy  # type: ignore[method-assign]
+    try:
+        yield forwards
+    finally:
+        del backend.forward
+
+
 @pytest.mark.skipif("native" not in BACKENDS, reason="needs the native engine")
 def test_invariant_rows_prefill_in_the_decode_forward() -> None:
     """Native int4 runs every token alone, so a waiting prompt's pieces are cut to what the step's
@@ -113,37 +132,29 @@ def test_invariant_rows_prefill_in_the_decode_forward() -> None:
         with rt.session() as s:
             s.ensure_prefix(prompt)
             cold = [t for c in s.decode(cfg) for t in c.token_ids]
-        forwards: list[list[ForwardRow]] = []
-        real = backend.forward
+        with _spy_forwards(backend) as forwards:
+            scheduler = Scheduler(rt, SchedulerConfig(max_step_tokens=12))
+            try:
+                with rt.session() as a, rt.session() as b:
+                    decoding, done = threading.Event(), threading.Event()
+                    long_cfg = warmkv.DecodeConfig(max_tokens=1500, temperature=0.0, ignore_eos=True)
+                    job = scheduler.submit(
+                        a.turn(MULTIBYTE, long_cfg), lambda c: None, on_prefilled=lambda _: decoding.set()
+                    )
+                    assert decoding.wait(60)
+                    got: list[int] = []
 
-        def spy(rows: list[ForwardRow]) -> list[object]:
-            forwards.append(list(rows))
-            return real(rows)
+                    def sink(c: warmkv.StreamChunk) -> None:
+                        got.extend(c.token_ids)
+                        if c.done:
+                            done.set()
 
-        backend.forward = spy  # type: ignore[method-assign]
-        scheduler = Scheduler(rt, SchedulerConfig(max_step_tokens=12))
-        try:
-            with rt.session() as a, rt.session() as b:
-                decoding, done = threading.Event(), threading.Event()
-                long_cfg = warmkv.DecodeConfig(max_tokens=1500, temperature=0.0, ignore_eos=True)
-                job = scheduler.submit(
-                    a.turn(MULTIBYTE, long_cfg), lambda c: None, on_prefilled=lambda _: decoding.set()
-                )
-                assert decoding.wait(60)
-                got: list[int] = []
-
-                def sink(c: warmkv.StreamChunk) -> None:
-                    got.extend(c.token_ids)
-                    if c.done:
-                        done.set()
-
-                at = len(forwards)
-                scheduler.submit(b.turn(prompt, cfg), sink)
-                assert done.wait(120)
-                job.cancel()
-        finally:
-            scheduler.close()
-            del backend.forward
+                    at = len(forwards)
+                    scheduler.submit(b.turn(prompt, cfg), sink)
+                    assert done.wait(120)
+                    job.cancel()
+            finally:
+                scheduler.close()
     assert got == cold
     pieces = [(rows[1].start, len(rows[1].tokens)) for rows in forwards[at:] if len(rows) == 2 and not rows[1].decode]
     assert all(rows[0].decode for rows in forwards[at:] if len(rows) == 2)
@@ -165,35 +176,27 @@ def test_prefill_keeps_a_floor_when_decode_rows_fill_the_budget() -> None:
         backend = rt.backend
         depth = backend.attention_depth()
         assert depth is not None
-        forwards: list[list[ForwardRow]] = []
-        real = backend.forward
-
-        def spy(rows: list[ForwardRow]) -> list[object]:
-            forwards.append(list(rows))
-            return real(rows)
-
-        backend.forward = spy  # type: ignore[method-assign]
-        scheduler = Scheduler(rt, SchedulerConfig(max_step_tokens=16))
-        sessions = [rt.session() for _ in range(n + 1)]
-        try:
-            started = [threading.Event() for _ in range(n)]
-            jobs = [
-                scheduler.submit(s.turn(MULTIBYTE, long_cfg), lambda c: None, on_prefilled=lambda _, e=e: e.set())
-                for s, e in zip(sessions, started, strict=False)
-            ]
-            assert all(e.wait(120) for e in started)
-            resident = threading.Event()
-            at = len(forwards)
-            cfg = warmkv.DecodeConfig(max_tokens=1, temperature=0.0)
-            scheduler.submit(sessions[n].turn(prompt, cfg), lambda c: None, on_prefilled=lambda _: resident.set())
-            assert resident.wait(120)
-            for job in jobs:
-                job.cancel()
-        finally:
-            scheduler.close()
-            del backend.forward
-            for s in sessions:
-                s.close()
+        with _spy_forwards(backend) as forwards:
+            scheduler = Scheduler(rt, SchedulerConfig(max_step_tokens=16))
+            sessions = [rt.session() for _ in range(n + 1)]
+            try:
+                started = [threading.Event() for _ in range(n)]
+                jobs = [
+                    scheduler.submit(s.turn(MULTIBYTE, long_cfg), lambda c: None, on_prefilled=lambda _, e=e: e.set())
+                    for s, e in zip(sessions, started, strict=False)
+                ]
+                assert all(e.wait(120) for e in started)
+                resident = threading.Event()
+                at = len(forwards)
+                cfg = warmkv.DecodeConfig(max_tokens=1, temperature=0.0)
+                scheduler.submit(sessions[n].turn(prompt, cfg), lambda c: None, on_prefilled=lambda _: resident.set())
+                assert resident.wait(120)
+                for job in jobs:
+                    job.cancel()
+            finally:
+                scheduler.close()
+                for s in sessions:
+                    s.close()
     steps = [rows for rows in forwards[at:] if any(not r.decode for r in rows)]
     assert all(sum(r.decode for r in rows) == n for rows in steps)  # every stream decoded beside each piece
     pieces = [next(r for r in rows if not r.decode) for rows in steps]
