@@ -191,6 +191,9 @@ def test_bench_chunks_reports_reuse_and_quality() -> None:
     assert second["chunk_prefilled"] < second["exact_prefilled"]
     for r in report["turns"]:
         assert 0.0 <= r["greedy_agreement"] <= 1.0
+        # where the greedy runs part, cold preferred its own token (by a margin >= 0)
+        assert (r["split_margin"] is None) == (r["greedy_agreement"] == 1.0), r
+        assert r["split_margin"] is None or r["split_margin"] >= 0.0, r
         # Moved KV is approximate, but it must not scramble the model: most top tokens stay.
         assert r["top1_agreement"] >= 0.5, r
         assert 0.9 < r["ppl_ratio"] < 1.1, r

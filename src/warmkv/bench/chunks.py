@@ -11,6 +11,8 @@ of a fixed continuation under the chunks session's KV and under cold KV. Greedy 
 compounds: the first near-tie that flips sends the two runs down other texts. So the same
 continuation also gives a per-token measure that does not: the fraction of its positions
 where the top token under chunk-reused KV is the top token under cold KV (teacher-forced).
+Where the greedy runs part, the split margin says how near a tie it was: cold's logit of its
+own token minus its logit of the token chunks mode chose.
 """
 
 from __future__ import annotations
@@ -76,30 +78,49 @@ def _turn(s: Session, text: str, mode: str, max_tokens: int) -> tuple[PrefixStat
     return status, ttft, tokens
 
 
-def _continuation(rt: Runtime, s: Session, prefix_len: int, continuation: list[int]) -> tuple[float, np.ndarray]:
-    """Perplexity of continuation after the session's prompt, on a fork of its KV, and each
-    position's top token."""
+def _teacher_forced(rt: Runtime, s: Session, prefix_len: int, tokens: list[int]) -> np.ndarray:
+    """Logits [len(tokens), vocab] after each of tokens fed after the session's prompt, on a fork of its KV."""
     child = s.fork()
     try:
         with rt.lock:
             ctx = child.ctx
             last = ctx.tokens[prefix_len - 1]
             ctx.truncate(prefix_len - 1)
-            logits = ctx.forward(ctx.row([last, *continuation[:-1]], all_logits=True))
-        x = np.asarray(logits, dtype=np.float64)
-        m = x.max(axis=1, keepdims=True)
-        lp = x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
-        ppl = math.exp(-float(lp[np.arange(len(continuation)), continuation].mean()))
-        return ppl, x.argmax(axis=1)
+            logits = ctx.forward(ctx.row([last, *tokens[:-1]], all_logits=True))
+        return np.asarray(logits, dtype=np.float64)
     finally:
         child.close()
 
 
-def _agreement(a: list[int], b: list[int]) -> float:
+def _continuation(rt: Runtime, s: Session, prefix_len: int, continuation: list[int]) -> tuple[float, np.ndarray]:
+    """Perplexity of continuation after the session's prompt, and each position's top token."""
+    x = _teacher_forced(rt, s, prefix_len, continuation)
+    m = x.max(axis=1, keepdims=True)
+    lp = x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+    ppl = math.exp(-float(lp[np.arange(len(continuation)), continuation].mean()))
+    return ppl, x.argmax(axis=1)
+
+
+def _split_margin(
+    rt: Runtime, cold: Session, prefix_len: int, cold_tokens: list[int], other: list[int]
+) -> float | None:
+    """How much cold preferred its token where other first parts from it (logits); None if they never part."""
+    n = _first_difference(cold_tokens, other)
+    if n == min(len(cold_tokens), len(other)):
+        return None
+    x = _teacher_forced(rt, cold, prefix_len, cold_tokens[: n + 1])[n]
+    return float(x[cold_tokens[n]] - x[other[n]])
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
-    return n / max(1, len(b))
+    return n
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    return _first_difference(a, b) / max(1, len(b))
 
 
 def run_chunks(
@@ -121,6 +142,7 @@ def run_chunks(
             with rt.session() as cold:
                 _, cold_ttft, cold_tokens = _turn(cold, text, "exact", max_tokens)
                 cold_ppl, cold_top = _continuation(rt, cold, c_st.prefix_tokens, continuation)
+                margin = _split_margin(rt, cold, c_st.prefix_tokens, cold_tokens, c_tokens)
             n = c_st.prefix_tokens
             chunk_ppl, chunk_top = _continuation(rt, chunks, n, continuation)
             row = {
@@ -138,6 +160,7 @@ def run_chunks(
                 "cold_ttft_s": cold_ttft,
                 "ttft_ratio": c_ttft / e_ttft if e_ttft else 0.0,
                 "greedy_agreement": _agreement(c_tokens, cold_tokens),
+                "split_margin": margin,
                 "top1_agreement": float((chunk_top == cold_top).mean()),
                 "ppl_chunks": chunk_ppl,
                 "ppl_cold": cold_ppl,
@@ -154,6 +177,7 @@ def run_chunks(
             "max_chunk_prefilled_frac": max(r["chunk_prefilled_frac"] for r in later),
             "median_greedy_agreement": float(np.median([r["greedy_agreement"] for r in later])),
             "median_top1_agreement": float(np.median([r["top1_agreement"] for r in later])),
+            "max_split_margin": max((r["split_margin"] for r in later if r["split_margin"] is not None), default=None),
             "max_ppl_ratio": max(r["ppl_ratio"] for r in later),
             "median_ttft_ratio": float(np.median([r["ttft_ratio"] for r in later])),
         },

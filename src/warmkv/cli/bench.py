@@ -348,7 +348,7 @@ def bench_chunks(
     report["model"], report["backend"] = rt.info.name, rt.backend.name
     table = Table(title=f"chunk reuse: {rt.info.name} on {rt.backend.name}")
     cols = ("turn", "prompt", "exact reused", "chunk reused", "recomputed", "prefilled", "TTFT exact", "TTFT chunks")
-    for c in (*cols, "agree", "top-1 agree", "ppl chunks/cold"):
+    for c in (*cols, "agree", "split margin", "top-1 agree", "ppl chunks/cold"):
         table.add_column(c, justify="right")
     for r in report["turns"]:
         table.add_row(
@@ -361,6 +361,7 @@ def bench_chunks(
             f"{r['exact_ttft_s'] * 1000:.0f} ms",
             f"{r['chunk_ttft_s'] * 1000:.0f} ms ({r['ttft_ratio']:.2f}x)",
             f"{r['greedy_agreement']:.2f}",
+            "-" if r["split_margin"] is None else f"{r['split_margin']:.2f}",
             f"{r['top1_agreement']:.2f}",
             f"{r['ppl_chunks']:.2f}/{r['ppl_cold']:.2f}",
         )
