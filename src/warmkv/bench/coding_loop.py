@@ -7,7 +7,9 @@ greedy tokens three ways, side by side in one process:
 - cold: a fresh session every turn (the whole prompt is prefilled);
 - peer: llama-cpp-python's high-level `Llama`, with its own prefix reuse.
 
-Ratios, not absolute times, are the result: the machines are noisy.
+Ratios, not absolute times, are the result: the machines are noisy. The warm session
+and the peer take turns going first (odd turns warm, even turns the peer), and the cold
+session's long prefill comes after both, so neither always runs right after it.
 """
 
 from __future__ import annotations
@@ -98,10 +100,13 @@ def run_coding_loop(
         for t, text in enumerate(workload.turns, start=1):
             prefix, suffix = split_prompt(rt, workload, text)
             prefix_tokens = rt.count_tokens(prefix)
+            peer_first = llm is not None and t % 2 == 0
+            pr = peer_generate(llm, prefix + suffix, max_tokens) if peer_first else None
             w = timed_turn(warm, prefix, suffix, cfg)
+            if llm is not None and not peer_first:
+                pr = peer_generate(llm, prefix + suffix, max_tokens)
             with rt.session() as cold_session:
                 c = timed_turn(cold_session, prefix, suffix, cfg)
-            pr = peer_generate(llm, prefix + suffix, max_tokens) if llm is not None else None
             r = TurnResult(
                 turn=t,
                 warm_ttft_s=w.ttft_s,
