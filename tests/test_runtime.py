@@ -16,6 +16,25 @@ def test_tokenize_roundtrip(rt: warmkv.Runtime) -> None:
     assert rt.tokenize("<|im_end|>", add_bos=False) == [rt.tokenize("<|im_end|>", add_bos=False)[0]]
 
 
+def test_spelled_lengths_count_what_spell_gives(rt: warmkv.Runtime) -> None:
+    from warmkv.tokens import spell
+
+    text = "<|im_start|>user\ndef f():\n    return 'ünïcödé 🎉 漢字'<|im_end|>\n"
+    ids = rt.tokenize(text, add_bos=False)
+    assert any(len(rt.backend.token_bytes(t)) and not _valid_utf8(rt.backend.token_bytes(t)) for t in ids)
+    for a in range(0, len(ids), 3):
+        for b in range(a, len(ids) + 1, 5):
+            assert rt.spelled.count(ids[a:b]) == len(spell(rt.backend, ids[a:b])), (a, b)
+
+
+def _valid_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def test_info_and_state(rt: warmkv.Runtime) -> None:
     assert rt.info.architecture == "llama" and rt.info.n_vocab == 49152
     assert len(rt.info.file_digest) == 64

@@ -47,7 +47,7 @@ from .models import resolve_model
 from .session import NO_STORE, Session
 from .text import as_text
 from .tiers import KVTiers
-from .tokens import spell
+from .tokens import SpelledLengths, spell
 from .tools import Call, ToolFormat
 from .tools import resolve as resolve_tool_format
 from .turn_memory import TurnMemory
@@ -83,6 +83,7 @@ class Runtime:
         self._llg_tokenizer: Any = None  # llguidance's vocabulary, built on the first constrained decode
         self._turns: TurnMemory | None = None  # generated turns' tokens, built on the first one remembered
         self._fim: FimTokens | None = None
+        self.spelled = SpelledLengths(backend)  # divergence offsets without spelling the whole prompt
         self._helper_lock = threading.Lock()
         template = resolve_template(self.config.prompt_format, backend.info.chat_template)
         self._template_source = template

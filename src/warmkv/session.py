@@ -235,7 +235,7 @@ class Session:
         start = 1 if add_bos and tokens and tokens[0] == self._backend.info.bos_token_id else 0
         return Divergence(
             token=reused,
-            char=len(spell(self._backend, tokens[start:reused])),
+            char=self._rt.spelled.count(tokens[start:reused]),
             old=spell(self._backend, self.ctx.tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
             new=spell(self._backend, tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
             resident=len(self.ctx.tokens),

@@ -17,6 +17,40 @@ def spell(backend: Backend, tokens: Sequence[int]) -> str:
     return raw.decode("utf-8", "replace")
 
 
+class SpelledLengths:
+    """How many characters spell() gives for a token run, without spelling it.
+
+    A token whose bytes are valid UTF-8 on their own adds its characters to any run it is in;
+    the counts are learned per token on first sight. A run holding any other token (a lone
+    byte of a multibyte character) is spelled in full.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._chars = np.full(backend.info.n_vocab, UNSEEN, dtype=np.int64)
+
+    def count(self, tokens: Sequence[int]) -> int:
+        ids = np.asarray(tokens, dtype=np.int64)
+        chars = self._chars[ids]
+        if (chars == UNSEEN).any():
+            for t in np.unique(ids[chars == UNSEEN]).tolist():
+                self._chars[t] = self._learn(t)
+            chars = self._chars[ids]
+        if (chars < 0).any():
+            return len(spell(self._backend, tokens))
+        return int(chars.sum())
+
+    def _learn(self, token: int) -> int:
+        b = self._backend
+        try:
+            return len((b.token_bytes(token) or b.token_text(token).encode()).decode("utf-8"))
+        except UnicodeDecodeError:
+            return PARTIAL
+
+
+UNSEEN, PARTIAL = -2, -1  # SpelledLengths' marks: not looked at yet; not valid UTF-8 alone
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
