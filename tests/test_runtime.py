@@ -35,6 +35,30 @@ def _valid_utf8(b: bytes) -> bool:
     return True
 
 
+def test_a_resent_prompt_is_tokenized_once(rt: warmkv.Runtime) -> None:
+    from warmkv.runtime import RECENT_PROMPTS
+
+    calls: list[str] = []
+    backend_tokenize = rt.backend.tokenize
+
+    def counted(text: str, **kw: bool) -> list[int]:
+        calls.append(text)
+        return backend_tokenize(text, **kw)
+
+    rt.backend.tokenize = counted  # type: ignore[method-assign]
+    try:
+        prompt = "You are a careful coding agent. " * 20 + "Resent."
+        first = rt.tokenize(prompt, add_bos=True)
+        first.append(0)  # a caller's list is its own: changing it changes no later answer
+        assert rt.tokenize(prompt, add_bos=True) == first[:-1] and calls == [prompt]
+        assert rt.tokenize(prompt, add_bos=False) == first[1:-1] and len(calls) == 2  # flags are part of the key
+        for i in range(RECENT_PROMPTS):
+            rt.tokenize(f"other prompt {i}", add_bos=True)
+        assert rt.tokenize(prompt, add_bos=True) == first[:-1] and calls[-1] == prompt  # evicted: tokenized again
+    finally:
+        del rt.backend.tokenize
+
+
 def test_info_and_state(rt: warmkv.Runtime) -> None:
     assert rt.info.architecture == "llama" and rt.info.n_vocab == 49152
     assert len(rt.info.file_digest) == 64

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
@@ -52,6 +53,8 @@ from .tools import Call, ToolFormat
 from .tools import resolve as resolve_tool_format
 from .turn_memory import TurnMemory
 from .types import PrefixInput, StreamChunk, Usage
+
+RECENT_PROMPTS = 8  # plain tokenizations kept: a few sessions' stable prefixes
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,8 @@ class Runtime:
         self._turns: TurnMemory | None = None  # generated turns' tokens, built on the first one remembered
         self._fim: FimTokens | None = None
         self.spelled = SpelledLengths(backend)  # divergence offsets without spelling the whole prompt
+        # The plain tokenizations of recent prompts: an agent resends the same prefix text every turn.
+        self._recent_prompts: OrderedDict[tuple[str, bool, bool], tuple[int, ...]] = OrderedDict()
         self._helper_lock = threading.Lock()
         template = resolve_template(self.config.prompt_format, backend.info.chat_template)
         self._template_source = template
@@ -255,7 +260,16 @@ class Runtime:
             return memory.tokenize(
                 text, add_bos, lambda t, bos: self.backend.tokenize(t, add_bos=bos, parse_special=True)
             )
-        return self.backend.tokenize(text, add_bos=add_bos, parse_special=parse_special)
+        key = (text, add_bos, parse_special)
+        recent = self._recent_prompts
+        tokens = recent.get(key)
+        if tokens is None:
+            tokens = recent[key] = tuple(self.backend.tokenize(text, add_bos=add_bos, parse_special=parse_special))
+            if len(recent) > RECENT_PROMPTS:
+                recent.popitem(last=False)
+        else:
+            recent.move_to_end(key)
+        return list(tokens)
 
     # -- generated turns ------------------------------------------------------------
 
