@@ -1,0 +1,55 @@
+"""One warm llama.cpp turn against the peer's, many times, interleaved: where the coding loop's ratio comes from.
+
+Each repetition sends the coding loop's ~3,000-token prefix and a suffix made new by a leading
+tag (so both prefill the same ~35 tokens at position ~3,000), to a warm session and to
+llama-cpp-python's `Llama`, alternating which goes first. --n-seq-max sets the runtime's
+resident sessions: llama.cpp gives each its own KV stream.
+
+    .venv/bin/python scripts/warm_vs_peer_turn.py --n-seq-max 4
+    .venv/bin/python scripts/warm_vs_peer_turn.py --n-seq-max 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import warmkv
+from warmkv.bench.coding_loop import split_prompt, timed_turn
+from warmkv.bench.peer import peer_generate, peer_llama
+from warmkv.bench.workload import coding_workload
+from warmkv.config import DecodeConfig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n-seq-max", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=16)
+    args = ap.parse_args()
+    rt = warmkv.Runtime.load(prefix_cache_mb=0, kv_store_mb=0, n_seq_max=args.n_seq_max)
+    workload = coding_workload(rt.count_tokens, target_tokens=3000, turns=4)
+    prefix, suffix = split_prompt(rt, workload, workload.turns[2])
+    cfg = DecodeConfig(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm = peer_llama(rt)
+    warm: list[float] = []
+    peer: list[float] = []
+    with rt.session() as s:
+        timed_turn(s, prefix, "warm up " + suffix, cfg)
+        peer_generate(llm, prefix + "warm up " + suffix, 2)
+        for i in range(args.reps):
+            tagged = f"[{i:03d}] " + suffix
+            for side in ("warm", "peer") if i % 2 == 0 else ("peer", "warm"):
+                if side == "warm":
+                    warm.append(timed_turn(s, prefix, tagged, cfg).ttft_s)
+                else:
+                    peer.append(peer_generate(llm, prefix + tagged, 2).ttft_s)
+    llm.close()
+    rt.close()
+    for name, v in (("warm", warm), ("peer", peer)):
+        print(f"{name}: TTFT min {min(v) * 1e3:.1f} ms, median {statistics.median(v) * 1e3:.1f} ms")
+    ratios = [w / p for w, p in zip(warm, peer, strict=True)]
+    print(f"n_seq_max {args.n_seq_max}: warm / peer, median of {args.reps} ratios: {statistics.median(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
