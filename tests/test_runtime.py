@@ -25,6 +25,9 @@ def test_spelled_lengths_count_what_spell_gives(rt: warmkv.Runtime) -> None:
     for a in range(0, len(ids), 3):
         for b in range(a, len(ids) + 1, 5):
             assert rt.spelled.count(ids[a:b]) == len(spell(rt.backend, ids[a:b])), (a, b)
+    for bad in (-1, rt.info.n_vocab):
+        with pytest.raises(warmkv.InvalidInput, match=str(bad)):
+            rt.spelled.count([ids[0], bad])
 
 
 def _valid_utf8(b: bytes) -> bool:

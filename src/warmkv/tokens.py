@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .errors import InvalidInput
+
 if TYPE_CHECKING:
     from .backends.base import Backend
 
@@ -30,7 +32,11 @@ class SpelledLengths:
         self._chars = np.full(backend.info.n_vocab, UNSEEN, dtype=np.int64)
 
     def count(self, tokens: Sequence[int]) -> int:
-        ids = np.asarray(tokens, dtype=np.int64)
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n_vocab = self._chars.shape[0]
+        if ids.size and (ids.min() < 0 or ids.max() >= n_vocab):
+            bad = int(ids[(ids < 0) | (ids >= n_vocab)][0])
+            raise InvalidInput(f"token id {bad} is out of range [0, {n_vocab})")
         chars = self._chars[ids]
         if (chars == UNSEEN).any():
             for t in np.unique(ids[chars == UNSEEN]).tolist():
