@@ -132,6 +132,31 @@ def test_exact_requests_never_take_moved_kv(chunk_rt: warmkv.Runtime) -> None:
         assert s.ctx.exact_end is None
 
 
+@pytest.mark.parametrize("backend", warmkv.available_backends())
+def test_a_new_session_moves_runs_out_of_the_memory_tier(backend: str) -> None:
+    tiers = {"prefix_cache_mb": 256, "kv_store_mb": 0, "cache_block_tokens": 64}
+    history = ["<|im_start|>user\nQuestion 0<|im_end|>\n<|im_start|>assistant\nIt plans a prompt.<|im_end|>\n"]
+    second = _aider_prompt(history, 1)
+    with warmkv.Runtime.load(backend=backend, num_ctx=1024, n_seq_max=2, reuse_mode="chunks", **tiers) as rt:
+        with rt.session() as a:
+            a.ensure_prefix(_aider_prompt([], 0))  # its full blocks stay in the memory tier after close
+        with rt.session() as b:
+            st = b.ensure_prefix(second)
+            assert st.reuse_source == "memory" and "of a memory-tier entry" in st.reason, st.reason
+            assert st.chunk_reused_tokens > 0.6 * st.prefix_tokens
+            assert st.prefilled_tokens == st.prefix_tokens - st.reused_tokens - st.chunk_reused_tokens + (
+                st.recomputed_tokens
+            )
+            assert st.prefilled_tokens < 0.25 * st.prefix_tokens
+            assert b.ctx.exact_end is not None and len(b.ctx.tokens) == st.prefix_tokens
+            out = list(b.decode(warmkv.DecodeConfig(max_tokens=4, temperature=0)))
+            assert sum(len(c.token_ids) for c in out) >= 1
+        with rt.session() as c:  # exact mode takes the entry's exact prefix only
+            ex = c.ensure_prefix(PrefixInput(second, reuse_mode="exact"))
+            assert ex.chunk_reused_tokens == 0 and ex.reused_tokens < st.chunk_reused_tokens
+            assert c.ctx.exact_end is None
+
+
 def test_exact_runtime_refuses_chunks() -> None:
     with warmkv.Runtime.load(num_ctx=256, n_seq_max=1, **NO_TIERS) as rt, rt.session() as s:
         with pytest.raises(Unsupported, match="reuse_mode='exact'"):

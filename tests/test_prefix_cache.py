@@ -78,6 +78,22 @@ def test_an_uncounted_match_is_not_a_use() -> None:
     assert cache.match(chain("a")).entry is None
 
 
+def test_recent_lists_entries_newest_first_without_using_them() -> None:
+    cache, _ = make(capacity=30)
+    a = cache.insert(chain("a"), "A", 10).entry
+    b = cache.insert(chain("b"), "B", 10).entry
+    c = cache.insert(chain("c"), "C", 10).entry
+    cache.match(chain("a"))
+    assert cache.recent(2) == [a, c] and cache.recent(9) == [a, c, b] and cache.recent(0) == []
+    hits = cache.stats().hits
+    cache.recent(3)
+    assert cache.stats().hits == hits
+    cache.insert(chain("d"), "D", 10)  # recent() touched nothing: B is still the LRU victim
+    assert not b.alive and a.alive
+    with pytest.raises(InvalidInput, match="n must be an integer >= 0, got -1"):
+        cache.recent(-1)
+
+
 def test_longer_entry_supersedes_unlocked_prefix() -> None:
     cache, released = make()
     short = cache.insert(chain("ab"), "short", 10).entry

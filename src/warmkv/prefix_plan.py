@@ -15,6 +15,10 @@ refills in order: gaps are prefilled, and at each run the first `recomputed` tok
 prefilled before the rest of the run's KV is placed (moved) after them.
 
     [0, reused) kept | gap prefilled | run: [recomputed) prefilled, rest moved | gap | ...
+
+The runs may also come from a memory-tier entry (another session's prefix, see
+KVTiers.run_sources) when it covers more of the prompt than the session's own tokens:
+the load then replaces the KV with the entry's and moves runs out of it the same way.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from .chunk_match import find_runs
 from .context import ResidentContext
 from .errors import ContextOverflow, KVCacheFull, SessionFatal, WarmkvError
 from .manifest import ContextManifest, hash_token_ids, sha256_bytes
+from .tokens import common_prefix_len
 from .types import Divergence, PrefixStatus
 
 if TYPE_CHECKING:
-    from .tiers import KVTiers, WarmHit
+    from .tiers import CachedKV, KVTiers, WarmHit
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,7 @@ class PrefixPlan:
     divergence: Divergence | None
     resident: tuple[int, ...]  # the resident tokens it was planned against
     moves: tuple[ChunkMove, ...] = ()  # reuse_mode="chunks": runs moved after the exact prefix, by new_start
+    runs: tuple[int, int] | None = None  # reuse_mode="chunks": (chunk_min_tokens, chunk_recompute)
 
 
 class PrefixLoad:
@@ -103,6 +109,7 @@ class PrefixLoad:
         self._moves: list[tuple[int, ChunkMove]] = []  # (stash index, move) not placed yet
         self._placed: list[ChunkMove] = []
         self._stash: MovedKV | None = None
+        self._tier_runs = False  # the runs came from a memory-tier entry, not the session's own KV
 
     def begin(self, disk: DiskRead | None = None) -> None:
         """Drop what diverged (or detach it), then restore the longest tier entry that beats the reuse.
@@ -116,25 +123,28 @@ class PrefixLoad:
             raise WarmkvError("the session changed between planning and loading its prompt")
         # the runs still where they were planned (a turn waiting in the Scheduler is planned early)
         moves = [m for m in plan.moves if _still(ctx.tokens, plan.tokens, m)]
+        reused, tiers = plan.reused, self._tiers
+        if plan.runs is not None and tiers is not None:
+            reused, moves = self._runs_from_tier(tiers, reused, moves)
         if moves:
             # keep the moved runs' KV before the cut below drops it from the sequence
             self._stash = ctx.backend.stash_runs(ctx.seq, [m.stashed for m in moves])
             self._moves = list(enumerate(moves))
-        if plan.detach:
+        if plan.detach and not self._tier_runs:
             # logits unknown until settle() drops the detached part (and restores the kept prefill logits)
             ctx.pending, ctx.logits, ctx.detached = [], None, plan.reused
         else:
-            ctx.truncate(plan.reused)
+            ctx.truncate(reused)
             ctx.detached = None
         ctx.prefix_len = ctx.suffix_end = 0
-        tiers = self._tiers
+        self.reused = reused
         if tiers is not None:
             tokens = list(plan.tokens)
             self._keys = tiers.keys(plan.manifest.digest, tokens)
             if disk is None:
-                hit = tiers.lookup(plan.manifest.digest, tokens, self._keys, plan.reused)
+                hit = tiers.lookup(plan.manifest.digest, tokens, self._keys, reused)
             else:  # memory first, as in lookup: it may have gained an entry while the disk was read
-                hit = tiers.lookup_memory(tokens, self._keys, plan.reused) or disk.beating(plan.reused)
+                hit = tiers.lookup_memory(tokens, self._keys, reused) or disk.beating(reused)
             if hit is not None:
                 loaded = self._load(tiers, hit)
                 self.reused, self.source = len(ctx.tokens), hit.source if loaded else "none"
@@ -146,6 +156,32 @@ class PrefixLoad:
             self._boundary = len(self._keys) * tiers.block_tokens
         self.start = len(ctx.tokens)
         self._moves = [(i, m) for i, m in self._moves if m.new_start >= self.start]  # a tier hit may cover some
+
+    def _runs_from_tier(self, tiers: KVTiers, reused: int, moves: list[ChunkMove]) -> tuple[int, list[ChunkMove]]:
+        """Load the memory-tier entry whose exact prefix and runs cover more of the prompt than the
+        session's own KV does, if one does: (exact prefix, runs) against what is resident then."""
+        plan, ctx = self.plan, self.ctx
+        assert plan.runs is not None
+        best: tuple[int, CachedKV | None, list[ChunkMove]] = (_covered(reused, moves), None, moves)
+        for kv in tiers.run_sources(plan.manifest.digest):
+            n = common_prefix_len(kv.tokens, plan.tokens)
+            found = list(plan_moves(plan.tokens, kv.tokens, n, *plan.runs))
+            if found and _covered(n, found) > best[0]:
+                best = (_covered(n, found), kv, found)
+        _, kv, found = best
+        if kv is None:
+            return reused, moves
+        try:
+            tiers.load_source(kv, ctx.seq)
+        except WarmkvError:  # refused by the backend: what was resident is gone, prefill it all
+            ctx.backend.truncate(ctx.seq, 0)
+            ctx.reset()
+            return 0, []
+        ctx.reset(kv.tokens)
+        n = common_prefix_len(kv.tokens, plan.tokens)
+        self.source, self._tier_runs = "memory", True
+        self.reason = f"warm: {n} of {len(plan.tokens)} prefix tokens restored from the memory tier"
+        return n, found
 
     def _load(self, tiers: KVTiers, hit: WarmHit) -> bool:
         """Replace the KV with a cached prefix's, keeping its matching tokens; False if the backend refused it."""
@@ -230,7 +266,8 @@ class PrefixLoad:
         if chunk:
             self.reason = (
                 f"warm: reused {self.reused} of {n} prefix tokens exactly and {chunk} more in "
-                f"{len(self._placed)} run(s) found at other positions ({recomputed} of them recomputed); "
+                f"{len(self._placed)} run(s) found at other positions{' of a memory-tier entry' * self._tier_runs} "
+                f"({recomputed} of them recomputed); "
                 f"prefilled {n - self.reused - chunk + recomputed}"
             )
         return PrefixStatus(
@@ -250,6 +287,11 @@ class PrefixLoad:
             chunk_reused_tokens=chunk,
             recomputed_tokens=recomputed,
         )
+
+
+def _covered(reused: int, moves: Sequence[ChunkMove]) -> int:
+    """Prompt tokens a load does not prefill: the exact prefix and the moved (not recomputed) runs."""
+    return reused + sum(m.length - m.recomputed for m in moves)
 
 
 def _still(resident: Sequence[int], tokens: Sequence[int], m: ChunkMove) -> bool:

@@ -177,10 +177,9 @@ class Session:
             chunks = self._rt.reuse_mode(inp.reuse_mode) == "chunks"
             if not chunks:
                 reused = min(reused, ctx.exact)  # an exact reuse never takes moved KV
-            moves = ()
-            if chunks and same:
-                cfg = self._rt.config
-                moves = plan_moves(tokens, ctx.tokens, reused, cfg.chunk_min_tokens, cfg.chunk_recompute)
+            cfg = self._rt.config
+            runs = (cfg.chunk_min_tokens, cfg.chunk_recompute) if chunks else None
+            moves = plan_moves(tokens, ctx.tokens, reused, *runs) if runs is not None and same else ()
             return PrefixPlan(
                 tokens=tuple(tokens),
                 raw=raw,
@@ -192,6 +191,7 @@ class Session:
                 divergence=self._divergence(tokens, reused, add_bos) if same and reused < len(ctx.tokens) else None,
                 resident=tuple(ctx.tokens),
                 moves=moves,
+                runs=runs,
             )
 
     def begin_load(self, plan: PrefixPlan, disk: DiskRead | None = None) -> PrefixLoad:

@@ -38,6 +38,7 @@ from .tokens import common_prefix_len
 
 log = logging.getLogger(__name__)
 MIN_QUEUE_BYTES = 64 << 20  # the writer's queue holds at least this much (or the memory tier's budget)
+RUN_SOURCES = 4  # memory entries searched for moved runs (reuse_mode="chunks"): the most recently used
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,22 @@ class KVTiers:
             if n > beat:
                 return WarmHit("memory", n, kv)
         return None
+
+    def run_sources(self, manifest_digest: str) -> list[CachedKV]:
+        """The memory entries a chunks-mode load may take runs from (under the model lock): the
+        RUN_SOURCES most recently used of this manifest, newest first. The disk tier is not searched
+        (its entries are read only for an exact prefix)."""
+        self._release_spilled()
+        if self.memory is None:
+            return []
+        found: list[CachedKV] = [e.payload for e in self.memory.recent(RUN_SOURCES)]  # type: ignore[misc]
+        return [kv for kv in found if kv.manifest_digest == manifest_digest]
+
+    def load_source(self, kv: CachedKV, seq: int) -> None:
+        """Replace seq's KV with all of a run_sources entry (under the model lock); a use of it."""
+        if self.memory is not None:
+            self.memory.match(self.keys(kv.manifest_digest, kv.tokens))
+        kv.kv.load_into(seq)
 
     def read_disk(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> WarmHit | None:
         """The disk tier's longest prefix longer than `beat`, read and verified (without the model lock).

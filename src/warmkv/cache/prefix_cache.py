@@ -9,6 +9,7 @@ first d blocks of this entry's KV are yours".
 Contract (all methods thread-safe, one lock; a rejected call changes nothing):
 
     match(keys, lock=False) -> PrefixMatch(n_blocks, entry)   longest cached prefix
+    recent(n) -> [CacheEntry]            the n most recently used entries, newest first
     lock(entry) / unlock(entry)          locked = referenced by a session: never evicted
     insert(keys, payload, nbytes, lock=False) -> InsertResult  may evict LRU to make room
     evict(nbytes) -> [EvictedEntry]      LRU over unlocked entries until nbytes are freed
@@ -120,6 +121,13 @@ class PrefixCache:
             if lock:
                 self._lock_entry(entry)
             return PrefixMatch(node.depth, entry)
+
+    def recent(self, n: int) -> list[CacheEntry]:
+        """The n most recently used entries, newest first (a look, not a use: nothing is touched)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidInput(f"n must be an integer >= 0, got {n!r}")
+        with self._lock:
+            return sorted(self._entries.values(), key=lambda e: e._tick, reverse=True)[:n]
 
     def _walk(self, keys: tuple[str, ...]) -> _Node:
         node = self._root
