@@ -149,6 +149,7 @@ def test_a_new_session_moves_runs_out_of_the_memory_tier(backend: str) -> None:
             )
             assert st.prefilled_tokens < 0.25 * st.prefix_tokens
             assert b.ctx.exact_end is not None and len(b.ctx.tokens) == st.prefix_tokens
+            assert b.explain().last_prefix == st
             out = list(b.decode(warmkv.DecodeConfig(max_tokens=4, temperature=0)))
             assert sum(len(c.token_ids) for c in out) >= 1
         with rt.session() as c:  # exact mode takes the entry's exact prefix only
