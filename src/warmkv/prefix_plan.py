@@ -35,11 +35,12 @@ from .chunk_match import find_runs
 from .context import ResidentContext
 from .errors import ContextOverflow, KVCacheFull, SessionFatal, WarmkvError
 from .manifest import ContextManifest, hash_token_ids, sha256_bytes
+from .tiers import cached_kv
 from .tokens import common_prefix_len
 from .types import Divergence, PrefixStatus
 
 if TYPE_CHECKING:
-    from .tiers import CachedKV, KVTiers, WarmHit
+    from .tiers import KVTiers, WarmHit
 
 
 @dataclass(frozen=True)
@@ -162,23 +163,25 @@ class PrefixLoad:
         session's own KV does, if one does: (exact prefix, runs) against what is resident then."""
         plan, ctx = self.plan, self.ctx
         assert plan.runs is not None
-        best: tuple[int, CachedKV | None, list[ChunkMove]] = (_covered(reused, moves), None, moves)
-        for kv in tiers.run_sources(plan.manifest.digest):
-            n = common_prefix_len(kv.tokens, plan.tokens)
-            found = list(plan_moves(plan.tokens, kv.tokens, n, *plan.runs))
-            if found and _covered(n, found) > best[0]:
-                best = (_covered(n, found), kv, found)
-        _, kv, found = best
-        if kv is None:
+        covered, best = _covered(reused, moves), None
+        for entry in tiers.run_sources(plan.manifest.digest):
+            old = cached_kv(entry).tokens
+            if len(old) <= covered:  # its prefix and runs are disjoint parts of it: it cannot cover more
+                continue
+            n = common_prefix_len(old, plan.tokens)
+            found = list(plan_moves(plan.tokens, old, n, *plan.runs))
+            if found and _covered(n, found) > covered:
+                covered, best = _covered(n, found), (entry, n, found)
+        if best is None:
             return reused, moves
+        entry, n, found = best
         try:
-            tiers.load_source(kv, ctx.seq)
+            tiers.load_source(entry, ctx.seq)
         except WarmkvError:  # refused by the backend: what was resident is gone, prefill it all
             ctx.backend.truncate(ctx.seq, 0)
             ctx.reset()
             return 0, []
-        ctx.reset(kv.tokens)
-        n = common_prefix_len(kv.tokens, plan.tokens)
+        ctx.reset(cached_kv(entry).tokens)
         self.source, self._tier_runs = "memory", True
         self.reason = f"warm: {n} of {len(plan.tokens)} prefix tokens restored from the memory tier"
         return n, found

@@ -31,7 +31,16 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .backends.base import Backend, BlobKV, KeptKV
-from .cache import EvictedEntry, KVStore, PrefixCache, PrefixCacheConfig, SnapshotInfo, StoreConfig, block_keys
+from .cache import (
+    CacheEntry,
+    EvictedEntry,
+    KVStore,
+    PrefixCache,
+    PrefixCacheConfig,
+    SnapshotInfo,
+    StoreConfig,
+    block_keys,
+)
 from .cache.store_writer import LazyBlob, PendingEntry, StoreWriter, blob_bytes
 from .errors import WarmkvError
 from .tokens import common_prefix_len
@@ -48,6 +57,12 @@ class CachedKV:
     tokens: tuple[int, ...]
     kv: KeptKV
     manifest_digest: str
+
+
+def cached_kv(entry: CacheEntry) -> CachedKV:
+    """The CachedKV a memory-tier entry holds."""
+    kv: CachedKV = entry.payload  # type: ignore[assignment]
+    return kv
 
 
 @dataclass(frozen=True)
@@ -136,27 +151,26 @@ class KVTiers:
             return None
         m = self.memory.match(keys, count=count)
         if m.entry is not None:
-            kv: CachedKV = m.entry.payload  # type: ignore[assignment]
+            kv = cached_kv(m.entry)
             n = common_prefix_len(kv.tokens, tokens)
             if n > beat:
                 return WarmHit("memory", n, kv)
         return None
 
-    def run_sources(self, manifest_digest: str) -> list[CachedKV]:
+    def run_sources(self, manifest_digest: str) -> list[CacheEntry]:
         """The memory entries a chunks-mode load may take runs from (under the model lock): the
-        RUN_SOURCES most recently used of this manifest, newest first. The disk tier is not searched
-        (its entries are read only for an exact prefix)."""
+        RUN_SOURCES most recently used of this manifest, newest first; each payload is a CachedKV.
+        The disk tier is not searched (its entries are read only for an exact prefix)."""
         self._release_spilled()
         if self.memory is None:
             return []
-        found: list[CachedKV] = [e.payload for e in self.memory.recent(RUN_SOURCES)]  # type: ignore[misc]
-        return [kv for kv in found if kv.manifest_digest == manifest_digest]
+        return [e for e in self.memory.recent(RUN_SOURCES) if cached_kv(e).manifest_digest == manifest_digest]
 
-    def load_source(self, kv: CachedKV, seq: int) -> None:
+    def load_source(self, entry: CacheEntry, seq: int) -> None:
         """Replace seq's KV with all of a run_sources entry (under the model lock); a use of it."""
         if self.memory is not None:
-            self.memory.match(self.keys(kv.manifest_digest, kv.tokens))
-        kv.kv.load_into(seq)
+            self.memory.match(entry.keys)
+        cached_kv(entry).kv.load_into(seq)
 
     def read_disk(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> WarmHit | None:
         """The disk tier's longest prefix longer than `beat`, read and verified (without the model lock).
