@@ -275,6 +275,14 @@ void attend_task(const Task<K>& t, const float* qs, int64_t group, int64_t d, fl
 constexpr int64_t kTileQ = 4;
 
 #ifdef WARMKV_AVX2
+constexpr int64_t kAhead = 8;  // keys ahead of the score loop whose key rows are prefetched
+
+template <typename K>
+inline void prefetch_row(const K* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
 // Head size D and group G known at compile time: each key row is converted once into registers
 // and serves every query head of its group, for every query of the tile. A query's arithmetic,
 // and its order, are the same whatever else is in its tile: a score is one dot product, and each
@@ -288,6 +296,10 @@ void attend_tile_fixed(const Task<K>& t, const float* const* qs, const int64_t* 
   for (int64_t i = 0; i < t.n; i++) {
     for (int64_t h = t.h0; h < t.h1; h++) {
       const K* kr = t.k_row(i, h, D);
+      // The value rows come in while the scores are computed: the pass below reads them a key
+      // at a time, and a paged pool's blocks break up the stride the hardware prefetcher follows.
+      prefetch_row(t.v_row(i, h, D), D * sizeof(K));
+      if (i + kAhead < t.n) prefetch_row(t.k_row(i + kAhead, h, D), D * sizeof(K));
       __m256 k[V];
       for (int v = 0; v < V; v++) k[v] = load8(kr + 8 * v);
       const float ks = t.k_scale(i, h);
