@@ -31,12 +31,12 @@ SERVE_N_SEQ_MAX = 20
 # less (236 vs 729 ms, native int4, 2 cores) and prefills 1.09x slower alone.
 SERVE_PREFILL_CHUNK = 64
 # A server's step budget: decode rows, then prefill. Native int4 cuts pieces to it (depth-weighted)
-# inside the decode forward: a 3,000-token prompt beside 3 streams then holds their gaps to ~3x
-# their own pace at p99 and takes 1.7-2.3x its time alone; at 64 it stalled them 8.6x and took
-# 1.27x (2-thread AVX2 Zen 2/3 EPYC, README's concurrent-streams section; on a Zen 1 EPYC 16 held
-# them to 3.7x and 12 took 2.75x: no budget met both there). Where pieces cannot be cut
-# (llama.cpp), one whole piece still runs each step.
-SERVE_STEP_TOKENS = 16
+# inside the decode forward: a 3,000-token prompt beside 3 streams then holds their gaps to
+# 2.5-2.9x their own pace at p99 and takes 2.4x its time alone on a 2-thread Zen 1 EPYC, where
+# 16 stalled them 3.2x (on Zen 2/3, 16 gave ~3x and 1.7-2.3x; 64 stalled them 8.6x and took
+# 1.27x): README's concurrent-streams section. Where pieces cannot be cut (llama.cpp), one whole
+# piece still runs each step.
+SERVE_STEP_TOKENS = 12
 SESSIONS_RESERVED = 4
 
 
