@@ -55,8 +55,8 @@ def _prompt_total(u: Any) -> int:
 
 def test_text_message_and_usage(client: anthropic.Anthropic) -> None:
     msgs = [{"role": "user", "content": "Name one Python keyword."}]
-    m = client.messages.create(model="claude-sonnet-4-5", max_tokens=8, system=SYSTEM, messages=msgs, **GREEDY)
-    assert m.model == "claude-sonnet-4-5" and m.role == "assistant" and m.type == "message"
+    m = client.messages.create(model="claude-sonnet-4-6", max_tokens=8, system=SYSTEM, messages=msgs, **GREEDY)
+    assert m.model == "claude-sonnet-4-6" and m.role == "assistant" and m.type == "message"
     assert m.content[0].type == "text" and m.stop_reason in ("end_turn", "max_tokens")
     assert 0 < m.usage.output_tokens <= 8
     again = client.messages.create(model="claude-opus-4-1", max_tokens=8, system=SYSTEM, messages=msgs, **GREEDY)
