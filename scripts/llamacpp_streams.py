@@ -3,7 +3,7 @@
 Each context (n_seq_max, kv_unified) gets the same --depth random tokens in sequence 0, then a
 --suffix-token forward at that depth is timed --reps times, the contexts interleaved in
 alternating order, the suffix removed after each. Every context has num_ctx cells per sequence
-and flash attention off, as warmkv loads llama.cpp.
+and warmkv's resolved defaults (batch, threads, flash attention, KV type), as warmkv loads llama.cpp.
 
     .venv/bin/python scripts/llamacpp_streams.py --contexts 1:0,5:0,5:1
 """
@@ -17,17 +17,21 @@ import time
 
 import llama_cpp as lc
 
+from warmkv.backends.llamacpp import KV_TYPES
+from warmkv.config import ResolvedConfig, RuntimeConfig
 from warmkv.models import default_model_path
 
 
-def make_context(model: lc.llama_model_p, n_seq: int, unified: bool, num_ctx: int) -> lc.llama_context_p:
+def make_context(model: lc.llama_model_p, n_seq: int, unified: bool, cfg: ResolvedConfig) -> lc.llama_context_p:
     p = lc.llama_context_default_params()
-    p.n_ctx = num_ctx * n_seq
-    p.n_batch = p.n_ubatch = 512
+    p.n_ctx = cfg.num_ctx * n_seq
+    p.n_batch, p.n_ubatch = cfg.num_batch, cfg.num_ubatch
     p.n_seq_max = n_seq
-    p.n_threads = p.n_threads_batch = 2
+    p.n_threads = p.n_threads_batch = cfg.num_threads
     p.kv_unified = unified
-    p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    on = cfg.flash_attn == "on"
+    p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if on else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    p.type_k = p.type_v = KV_TYPES[cfg.kv_cache_type]
     p.no_perf = True
     ctx = lc.llama_init_from_model(model, p)
     if not ctx:
@@ -55,6 +59,7 @@ def main() -> None:
     ap.add_argument("--num-ctx", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=24)
     args = ap.parse_args()
+    cfg = RuntimeConfig(num_ctx=args.num_ctx).resolved(n_ctx_train=args.num_ctx)
     lc.llama_backend_init()
     model = lc.llama_model_load_from_file(str(default_model_path()).encode(), lc.llama_model_default_params())
     rng = random.Random(0)
@@ -63,9 +68,9 @@ def main() -> None:
     contexts = {}
     for spec in args.contexts.split(","):
         n_seq, unified = (int(v) for v in spec.split(":"))
-        ctx = make_context(model, n_seq, bool(unified), args.num_ctx)
-        for a in range(0, args.depth, 512):
-            decode(ctx, prefix[a : a + 512], a)
+        ctx = make_context(model, n_seq, bool(unified), cfg)
+        for a in range(0, args.depth, cfg.num_batch):
+            decode(ctx, prefix[a : a + cfg.num_batch], a)
         contexts[(n_seq, bool(unified))] = ctx
     times: dict[tuple[int, bool], list[float]] = {k: [] for k in contexts}
     for r in range(args.reps):
