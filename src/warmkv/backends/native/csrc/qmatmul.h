@@ -226,70 +226,87 @@ inline __m256i dot4_q8(__m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws)), _mm256_set1_epi16(1));
 }
 
-// One half of a tile (output rows 8h .. 8h + 7) over all its blocks: AVX2 has 16 registers, and
-// both halves at once (2N accumulators, 2N dot sums) spilled them. Each output's operations, and
-// their order over the blocks, are those of any other split.
-template <int N, int64_t KIND>
-inline void half_simd(const uint8_t* tile, int64_t nb, const QGroup& x, int h, float* out) {
+// Halves h0 .. h0 + H - 1 of a tile (output rows 8h .. 8h + 7 of each) over all its blocks. Both
+// halves in one pass read each 64-byte line of a block once and share the activation
+// broadcasts, but AVX2 has 16 registers: 2N accumulators and 2N dot sums fit for N <= 2 and
+// spill beyond, so larger groups take one half at a time. Each output's operations, and their
+// order over the blocks, are those of any other split.
+template <int N, int64_t KIND, int H>
+inline void halves_simd(const uint8_t* tile, int64_t nb, const QGroup& x, int h0, float* out) {
   constexpr int64_t bb = KIND == kQ8_0 ? 544 : KIND == kQ4_1 ? 320 : 288, cb = KIND == kQ8_0 ? 512 : 256;
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[N];
-  for (int r = 0; r < N; r++) acc[r] = _mm256_setzero_ps();
+  __m256 acc[H][N];
+  for (int h = 0; h < H; h++)
+    for (int r = 0; r < N; r++) acc[h][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; b++) {
     const uint8_t* blk = tile + b * bb;
     const int8_t* q = x.q + b * N * kBlock;  // row r's codes of this block: q + 32 r
-    __m256i dot[N];
+    __m256i dot[H][N];
     if constexpr (KIND == kQ8_0) {
-      for (int r = 0; r < N; r++) dot[r] = _mm256_setzero_si256();
+      for (int h = 0; h < H; h++)
+        for (int r = 0; r < N; r++) dot[h][r] = _mm256_setzero_si256();
       for (int j = 0; j < 8; j++) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
-        for (int r = 0; r < N; r++) {
-          int32_t x4;
-          std::memcpy(&x4, q + r * kBlock + 4 * j, 4);
-          dot[r] = _mm256_add_epi32(dot[r], dot4_q8(w, _mm256_set1_epi32(x4)));
-          asm volatile("" : "+x"(dot[r]));  // see half_simd's Q4 loop
+        for (int h = 0; h < H; h++) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * (h0 + h)));
+          for (int r = 0; r < N; r++) {
+            int32_t x4;
+            std::memcpy(&x4, q + r * kBlock + 4 * j, 4);
+            dot[h][r] = _mm256_add_epi32(dot[h][r], dot4_q8(w, _mm256_set1_epi32(x4)));
+            asm volatile("" : "+x"(dot[h][r]));  // see the Q4 loop
+          }
         }
       }
     } else {
       // The eight maddubs sums of a block add up in int16 before one madd widens them: a lane
       // pair is at most 2 * 15 * 127 = 3810, eight of them 30480 < 32767, so the sum stays exact.
-      __m256i s16[N];
-      for (int r = 0; r < N; r++) s16[r] = _mm256_setzero_si256();
+      __m256i s16[H][N];
+      for (int h = 0; h < H; h++)
+        for (int r = 0; r < N; r++) s16[h][r] = _mm256_setzero_si256();
       for (int p = 0; p < 4; p++) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * p + 32 * h));
-        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        for (int r = 0; r < N; r++) {
-          int32_t xl, xh;
-          std::memcpy(&xl, q + r * kBlock + 4 * p, 4);
-          std::memcpy(&xh, q + r * kBlock + 16 + 4 * p, 4);
-          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
-                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
-          s16[r] = _mm256_add_epi16(s16[r], t);
-          // An empty asm that "changes" the sum: without it GCC computes a block's products for
-          // every row first and spills them to the stack to add them up (10-15% slower at 4+ rows).
-          asm volatile("" : "+x"(s16[r]));
+        for (int h = 0; h < H; h++) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * p + 32 * (h0 + h)));
+          const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+          for (int r = 0; r < N; r++) {
+            int32_t xl, xh;
+            std::memcpy(&xl, q + r * kBlock + 4 * p, 4);
+            std::memcpy(&xh, q + r * kBlock + 16 + 4 * p, 4);
+            const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh)));
+            s16[h][r] = _mm256_add_epi16(s16[h][r], t);
+            // An empty asm that "changes" the sum: without it GCC computes a block's products for
+            // every row first and spills them to the stack to add them up (10-15% slower at 4+ rows).
+            asm volatile("" : "+x"(s16[h][r]));
+          }
         }
       }
-      for (int r = 0; r < N; r++) dot[r] = _mm256_madd_epi16(s16[r], ones);
+      for (int h = 0; h < H; h++)
+        for (int r = 0; r < N; r++) dot[h][r] = _mm256_madd_epi16(s16[h][r], ones);
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 16 * h)));
-    for (int r = 0; r < N; r++) {
-      __m256i v = dot[r];
-      if constexpr (KIND == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(x.c[b * N + r]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(x.d[b * N + r])), acc[r]);
-      if constexpr (KIND == kQ4_1) {
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 32 + 16 * h)));
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ms[b * N + r]), acc[r]);
+    for (int h = 0; h < H; h++) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 16 * (h0 + h))));
+      for (int r = 0; r < N; r++) {
+        __m256i v = dot[h][r];
+        if constexpr (KIND == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(x.c[b * N + r]));
+        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(x.d[b * N + r])), acc[h][r]);
+        if constexpr (KIND == kQ4_1) {
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + cb + 32 + 16 * (h0 + h))));
+          acc[h][r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.ms[b * N + r]), acc[h][r]);
+        }
       }
     }
   }
-  for (int r = 0; r < N; r++) _mm256_storeu_ps(out + r * kTile + 8 * h, acc[r]);
+  for (int h = 0; h < H; h++)
+    for (int r = 0; r < N; r++) _mm256_storeu_ps(out + r * kTile + 8 * (h0 + h), acc[h][r]);
 }
 
 template <int N, int64_t KIND>
 inline void tile_simd(const uint8_t* tile, int64_t nb, const QGroup& x, float* out) {
-  half_simd<N, KIND>(tile, nb, x, 0, out);
-  half_simd<N, KIND>(tile, nb, x, 1, out);
+  if constexpr (N <= 2) {
+    halves_simd<N, KIND, 2>(tile, nb, x, 0, out);
+  } else {
+    halves_simd<N, KIND, 1>(tile, nb, x, 0, out);
+    halves_simd<N, KIND, 1>(tile, nb, x, 1, out);
+  }
 }
 #endif
 
