@@ -23,7 +23,11 @@ def serve(
     session_ttl: Annotated[float, typer.Option("--session-ttl", help="seconds before an idle session expires")] = 600,
     pool_size: Annotated[
         int | None,
-        typer.Option("--pool-size", min=1, help="server sessions for plain /v1 requests (default: n-seq-max - 4)"),
+        typer.Option(
+            "--pool-size",
+            min=1,
+            help="server sessions for plain /v1 requests (default: n-seq-max - 4, half for 8 or fewer)",
+        ),
     ] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", min=1, help="waiting requests before 429")] = 64,
     max_step_tokens: Annotated[
