@@ -220,6 +220,10 @@ class LlamaCppBackend:
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
             n = lc.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                raise EngineError(
+                    f"llama_token_to_piece needs {-n} bytes for token {token} after a {len(buf)}-byte retry"
+                )
         return buf.raw[:n]
 
     def token_text(self, token: int) -> str:
