@@ -86,9 +86,7 @@ class Session:
         self.id = secrets.token_hex(8)
         self._rt = runtime
         self._backend = runtime.backend
-        # Lock order, everywhere: the session's own lock (one operation on this session at a
-        # time), then the model lock (every backend call). A prefill lets go of the second
-        # between pieces, never of the first. The Scheduler takes only the model lock.
+        # One operation on this session at a time; the lock order is in runtime.py's docstring.
         self._op = threading.RLock()
         self._model_lock = runtime.lock
         self._num_ctx: int = runtime.config.num_ctx
