@@ -14,7 +14,7 @@ import llama_cpp as lc
 import numpy as np
 
 from ..config import RuntimeConfig
-from ..errors import SessionFatal
+from ..errors import EngineError, SessionFatal
 
 
 class EmbeddingContext:
@@ -53,6 +53,8 @@ class EmbeddingContext:
                 if rc != 0:
                     raise SessionFatal(f"llama_decode failed with code {rc} on {len(part)} embedding tokens")
                 ptr = lc.llama_get_embeddings(self._ctx)
+                if not ptr:
+                    raise EngineError(f"llama.cpp returned no embeddings for {len(part)} tokens")
                 total += np.ctypeslib.as_array(ptr, shape=(len(part), self._n_embd)).sum(axis=0, dtype=np.float64)
         finally:
             lc.llama_memory_clear(self._mem, True)
