@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import llama_cpp as lc
 
-from ..errors import ContextOverflow, InvalidInput, SessionFatal, Unsupported
+from ..errors import ContextOverflow, EngineError, InvalidInput, SessionFatal, Unsupported
 from .base import check_runs
 
 if TYPE_CHECKING:
@@ -70,6 +70,12 @@ class KVMover:
         self.clear_stash(seq)
         for start, n in checked:
             lc.llama_memory_seq_cp(self._mem(), seq, stash, start, start + n)
+        if checked:  # the copy returns nothing: check the stash's span (the sequence itself is untouched)
+            want = (min(s for s, _ in checked), max(s + n for s, n in checked) - 1)
+            got = (lc.llama_memory_seq_pos_min(self._mem(), stash), lc.llama_memory_seq_pos_max(self._mem(), stash))
+            if got != want:
+                self.clear_stash(seq)
+                raise EngineError(f"llama.cpp stashed positions {list(got)} of sequence {seq}, wanted {list(want)}")
         return LlamaMovedKV(self, seq, checked)
 
     def clear_stash(self, seq: int) -> None:
