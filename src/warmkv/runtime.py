@@ -20,7 +20,8 @@ Lock order (the one place it is written; other modules refer here):
 4. Store reads (restore, disk-tier hits) run without the model lock: the blob is
    read and verified first, then the lock is taken to load it.
 
-Lock-free helpers: `Session.cancel`; `Session.token_ids` takes the model lock only.
+The decode Scheduler takes only the model lock. Lock-free helpers: `Session.cancel`;
+`Session.token_ids` takes the model lock only.
 """
 
 from __future__ import annotations
