@@ -20,6 +20,10 @@ import warmkv
 from warmkv.backends.native.model import INT4_GROUP, Linear
 
 
+def _inputs(lin: Linear) -> int:
+    return lin.w.shape[1] * INT4_GROUP  # packed as [tiles, k / 32 blocks, bytes]
+
+
 def _time(linears: list[Linear], xs: dict[int, torch.Tensor], t: int) -> float:
     t0 = time.perf_counter()
     for lin in linears:
@@ -38,11 +42,11 @@ def main() -> None:
         model = rt.backend._model  # type: ignore[attr-defined]
         layers = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         groups = {"layers": layers, "head": [model.lm_head]}
-        if any(lin.qkind < 0 for lin in [*layers, model.lm_head]):
+        every = [*layers, model.lm_head]
+        if any(lin.qkind < 0 for lin in every):
             raise SystemExit("this model's matmuls are not all on the 4-bit kernel (compute_dtype int4)")
         gen = torch.Generator().manual_seed(0)
-        xs = {id(lin): torch.randn(max(counts), lin.w.shape[1] * INT4_GROUP, generator=gen) for lin in layers}
-        xs[id(model.lm_head)] = torch.randn(max(counts), model.lm_head.w.shape[1] * INT4_GROUP, generator=gen)
+        xs = {id(lin): torch.randn(max(counts), _inputs(lin), generator=gen) for lin in every}
         best: dict[tuple[str, int], float] = {}
         for _ in range(args.reps):
             for name, linears in groups.items():
@@ -53,7 +57,7 @@ def main() -> None:
         print(f"{rt.info.architecture}, {len(layers)} layer matmuls and the head, {isa}, min of {args.reps}")
         print("matmuls | rows | ms | GMAC/s | extra row over 1 row, ms")
         for name, linears in groups.items():
-            macs = sum(lin.n * lin.w.shape[1] * INT4_GROUP for lin in linears)
+            macs = sum(lin.n * _inputs(lin) for lin in linears)
             for t in counts:
                 ms = best[name, t] * 1e3
                 extra = (
