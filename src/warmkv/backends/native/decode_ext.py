@@ -83,7 +83,7 @@ def _build_name() -> str:
     """torch's loader watches only the listed source, not the header, and -march=native binds a
     build to its CPU: the name carries a digest of both, so any change builds anew."""
     h = hashlib.sha256()
-    for f in sorted(CSRC.glob("*.[ch]*")):  # decode_step.cpp, kernels.h
+    for f in sorted(CSRC.glob("*.[ch]*")):  # the source and every header it includes
         h.update(f.name.encode() + f.read_bytes())
     h.update(" ".join(FLAGS).encode() + _cpu_features().encode() + torch.__version__.encode())
     return f"warmkv_decode_{h.hexdigest()[:12]}"

@@ -20,6 +20,8 @@
 #include <memory>
 #include <vector>
 
+#include "parallel.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define WARMKV_AVX2 1
@@ -388,7 +390,8 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
     tile_chunks[j] = chunks[longest];
     all_chunks += tile_chunks[j];
   }
-  // Enough tasks for every thread (twice over, for balance), each spanning as many heads as that allows.
+  // Enough tasks for every thread (twice over: they are taken one by one, so the threads finish
+  // together), each spanning as many heads as that allows.
   const int64_t spans = std::clamp<int64_t>((2 * at::get_num_threads() + all_chunks - 1) / all_chunks, 1, n_kv);
   const int64_t per_span = (n_kv + spans - 1) / spans;
   std::vector<int64_t> task_at(n_tiles + 1, 0);  // tile j's tasks: [task_at[j], task_at[j + 1])
@@ -397,11 +400,10 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
   std::unique_ptr<float[]> part(new float[part_at[nq]]);
   std::vector<float> qs(nq * row);
   for (int64_t i = 0; i < nq * row; i++) qs[i] = q[i] * scale;
-  at::parallel_for(0, task_at[n_tiles], 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(task_at[n_tiles], [&](const auto& take) {
     std::vector<float> s(kTileQ * per_span * group * kChunk);
-    int64_t j = std::upper_bound(task_at.begin(), task_at.end(), begin) - task_at.begin() - 1;
-    for (int64_t task = begin; task < end; task++) {
-      while (task >= task_at[j + 1]) j++;
+    for (int64_t task; take(task);) {
+      const int64_t j = std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1;
       const int64_t local = task - task_at[j], nc = tile_chunks[j], i0 = tile_at[j], nt = tile_at[j + 1] - i0;
       const int64_t h0 = (local / nc) * per_span, h1 = std::min(n_kv, h0 + per_span), c = local % nc;
       if (h0 >= h1) continue;
@@ -433,9 +435,9 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
       }
     }
   });
-  at::parallel_for(0, nq, 1, [&](int64_t begin, int64_t end) {
+  parallel_tasks(nq, [&](const auto& take) {
     std::vector<float> acc(d);
-    for (int64_t i = begin; i < end; i++) {
+    for (int64_t i; take(i);) {
       const int64_t nc = chunks[i];
       const float* pi = part.get() + part_at[i];
       for (int64_t h = 0; h < n_kv; h++) {
