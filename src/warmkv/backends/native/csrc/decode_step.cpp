@@ -2,8 +2,9 @@
 // own keys (a decode row, or a verified draft's queries one by one).
 //
 // The matmuls are qmatmul.h's for 4/8-bit blocks, else torch's own kernels (float, int8 rows,
-// int4 groups); everything between them is kernels.h, one pass per operation. A decode step of a small model is otherwise
-// ~1,500 tiny ATen calls, whose fixed costs outweighed their work.
+// int4 groups); everything between them is attention.h and kernels.h, one pass per operation. A
+// decode step of a small model is otherwise ~1,500 tiny ATen calls, whose fixed costs outweighed
+// their work.
 
 #include <torch/extension.h>
 
@@ -15,6 +16,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "attention.h"
 #include "kernels.h"
 #include "qmatmul.h"
 

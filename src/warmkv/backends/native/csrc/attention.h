@@ -1,0 +1,327 @@
+// Attention of a step's query tokens, each over its own keys, read straight from the paged K/V
+// pool in its storage type (no gather, no conversion of the context).
+//
+// Every loop has a fixed order that depends on neither the batch, the tile a query shares, nor the
+// thread count, so a token's numbers are the same alone, in a batch, or as a verified draft, and
+// the same prefilled in a piece as decoded.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "parallel.h"
+#include "simd.h"
+
+namespace warmkv {
+
+// dot(q, k) over d elements, k converted from its storage type.
+template <typename K>
+inline float dot(const float* q, const K* k, int64_t d) {
+  int64_t j = 0;
+  float s = 0.f;
+#ifdef WARMKV_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; j + 8 <= d; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(k + j), acc);
+  s = hsum(acc);
+#endif
+  for (; j < d; j++) s += q[j] * to_f(k[j]);
+  return s;
+}
+
+// acc[j] += p * v[j]
+template <typename K>
+inline void axpy(float p, const K* v, int64_t d, float* acc) {
+  int64_t j = 0;
+#ifdef WARMKV_AVX2
+  const __m256 pv = _mm256_set1_ps(p);
+  for (; j + 8 <= d; j += 8) _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(pv, load8(v + j), _mm256_loadu_ps(acc + j)));
+#endif
+  for (; j < d; j++) acc[j] += p * to_f(v[j]);
+}
+
+// p[i] = exp(s[i] - m), returns the sum (in a fixed order).
+inline float exp_shifted(float* s, int64_t n, float m) {
+  int64_t i = 0;
+  float total = 0.f;
+#ifdef WARMKV_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mv));
+    _mm256_storeu_ps(s + i, p);
+    acc = _mm256_add_ps(acc, p);
+  }
+  total = hsum(acc);
+#endif
+  for (; i < n; i++) {
+    s[i] = std::exp(s[i] - m);
+    total += s[i];
+  }
+  return total;
+}
+
+// One layer of a K/V pool, [slots, n_kv, d], with int8 scales [slots, n_kv] or none.
+template <typename K>
+struct PoolLayer {
+  const K* k;
+  const K* v;
+  const float* k_scale;
+  const float* v_scale;
+};
+
+constexpr int64_t kChunk = 128;  // keys per chunk: fixed, so results do not depend on the thread count
+
+// One task: a chunk of keys [t0, t0 + n) for the kv heads [h0, h1). A pool row holds every kv head
+// of one position, so one head's consecutive keys lie a whole row apart (4 KiB at 32 heads of 64
+// bfloat16): walking the heads inside the position loop reads each row once, front to back,
+// instead of striding through it once per head.
+template <typename K>
+struct Task {
+  PoolLayer<K> pool;
+  const int64_t* slots;
+  int64_t first, n_kv, h0, h1, t0, n;
+
+  int64_t slot(int64_t i) const { return first >= 0 ? first + t0 + i : slots[t0 + i]; }
+  int64_t row(int64_t i, int64_t h) const { return slot(i) * n_kv + h; }  // key i's (slot, kv head) row
+  const K* k_row(int64_t i, int64_t h, int64_t d) const { return pool.k + row(i, h) * d; }
+  const K* v_row(int64_t i, int64_t h, int64_t d) const { return pool.v + row(i, h) * d; }
+  float k_scale(int64_t i, int64_t h) const { return pool.k_scale ? pool.k_scale[row(i, h)] : 1.f; }
+  float v_scale(int64_t i, int64_t h) const { return pool.v_scale ? pool.v_scale[row(i, h)] : 1.f; }
+};
+
+// The softmax of one head's scores in place; (max, sum) into each query head's partial.
+inline void softmax_parts(float* s, int64_t group, int64_t n, int64_t d, float* part) {
+  for (int64_t g = 0; g < group; g++) {
+    float* sg = s + g * kChunk;
+    const float m = *std::max_element(sg, sg + n);
+    part[g * (d + 2)] = m;
+    part[g * (d + 2) + 1] = exp_shifted(sg, n, m);
+  }
+}
+
+// Scores and weighted values of one task, written as (max, sum, acc[d]) per query head: kv head h's
+// partials at part(h). qs: all queries, pre-scaled; s: scratch of (h1 - h0) * group * kChunk.
+// Any head size and group: plain loops. Each head's arithmetic, and its order, is the same
+// whatever the task's head range.
+template <typename K, typename Part>
+void attend_task(const Task<K>& t, const float* qs, int64_t group, int64_t d, float* s, Part part) {
+  for (int64_t i = 0; i < t.n; i++) {
+    for (int64_t h = t.h0; h < t.h1; h++) {
+      const K* kr = t.k_row(i, h, d);
+      const float ks = t.k_scale(i, h);
+      float* sh = s + (h - t.h0) * group * kChunk;
+      for (int64_t g = 0; g < group; g++) sh[g * kChunk + i] = dot(qs + (h * group + g) * d, kr, d) * ks;
+    }
+  }
+  for (int64_t h = t.h0; h < t.h1; h++) {
+    float* p = part(h);
+    softmax_parts(s + (h - t.h0) * group * kChunk, group, t.n, d, p);
+    for (int64_t g = 0; g < group; g++) std::fill(p + g * (d + 2) + 2, p + (g + 1) * (d + 2), 0.f);
+  }
+  for (int64_t i = 0; i < t.n; i++) {
+    for (int64_t h = t.h0; h < t.h1; h++) {
+      const K* vr = t.v_row(i, h, d);
+      const float vs = t.v_scale(i, h);
+      const float* sh = s + (h - t.h0) * group * kChunk;
+      float* p = part(h);
+      for (int64_t g = 0; g < group; g++) axpy(sh[g * kChunk + i] * vs, vr, d, p + g * (d + 2) + 2);
+    }
+  }
+}
+
+// Up to kTileQ query tokens of one sequence (a prefill piece's, or a draft's) over the same chunk
+// of keys: each key row is read once for all of them. Query q sees the chunk's first len[q] keys
+// (causal: later queries see more); its partials go to part(q, h).
+constexpr int64_t kTileQ = 4;
+
+#ifdef WARMKV_AVX2
+constexpr int64_t kAhead = 8;  // keys ahead of the score loop whose key rows are prefetched
+
+template <typename K>
+inline void prefetch_row(const K* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+}
+
+// Head size D and group G known at compile time: each key row is converted once into registers
+// and serves every query head of its group, for every query of the tile. A query's arithmetic,
+// and its order, are the same whatever else is in its tile: a score is one dot product, and each
+// output element accumulates its keys in order in one register (the same FMAs as a memory axpy).
+template <typename K, int D, int G, typename Part>
+void attend_tile_fixed(const Task<K>& t, const float* const* qs, const int64_t* len, int64_t nq, float* s,
+                       Part part) {
+  constexpr int V = D / 8;
+  constexpr int VB = G <= 4 ? 2 : 1;  // output registers per pass: G * VB accumulators stay in registers
+  const int64_t span = t.h1 - t.h0, per_q = span * G * kChunk;
+  for (int64_t i = 0; i < t.n; i++) {
+    for (int64_t h = t.h0; h < t.h1; h++) {
+      const K* kr = t.k_row(i, h, D);
+      // The value rows come in while the scores are computed: the pass below reads them a key
+      // at a time, and a paged pool's blocks break up the stride the hardware prefetcher follows.
+      prefetch_row(t.v_row(i, h, D), D * sizeof(K));
+      if (i + kAhead < t.n) prefetch_row(t.k_row(i + kAhead, h, D), D * sizeof(K));
+      __m256 k[V];
+      for (int v = 0; v < V; v++) k[v] = load8(kr + 8 * v);
+      const float ks = t.k_scale(i, h);
+      for (int64_t qi = 0; qi < nq; qi++) {
+        if (i >= len[qi]) continue;
+        float* sh = s + qi * per_q + (h - t.h0) * G * kChunk;
+        for (int g = 0; g < G; g++) {
+          const float* q = qs[qi] + (h * G + g) * D;
+          __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]), a1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
+          for (int v = 2; v < V; v += 2) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), k[v], a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v + 8), k[v + 1], a1);
+          }
+          sh[g * kChunk + i] = hsum(_mm256_add_ps(a0, a1)) * ks;
+        }
+      }
+    }
+  }
+  for (int64_t qi = 0; qi < nq; qi++) {
+    const int64_t n = len[qi];
+    if (n <= 0) continue;
+    for (int64_t h = t.h0; h < t.h1; h++) {
+      float* p = part(qi, h);
+      float* sh = s + qi * per_q + (h - t.h0) * G * kChunk;
+      softmax_parts(sh, G, n, D, p);
+      for (int vb = 0; vb < V; vb += VB) {
+        __m256 acc[G][VB];
+        for (int g = 0; g < G; g++)
+          for (int u = 0; u < VB; u++) acc[g][u] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i++) {
+          const K* vr = t.v_row(i, h, D) + 8 * vb;
+          const float vs = t.v_scale(i, h);
+          __m256 x[VB];
+          for (int u = 0; u < VB; u++) x[u] = load8(vr + 8 * u);
+          for (int g = 0; g < G; g++) {
+            const __m256 w = _mm256_set1_ps(sh[g * kChunk + i] * vs);
+            for (int u = 0; u < VB; u++) acc[g][u] = _mm256_fmadd_ps(w, x[u], acc[g][u]);
+          }
+        }
+        for (int g = 0; g < G; g++)
+          for (int u = 0; u < VB; u++) _mm256_storeu_ps(p + g * (D + 2) + 2 + 8 * (vb + u), acc[g][u]);
+      }
+    }
+  }
+}
+#endif
+
+// The keys of one query token: slot ids `slots`, or the range starting at `first` when >= 0.
+struct QueryKeys {
+  const int64_t* slots;
+  int64_t first, n;
+};
+
+// Every query token of a step over its own keys: out[i][h] = softmax(scale * q[i][h] . K_i^T) V_i
+// for every query head h, grouped by the kv head they share. q, out: [queries, n_heads * d].
+// Consecutive queries over one key list (a prefill piece's tokens: each sees one more key) form
+// tiles of up to kTileQ that read each key row once. Tasks of (tile, kv head range, key chunk) run
+// in one parallel region for all the queries (a region per query cost each of a step's streams a
+// fork and a join per layer); the partial softmaxes are merged per query in chunk order. Chunks
+// start at key 0, and neither a task's head range nor its tile changes how a (query, kv head,
+// chunk) partial is computed: the thread count, the other queries and where a prefill piece
+// begins never change a query's bits. A token prefilled in a piece gets the numbers it gets as
+// a decode row.
+template <typename K>
+void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& keys, int64_t n_heads, int64_t n_kv,
+            int64_t d, float scale, float* out) {
+  const int64_t nq = static_cast<int64_t>(keys.size()), group = n_heads / n_kv, row = n_heads * d;
+  const int64_t stride = group * (d + 2);  // per (kv head, chunk): (max, sum, acc[d]) per query head
+  std::vector<int64_t> chunks(nq), part_at(nq + 1, 0), tile_at{0};
+  for (int64_t i = 0; i < nq; i++) {
+    chunks[i] = (keys[i].n + kChunk - 1) / kChunk;
+    part_at[i + 1] = part_at[i] + n_kv * chunks[i] * stride;
+    const int64_t t0 = tile_at.back();
+    const bool joins = i > t0 && i - t0 < kTileQ && keys[i].slots == keys[t0].slots && keys[i].first == keys[t0].first;
+    if (i > 0 && !joins) tile_at.push_back(i);
+  }
+  tile_at.push_back(nq);
+  const int64_t n_tiles = static_cast<int64_t>(tile_at.size()) - 1;
+  // A tile's longest key list (its last query's, in a causal piece) sets its chunks and its tasks' keys.
+  std::vector<int64_t> tile_longest(n_tiles), tile_chunks(n_tiles);
+  int64_t all_chunks = 0;
+  for (int64_t j = 0; j < n_tiles; j++) {
+    int64_t longest = tile_at[j];
+    for (int64_t i = tile_at[j] + 1; i < tile_at[j + 1]; i++) longest = keys[i].n > keys[longest].n ? i : longest;
+    tile_longest[j] = longest;
+    tile_chunks[j] = chunks[longest];
+    all_chunks += tile_chunks[j];
+  }
+  // Enough tasks for every thread (twice over: they are taken one by one, so the threads finish
+  // together), each spanning as many heads as that allows.
+  const int64_t spans = std::clamp<int64_t>((2 * at::get_num_threads() + all_chunks - 1) / all_chunks, 1, n_kv);
+  const int64_t per_span = (n_kv + spans - 1) / spans;
+  std::vector<int64_t> task_at(n_tiles + 1, 0);  // tile j's tasks: [task_at[j], task_at[j + 1])
+  for (int64_t j = 0; j < n_tiles; j++) task_at[j + 1] = task_at[j] + spans * tile_chunks[j];
+  // Every partial is written before it is read: no need to zero megabytes of it per layer.
+  std::unique_ptr<float[]> part(new float[part_at[nq]]);
+  std::vector<float> qs(nq * row);
+  for (int64_t i = 0; i < nq * row; i++) qs[i] = q[i] * scale;
+  parallel_tasks(task_at[n_tiles], [&](const auto& take) {
+    std::vector<float> s(kTileQ * per_span * group * kChunk);
+    for (int64_t task; take(task);) {
+      const int64_t j = std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1;
+      const int64_t local = task - task_at[j], nc = tile_chunks[j], i0 = tile_at[j], nt = tile_at[j + 1] - i0;
+      const int64_t h0 = (local / nc) * per_span, h1 = std::min(n_kv, h0 + per_span), c = local % nc;
+      if (h0 >= h1) continue;
+      const QueryKeys& k = keys[tile_longest[j]];
+      const Task<K> t{pool, k.slots, k.first, n_kv, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
+      int64_t len[kTileQ];
+      const float* qt[kTileQ];
+      for (int64_t u = 0; u < nt; u++) {
+        len[u] = std::clamp<int64_t>(keys[i0 + u].n - c * kChunk, 0, kChunk);
+        qt[u] = qs.data() + (i0 + u) * row;
+      }
+      auto part_of = [&](int64_t u, int64_t h) {
+        return part.get() + part_at[i0 + u] + (h * chunks[i0 + u] + c) * stride;
+      };
+#ifdef WARMKV_AVX2
+#define WARMKV_FIXED(D, G) \
+  if (d == D && group == G) { attend_tile_fixed<K, D, G>(t, qt, len, nt, s.data(), part_of); continue; }
+      WARMKV_FIXED(64, 1) WARMKV_FIXED(64, 2) WARMKV_FIXED(64, 3) WARMKV_FIXED(64, 4) WARMKV_FIXED(64, 5)
+      WARMKV_FIXED(64, 6) WARMKV_FIXED(64, 7) WARMKV_FIXED(64, 8) WARMKV_FIXED(128, 1) WARMKV_FIXED(128, 2)
+      WARMKV_FIXED(128, 3) WARMKV_FIXED(128, 4) WARMKV_FIXED(128, 5) WARMKV_FIXED(128, 6) WARMKV_FIXED(128, 7)
+      WARMKV_FIXED(128, 8)
+#undef WARMKV_FIXED
+#endif
+      for (int64_t u = 0; u < nt; u++) {
+        if (len[u] <= 0) continue;
+        Task<K> tu = t;
+        tu.n = len[u];
+        attend_task(tu, qt[u], group, d, s.data(), [&](int64_t h) { return part_of(u, h); });
+      }
+    }
+  });
+  parallel_tasks(nq, [&](const auto& take) {
+    std::vector<float> acc(d);
+    for (int64_t i; take(i);) {
+      const int64_t nc = chunks[i];
+      const float* pi = part.get() + part_at[i];
+      for (int64_t h = 0; h < n_kv; h++) {
+        for (int64_t g = 0; g < group; g++) {
+          float m = -INFINITY;
+          for (int64_t c = 0; c < nc; c++) m = std::max(m, pi[(h * nc + c) * stride + g * (d + 2)]);
+          float total = 0.f;
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t c = 0; c < nc; c++) {
+            const float* p = pi + (h * nc + c) * stride + g * (d + 2);
+            const float w = std::exp(p[0] - m);
+            total += w * p[1];
+            for (int64_t j = 0; j < d; j++) acc[j] += w * p[2 + j];
+          }
+          float* o = out + i * row + (h * group + g) * d;
+          for (int64_t j = 0; j < d; j++) o[j] = acc[j] / total;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace warmkv
