@@ -149,15 +149,27 @@ inline void prefetch_row(const K* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
 }
 
+// Registers of a value row one pass of the value loop covers: the largest divisor of the row's NV
+// registers whose G * VB accumulators and VB value registers fit the register file, so a pass's
+// accumulators never spill (AVX-512's 32 registers take a whole 64-float row for up to 6 query
+// heads per kv head, where AVX2's 16 took a quarter of it for 3).
+template <typename L, int NV, int G>
+constexpr int value_regs() {
+  for (int vb = NV; vb > 1; vb--)
+    if (NV % vb == 0 && (G + 1) * vb <= L::kRegs - 2) return vb;
+  return 1;
+}
+
 // Head size D and group G known at compile time: each key row is converted once into registers
 // and serves every query head of its group, for every query of the tile. A query's arithmetic,
 // and its order, are the same whatever else is in its tile: a score is one dot product, and each
-// output element accumulates its keys in order in one register (the same FMAs as a memory axpy).
-template <typename K, int D, int G, typename Part>
+// output element accumulates its keys in order in one register lane (the same FMAs as a memory
+// axpy), whatever the register width L and however many registers a pass covers.
+template <typename L, typename K, int D, int G, typename Part>
 void attend_tile_fixed(const Task<K>& t, const float* const* qs, const int64_t* len, int64_t nq, float* s,
                        Part part) {
-  constexpr int V = D / 8;
-  constexpr int VB = G <= 4 ? 2 : 1;  // output registers per pass: G * VB accumulators stay in registers
+  using R = typename L::R;
+  constexpr int W = L::W, NV = D / W, VB = value_regs<L, NV, G>();
   const int64_t span = t.h1 - t.h0, per_q = span * G * kChunk;
   for (int64_t i = 0; i < t.n; i++) {
     for (int64_t h = t.h0; h < t.h1; h++) {
@@ -166,21 +178,13 @@ void attend_tile_fixed(const Task<K>& t, const float* const* qs, const int64_t* 
       // at a time, and a paged pool's blocks break up the stride the hardware prefetcher follows.
       prefetch_row(t.v_row(i, h, D), D * sizeof(K));
       if (i + kAhead < t.n) prefetch_row(t.k_row(i + kAhead, h, D), D * sizeof(K));
-      __m256 k[V];
-      for (int v = 0; v < V; v++) k[v] = load8(kr + 8 * v);
+      R k[NV];
+      for (int v = 0; v < NV; v++) k[v] = L::load(kr + W * v);
       const float ks = t.k_scale(i, h);
       for (int64_t qi = 0; qi < nq; qi++) {
         if (i >= len[qi]) continue;
         float* sh = s + qi * per_q + (h - t.h0) * G * kChunk;
-        for (int g = 0; g < G; g++) {
-          const float* q = qs[qi] + (h * G + g) * D;
-          __m256 a0 = _mm256_mul_ps(_mm256_loadu_ps(q), k[0]), a1 = _mm256_mul_ps(_mm256_loadu_ps(q + 8), k[1]);
-          for (int v = 2; v < V; v += 2) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v), k[v], a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * v + 8), k[v + 1], a1);
-          }
-          sh[g * kChunk + i] = hsum(_mm256_add_ps(a0, a1)) * ks;
-        }
+        for (int g = 0; g < G; g++) sh[g * kChunk + i] = L::template score<D>(qs[qi] + (h * G + g) * D, k) * ks;
       }
     }
   }
@@ -191,22 +195,22 @@ void attend_tile_fixed(const Task<K>& t, const float* const* qs, const int64_t* 
       float* p = part(qi, h);
       float* sh = s + qi * per_q + (h - t.h0) * G * kChunk;
       softmax_parts(sh, G, n, D, p);
-      for (int vb = 0; vb < V; vb += VB) {
-        __m256 acc[G][VB];
+      for (int vb = 0; vb < NV; vb += VB) {
+        R acc[G][VB];
         for (int g = 0; g < G; g++)
-          for (int u = 0; u < VB; u++) acc[g][u] = _mm256_setzero_ps();
+          for (int u = 0; u < VB; u++) acc[g][u] = L::zero();
         for (int64_t i = 0; i < n; i++) {
-          const K* vr = t.v_row(i, h, D) + 8 * vb;
+          const K* vr = t.v_row(i, h, D) + W * vb;
           const float vs = t.v_scale(i, h);
-          __m256 x[VB];
-          for (int u = 0; u < VB; u++) x[u] = load8(vr + 8 * u);
+          R x[VB];
+          for (int u = 0; u < VB; u++) x[u] = L::load(vr + W * u);
           for (int g = 0; g < G; g++) {
-            const __m256 w = _mm256_set1_ps(sh[g * kChunk + i] * vs);
-            for (int u = 0; u < VB; u++) acc[g][u] = _mm256_fmadd_ps(w, x[u], acc[g][u]);
+            const R w = L::set1(sh[g * kChunk + i] * vs);
+            for (int u = 0; u < VB; u++) acc[g][u] = L::fma(w, x[u], acc[g][u]);
           }
         }
         for (int g = 0; g < G; g++)
-          for (int u = 0; u < VB; u++) _mm256_storeu_ps(p + g * (D + 2) + 2 + 8 * (vb + u), acc[g][u]);
+          for (int u = 0; u < VB; u++) L::store(p + g * (D + 2) + 2 + W * (vb + u), acc[g][u]);
       }
     }
   }
@@ -284,7 +288,7 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
       };
 #ifdef WARMKV_AVX2
 #define WARMKV_FIXED(D, G) \
-  if (d == D && group == G) { attend_tile_fixed<K, D, G>(t, qt, len, nt, s.data(), part_of); continue; }
+  if (d == D && group == G) { attend_tile_fixed<Lanes, K, D, G>(t, qt, len, nt, s.data(), part_of); continue; }
       WARMKV_FIXED(64, 1) WARMKV_FIXED(64, 2) WARMKV_FIXED(64, 3) WARMKV_FIXED(64, 4) WARMKV_FIXED(64, 5)
       WARMKV_FIXED(64, 6) WARMKV_FIXED(64, 7) WARMKV_FIXED(64, 8) WARMKV_FIXED(128, 1) WARMKV_FIXED(128, 2)
       WARMKV_FIXED(128, 3) WARMKV_FIXED(128, 4) WARMKV_FIXED(128, 5) WARMKV_FIXED(128, 6) WARMKV_FIXED(128, 7)
