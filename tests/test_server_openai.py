@@ -75,6 +75,37 @@ def test_streaming_chat_equals_non_streaming(client: openai.OpenAI, model: str) 
     assert usage.prompt_tokens_details.cached_tokens > 0
 
 
+def _carried(counts: list[int]) -> list[int]:
+    """Tokens each chunk carries, from the completion tokens so far that each chunk reports."""
+    return [b - a for a, b in zip([0, *counts], counts, strict=False)]
+
+
+def test_continuous_usage_says_how_many_tokens_each_chunk_carries(client: openai.OpenAI, model: str) -> None:
+    kw = {"max_tokens": 32, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    stream = _chat(client, model, "Say hi.", stream=True, stream_options=opts, **kw)
+    counts, final = [], None
+    for chunk in stream:
+        if not chunk.choices:
+            final = chunk.usage
+            continue
+        assert chunk.usage is not None, chunk  # every chunk, the role chunk and the finish chunk included
+        if chunk.choices[0].delta.content:
+            counts.append(chunk.usage.completion_tokens)
+    assert final is not None and final.completion_tokens == 32 == counts[-1]
+    carried = _carried(counts)
+    assert min(carried) >= 1 and sum(carried) == 32
+    # Past its answer the model writes <|im_end|>, a token without text: it rides with the next chunk.
+    assert max(carried) >= 2, carried
+    text = client.completions.create(
+        model=model, prompt="def add(a, b):", stream=True, stream_options=opts, max_tokens=12, temperature=0
+    )
+    counts = [c.usage.completion_tokens for c in text if c.choices and c.choices[0].text]
+    assert counts == sorted(counts) and counts[-1] <= 12 and min(_carried(counts)) >= 1
+    with pytest.raises(openai.BadRequestError, match="include_usage"):
+        _chat(client, model, "hi", stream=True, stream_options={"continuous_usage_stats": True}, **kw)
+
+
 def test_completions_with_stop_string(client: openai.OpenAI, model: str) -> None:
     free = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0)
     assert "," in free.choices[0].text  # the model continues the list...

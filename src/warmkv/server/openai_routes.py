@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..constraint import Constraint
 from ..tools import ArgsDelta, Call, CallStart, Event, TextDelta, openai_choice, openai_tools
-from ..types import PrefixInput, StreamChunk
+from ..types import PrefixInput, StreamChunk, Usage
 from .chat_turn import ChatInput, start_chat
 from .collect import collect
 from .constraints import one_constraint
@@ -46,6 +46,26 @@ router = APIRouter(prefix="/v1", tags=["openai"], responses=ERRORS)
 
 def _unsupported(param: str, why: str) -> ApiError:
     return ApiError(400, f"{param}: {why}", code="unsupported_parameter", param=param)
+
+
+def _usage_options(req: _Sampling) -> tuple[bool, bool]:
+    """stream_options as (include_usage, continuous_usage_stats); the second needs the first."""
+    opts = req.stream_options
+    if opts is None:
+        return False, False
+    if opts.continuous_usage_stats and not opts.include_usage:
+        raise ApiError(
+            400,
+            "stream_options.continuous_usage_stats needs stream_options.include_usage=true",
+            code="invalid_value",
+            param="stream_options",
+        )
+    return opts.include_usage, opts.continuous_usage_stats
+
+
+def _so_far(gen: Generation, completion_tokens: int) -> dict[str, Any] | None:
+    """The usage of a streaming turn after completion_tokens generated tokens (continuous_usage_stats)."""
+    return usage_body(Usage(gen.prompt_tokens, completion_tokens, gen.cached_tokens), "chat")
 
 
 def _sampling(req: _Sampling) -> dict[str, Any]:
@@ -90,22 +110,23 @@ def _stream(
     st: ServerState,
     gen: Generation,
     frame: Callable[..., dict[str, Any]],
-    first: dict[str, Any] | None,
-    include_usage: bool,
+    usage: tuple[bool, bool],
     headers: dict[str, str],
 ) -> SSEResponse:
-    """SSE of frames: frame(delta, finish_reason, usage, chunk) builds one OpenAI chunk object."""
+    """SSE of frames: frame(delta, finish_reason, usage, chunk) builds one OpenAI chunk object.
+    usage: (include_usage, continuous_usage_stats)."""
+    include_usage, continuous = usage
 
     async def body() -> AsyncIterator[bytes]:
-        if first is not None:
-            yield sse(frame(first, None, None))
         got_first = False
+        generated = 0
         async for chunk in gen.stream:
             if not got_first:
                 st.metrics.ttft.observe(time.perf_counter() - gen.t0)
                 got_first = True
+            generated += len(chunk.token_ids)
             if chunk.text:
-                yield sse(frame({"content": chunk.text}, None, None, chunk))
+                yield sse(frame({"content": chunk.text}, None, _so_far(gen, generated) if continuous else None, chunk))
             if chunk.done:
                 if chunk.error is not None:
                     err = from_warmkv(chunk.error)
@@ -113,7 +134,8 @@ def _stream(
                     yield sse(err.body())
                 else:
                     # the chunk's logprobs went out with its text, if it had any
-                    yield sse(frame({}, _finish(chunk), None, None if chunk.text else chunk))
+                    so_far = _so_far(gen, generated) if continuous else None
+                    yield sse(frame({}, _finish(chunk), so_far, None if chunk.text else chunk))
                     if include_usage:
                         yield sse(frame(None, None, usage_body(chunk.usage, "chat")))
         yield SSE_DONE
@@ -174,11 +196,11 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
     sampling["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
     if req.logprobs and req.tools:
         raise _unsupported("logprobs", "logprobs cannot be combined with tools")
+    include_usage, continuous = _usage_options(req)
     backend = st.runtime.backend
     turn = await start_chat(st, _chat_input(req, sampling))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def frame(delta: dict[str, Any] | None, finish: str | None = None, usage: Any = None, lp: Any = None) -> bytes:
             choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]
@@ -186,15 +208,18 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
             return sse({**out, "choices": choices, **({"usage": usage} if usage else {})})
 
         async def body() -> AsyncIterator[bytes]:
-            yield frame({"role": "assistant", "content": ""})
+            generated = 0
+            yield frame({"role": "assistant", "content": ""}, usage=_so_far(turn.gen, 0) if continuous else None)
             async for step in turn.steps():
+                generated += len(step.chunk.token_ids)
+                so_far = _so_far(turn.gen, generated) if continuous else None
                 lp = chat_logprobs(backend, step.chunk.logprobs) if step.chunk.logprobs else None
                 for event in step.events:
                     if isinstance(event, TextDelta):
-                        yield frame({"content": event.text}, lp=lp)
+                        yield frame({"content": event.text}, usage=so_far, lp=lp)
                         lp = None  # a chunk's logprobs go out once, with its text
                     elif (call := _tool_call_delta(event)) is not None:
-                        yield frame({"tool_calls": [call]})
+                        yield frame({"tool_calls": [call]}, usage=so_far)
                 end = step.end
                 if end is None:
                     continue
@@ -203,7 +228,7 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
                     st.metrics.errors.labels(err.code or "error").inc()
                     yield sse(err.body())
                 else:
-                    yield frame({}, _openai_finish(end.finish_reason), lp=lp)
+                    yield frame({}, _openai_finish(end.finish_reason), usage=so_far, lp=lp)
                     if include_usage:
                         yield frame(None, usage=usage_body(end.usage, "chat"))
             yield SSE_DONE
@@ -246,6 +271,7 @@ async def completions(req: CompletionRequest, st: State) -> Any:
     if req.best_of not in (None, 1):
         raise _unsupported("best_of", "only best_of=1 is supported")
     sampling["logprobs"] = req.logprobs
+    usage_opts = _usage_options(req)
     backend = st.runtime.backend
     if isinstance(req.prompt, list):
         if len(req.prompt) != 1:
@@ -276,8 +302,7 @@ async def completions(req: CompletionRequest, st: State) -> Any:
             out = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
             return {**out, "choices": choices, **({"usage": usage} if usage else {})}
 
-        opts = req.stream_options
-        return _stream(st, gen, frame, None, bool(opts and opts.include_usage), headers)
+        return _stream(st, gen, frame, usage_opts, headers)
     got = await collect(gen.stream, gen.stream.cancel, lambda: st.metrics.ttft.observe(time.perf_counter() - gen.t0))
     lp = None if req.logprobs is None else completion_logprobs(backend, got.logprobs)
     body = {

@@ -22,6 +22,9 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # Extension (as vLLM's): with include_usage, every chunk also carries the usage so far, so a
+    # client can tell how many tokens each chunk holds (a token without text rides with the next).
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Request):
