@@ -8,6 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from warmkv.bench.stream_timing import TimedStream
 from warmkv.cli import app
 
 runner = CliRunner()
@@ -46,6 +47,12 @@ def test_bench_serve_tiny_reports_rates_gaps_and_the_long_prompt(tmp_path: Path)
     assert lp["streams_outlasted_prefill"] and lp["gaps_during_prefill"] >= 3
     # The server kept its disk store in a private dir: a second run meets no disk hits from this one.
     assert _files(cache) == before
+
+
+def test_a_chunk_of_k_tokens_is_k_gaps() -> None:
+    rec = TimedStream(start=0.0, chunks=[1.0, 1.5, 2.4], tokens=[1, 1, 3])  # the last chunk came 3 steps later
+    assert [round(b - a, 9) for a, b in rec.gaps()] == [0.5, 0.3, 0.3, 0.3]
+    assert rec.gaps()[-1][1] == 2.4 and rec.tokens_between(1.0, 2.4) == 4
 
 
 def test_bench_serve_rejects_what_cannot_run_before_starting_a_server() -> None:

@@ -34,7 +34,7 @@ import aiohttp
 from ..backends import registered_backends
 from ..errors import InvalidConfig
 from .server_proc import LiveServer, serve, serve_has_option
-from .stream_timing import TimedStream, client_session, gap_stats, percentile, stream_request
+from .stream_timing import STREAM_OPTIONS, TimedStream, client_session, gap_stats, percentile, stream_request
 
 TOPICS = (
     "recursion",
@@ -164,7 +164,7 @@ def _chat_body(model: str, i: int, tag: str, max_tokens: int) -> dict[str, Any]:
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": STREAM_OPTIONS,
     }
 
 
@@ -184,10 +184,9 @@ async def _level(
     # Decode rate: each stream's tokens after its first, over the span from the earliest first token to the last end.
     span = max(r.end or 0.0 for r in recs) - min(r.first or 0.0 for r in recs)
     gaps = gap_stats(g for r in recs for g in r.gaps())
-    # While all n decode: from the last stream's first chunk to the first stream's last; a chunk
-    # is one token (a step without text, as inside a multi-byte character, rides with the next).
+    # While all n decode: from the last stream's first chunk to the first stream's last.
     lo, hi = max(r.chunks[0] for r in recs), min(r.chunks[-1] for r in recs)
-    inside = sum(1 for r in recs for c in r.chunks if lo < c <= hi)
+    inside = sum(r.tokens_between(lo, hi) for r in recs)
     return {
         "streams": n,
         "completion_tokens": tokens,
@@ -222,7 +221,7 @@ async def _complete(client: aiohttp.ClientSession, server: LiveServer, prompt: s
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": STREAM_OPTIONS,
     }
     rec = await stream_request(client, f"{server.base}/v1/completions", body, TimedStream())
     if rec.ttft_s is None:
