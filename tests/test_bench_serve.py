@@ -55,6 +55,25 @@ def test_a_chunk_of_k_tokens_is_k_gaps() -> None:
     assert rec.gaps()[-1][1] == 2.4 and rec.tokens_between(1.0, 2.4) == 4
 
 
+def test_running_usage_counts_tokens_and_only_the_final_frame_sets_the_totals() -> None:
+    def chunk(text: str, done: int) -> dict:
+        return {"choices": [{"delta": {"content": text}}], "usage": {"completion_tokens": done, "prompt_tokens": 9}}
+
+    rec = TimedStream()
+    rec.take({"choices": [{"delta": {"role": "assistant", "content": ""}}], "usage": {"completion_tokens": 0}}, 0.1)
+    rec.take(chunk("a", 1), 1.0)
+    rec.take(chunk("b", 3), 2.0)  # a token without text rode with this one
+    rec.take(chunk("c", 3), 2.0)  # a second frame of the same step: no new token
+    assert rec.chunks == [1.0, 2.0] and rec.tokens == [1, 2]
+    assert rec.completion_tokens is None  # no final usage frame yet: the stream may have been cut
+    rec.take({"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 9}}, 2.1)
+    assert (rec.completion_tokens, rec.prompt_tokens) == (3, 9)
+    plain = TimedStream()  # a server without running usage: a chunk is a token
+    plain.take({"choices": [{"text": "x"}]}, 1.0)
+    plain.take({"choices": [{"text": "y"}]}, 1.2)
+    assert plain.tokens == [1, 1]
+
+
 def test_bench_serve_rejects_what_cannot_run_before_starting_a_server() -> None:
     r = runner.invoke(app, ["bench", "serve", "--long-prompt-tokens", "5000", "--num-ctx", "4096"])
     assert r.exit_code == 2 and "num_ctx 4096" in r.output

@@ -8,7 +8,8 @@ Gaps are per token, not per chunk. A token without text (<|im_end|>, part of a m
 character) rides with the next chunk, so that chunk comes two steps after the one before. The
 requests ask for stream_options.continuous_usage_stats (STREAM_OPTIONS), and a chunk's interval
 is split evenly over the tokens it carries, as SGLang's bench_serving does. Counted per chunk,
-the ~1% of chunks that carry two tokens set the p99 gap at twice the step.
+the ~1% of chunks that carry two tokens set the p99 gap at twice the step. The price: a stall
+inside a chunk of k tokens counts as k gaps of 1/k its length.
 """
 
 from __future__ import annotations
@@ -52,9 +53,24 @@ class TimedStream:
         since the previous chunk into k equal ones."""
         out: list[tuple[float, float]] = []
         for (a, b), k in zip(pairwise(self.chunks), self.tokens[1:], strict=True):
-            step = (b - a) / k
-            out += [(a + j * step, a + (j + 1) * step) for j in range(k)]
+            cuts = [a + j * (b - a) / k for j in range(k)] + [b]
+            out += pairwise(cuts)
         return out
+
+    def take(self, event: dict[str, Any], now: float) -> None:
+        """Record one SSE event (a chat or completions chunk) that arrived at now."""
+        usage = event.get("usage")
+        choices = event.get("choices") or ()
+        if any(c.get("text") or (c.get("delta") or {}).get("content") for c in choices):
+            so_far = sum(self.tokens)
+            done = usage["completion_tokens"] if usage else so_far + 1
+            if done > so_far:  # a later frame of the same step repeats its count: no new token
+                self.chunks.append(now)
+                self.tokens.append(done - so_far)
+        if usage and not choices:  # the final usage frame; running counts ride on the others
+            self.completion_tokens = usage["completion_tokens"]
+            self.prompt_tokens = usage["prompt_tokens"]
+            self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
     def tokens_between(self, lo: float, hi: float) -> int:
         """Tokens of the chunks that arrived in (lo, hi]."""
@@ -78,7 +94,6 @@ async def stream_request(
     """POST body (stream=true) to url, recording into rec; leaving early (stop set) closes the
     connection, which cancels the decode on the server."""
     rec.start = time.perf_counter()
-    so_far = 0  # completion tokens the chunks so far carried
     async with client.post(url, json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"POST {url} answered {r.status}: {(await r.text())[:500]}")
@@ -89,16 +104,7 @@ async def stream_request(
             event = json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(f"POST {url} failed mid-stream: {event['error'].get('message')}")
-            usage = event.get("usage")
-            if any(c.get("text") or (c.get("delta") or {}).get("content") for c in event.get("choices", ())):
-                rec.chunks.append(now)
-                done = usage["completion_tokens"] if usage else so_far + 1
-                rec.tokens.append(max(done - so_far, 1))
-                so_far = done
-            if usage:
-                rec.completion_tokens = usage["completion_tokens"]
-                rec.prompt_tokens = usage["prompt_tokens"]
-                rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            rec.take(event, now)
             if stop is not None and stop.is_set():
                 r.close()  # drop the connection: the server sees the client leave
                 break
