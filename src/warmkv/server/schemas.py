@@ -23,7 +23,9 @@ class _Request(BaseModel):
 class StreamOptions(_Request):
     include_usage: bool = False
     # Extension (as vLLM's): with include_usage, every chunk also carries the usage so far, so a
-    # client can tell how many tokens each chunk holds (a token without text rides with the next).
+    # client can tell how many tokens each step's first chunk holds (a token without text rides
+    # with the next; later chunks of the same step repeat the count). Without include_usage it is
+    # a 400, not ignored (vLLM ignores it).
     continuous_usage_stats: bool = False
 
 
