@@ -169,6 +169,7 @@ template <typename L, typename K, int D, int G, typename Part>
 void attend_tile_fixed(const Task<K>& t, const float* const* qs, const int64_t* len, int64_t nq, float* s,
                        Part part) {
   using R = typename L::R;
+  static_assert(D % 16 == 0, "a row must fill whole registers of either width (the widths' bits must agree)");
   constexpr int W = L::W, NV = D / W, VB = value_regs<L, NV, G>();
   const int64_t span = t.h1 - t.h0, per_q = span * G * kChunk;
   for (int64_t i = 0; i < t.n; i++) {

@@ -145,7 +145,10 @@ class DecodeLoop {
     TORCH_CHECK(write_slots.scalar_type() == at::kLong && write_slots.numel() == t, "one write slot per token");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.numel() == t * head_dim_, "cos: [T, head_dim] float32");
     TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "K/V pools must be contiguous");
-    for (const auto& s : slots) TORCH_CHECK(s.scalar_type() == at::kLong && s.is_contiguous());
+    TORCH_CHECK(t >= 1, "a step needs at least one token");
+    // attend() splits each query's keys in chunks: a token always sees at least itself.
+    for (const auto& s : slots)
+      TORCH_CHECK(s.scalar_type() == at::kLong && s.is_contiguous() && s.numel() >= 1, "each token needs its keys");
     Args a{x.contiguous(), k_pool, v_pool, k_scale, v_scale, write_slots.contiguous(), slots, first,
            cos.contiguous(), sin.contiguous()};
     const bool bf16 = dtype_ == at::kBFloat16;
