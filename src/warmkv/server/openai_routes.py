@@ -336,4 +336,5 @@ async def embeddings(req: EmbeddingRequest, st: State) -> Any:
         for i, v in enumerate(vectors)
     ]
     n = sum(len(t) for t in token_lists)
-    return {"object": "list", "data": data, "model": req.model, "usage": {"prompt_tokens": n, "total_tokens": n}}
+    usage = usage_body(Usage(n, 0, 0), "embeddings")
+    return {"object": "list", "data": data, "model": req.model, "usage": usage}

@@ -54,7 +54,7 @@ def sampling_fields(req: Any, *, stop: str = "stop", defaults: Mapping[str, Any]
     return out
 
 
-UsageApi = Literal["chat", "responses", "messages", "sessions"]
+UsageApi = Literal["chat", "responses", "messages", "sessions", "embeddings"]
 
 
 def usage_body(u: Usage | None, api: UsageApi) -> dict[str, Any] | None:
@@ -70,6 +70,8 @@ def usage_body(u: Usage | None, api: UsageApi) -> dict[str, Any] | None:
         }
     if u is None:
         return None
+    if api == "embeddings":
+        return {"prompt_tokens": u.prompt_tokens, "total_tokens": u.total_tokens}
     if api == "responses":
         return {
             "input_tokens": u.prompt_tokens,
