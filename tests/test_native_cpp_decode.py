@@ -13,7 +13,7 @@ import pytest
 import warmkv
 from test_native_parity import tiny_model
 from warmkv.backends.base import ForwardRow
-from warmkv.backends.native import NativeBackend
+from warmkv.backends.native import NativeBackend, decode_ext
 from warmkv.errors import BackendUnavailable, InvalidConfig
 
 CFG = warmkv.RuntimeConfig(num_ctx=256, num_batch=32, num_ubatch=32, n_seq_max=3)
@@ -132,6 +132,26 @@ def test_cpp_rows_do_not_depend_on_batching(kv: str) -> None:
             assert np.array_equal(step, verified[i]), f"draft token {i}: {float(np.abs(step - verified[i]).max()):.3e}"
     finally:
         backend.close()
+
+
+@pytest.mark.skipif(
+    "avx512f" not in decode_ext._cpu_features().split(), reason="no AVX-512 here: only the 8-lane width is built"
+)
+def test_the_two_register_widths_give_the_same_bits() -> None:
+    """Attention is written once over a register width: 16 lanes where AVX-512 is, else 8. A build
+    without AVX-512 must give the same logits, bit for bit, for every K/V storage type."""
+    narrow = decode_ext._build((*decode_ext.FLAGS, "-mno-avx512f"))
+    for kv in ("f32", "f16", "bf16", "q8_0"):
+        backend = NativeBackend(
+            str(warmkv.default_model_path()), replace(CFG, kv_cache_type=kv), compute_dtype="float32", cpp_decode="on"
+        )
+        try:
+            wide = list(_trace(backend))
+            backend._model.decode_loop = decode_ext.DecodeLoop(narrow, backend._model)
+            for i, (a, b) in enumerate(zip(wide, _trace(backend), strict=True)):
+                assert np.array_equal(a, b), f"{kv}, output {i}: {float(np.abs(a - b).max()):.3e}"
+        finally:
+            backend.close()
 
 
 @pytest.mark.parametrize("kv", ["bf16", "q8_0"])

@@ -58,14 +58,16 @@ def _ensure_ninja() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def _build() -> ModuleType:
+def _build(flags: tuple[str, ...] = FLAGS) -> ModuleType:
+    """Compile (or load the cached build of) the extension; flags other than FLAGS build a variant
+    under its own name (the tests build one without AVX-512 to compare the register widths)."""
     from torch.utils import cpp_extension
 
     _ensure_ninja()
     t0 = time.perf_counter()
     log.info("loading the C++ decode loop (the first build on a machine takes ~40 s)")
     module = cpp_extension.load(
-        _build_name(), [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"], verbose=False
+        _build_name(flags), [str(SOURCE)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"], verbose=False
     )
     log.info("C++ decode loop ready in %.1f s", time.perf_counter() - t0)
     return module
@@ -79,13 +81,13 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def _build_name() -> str:
+def _build_name(flags: tuple[str, ...] = FLAGS) -> str:
     """torch's loader watches only the listed source, not the header, and -march=native binds a
     build to its CPU: the name carries a digest of both, so any change builds anew."""
     h = hashlib.sha256()
     for f in sorted(CSRC.glob("*.[ch]*")):  # the source and every header it includes
         h.update(f.name.encode() + f.read_bytes())
-    h.update(" ".join(FLAGS).encode() + _cpu_features().encode() + torch.__version__.encode())
+    h.update(" ".join(flags).encode() + _cpu_features().encode() + torch.__version__.encode())
     return f"warmkv_decode_{h.hexdigest()[:12]}"
 
 
