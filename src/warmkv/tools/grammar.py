@@ -17,7 +17,8 @@ from ..constraint import Constraint
 from .formats import ToolFormat
 from .spec import ToolChoice, ToolSpec
 
-SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# lenient: keywords llguidance does not implement are left unenforced instead of refusing the tool.
+SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
 

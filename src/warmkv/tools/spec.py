@@ -64,15 +64,26 @@ class ToolChoice:
         return self.mode in ("required", "named")
 
 
-def check_schema(schema: object, param: str) -> dict[str, Any]:
-    """A parameters schema that llguidance compiles; InvalidInput naming `param` otherwise."""
-    if not isinstance(schema, Mapping):
-        raise InvalidInput(f"{param} must be a JSON schema object, got {type(schema).__name__}", param=param)
+def _schema_error(schema: Mapping[str, Any]) -> str:
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
-        error = llguidance.LLMatcher.validate_grammar(grammar, None)
+        return llguidance.LLMatcher.validate_grammar(grammar, None)
     except (ValueError, TypeError) as e:
-        error = str(e)
+        return str(e)
+
+
+def check_schema(schema: object, param: str) -> dict[str, Any]:
+    """A parameters schema that llguidance compiles; InvalidInput naming `param` otherwise.
+
+    Keywords llguidance does not implement (propertyNames, in Claude Code's tools) are not
+    enforced: the call grammar compiles leniently (grammar.LENIENT), so such a tool is still
+    offered. A schema that is wrong (an unknown type...) is a 400 either way.
+    """
+    if not isinstance(schema, Mapping):
+        raise InvalidInput(f"{param} must be a JSON schema object, got {type(schema).__name__}", param=param)
+    error = _schema_error(schema)
+    if error.startswith("Unimplemented keys"):
+        error = _schema_error({**schema, "x-guidance": {"lenient": True}})
     if error:
         raise InvalidInput(f"{param} does not compile to a grammar: {error}", param=param)
     return dict(schema)
