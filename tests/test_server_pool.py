@@ -62,3 +62,46 @@ def test_a_failed_replacement_degrades_the_pool_until_one_opens(rt: warmkv.Runti
         h = client.get("/health").json()
         assert h["degraded"] is False and h["pool"]["missing"] == 0 and h["pool"]["idle"] == 1
     assert not rt.sessions
+
+
+class _FakeSession:
+    """What the pool reads of a session: its id and its resident tokens."""
+
+    def __init__(self, sid: str, tokens: list[int]) -> None:
+        self.id, self.tokens, self.closed = sid, tokens, False
+
+    def token_ids(self) -> list[int]:
+        return list(self.tokens)
+
+
+def test_keyed_requests_keep_their_sessions() -> None:
+    """Two agent sessions sharing a long system prompt: each goes back to its own history, and a
+    new one takes a warm prefix whose owner loses little, but not another live conversation."""
+    from warmkv.server.admission import Admission
+    from warmkv.server.pool import SessionPool
+
+    system = list(range(1000))
+
+    async def scenario() -> None:
+        pool = SessionPool(None, 3, Admission(4), 5.0)  # type: ignore[arg-type]
+        a, b, c = _FakeSession("a", []), _FakeSession("b", []), _FakeSession("c", [])
+        pool._idle = [a, b, c]
+        got = await pool.acquire([*system, 1], key="k1")
+        got.tokens = [*system, 1, 2, 3]
+        pool.release(got)
+        # A new conversation with the same system prompt: the warm prefix is worth more than
+        # the three tokens of k1's history it would cost.
+        second = await pool.acquire([*system, 7], key="k2")
+        assert second is got
+        second.tokens = [*system, 7, *range(5000, 6500)]  # k2 history grows past the shared prefix
+        pool.release(second)
+        # k1 comes back: k2's long history is not taken; k1 prefills its prefix elsewhere.
+        third = await pool.acquire([*system, 1, 2, 3, 4], key="k1")
+        assert third is not second
+        third.tokens = [*system, 1, 2, 3, 4]
+        pool.release(third)
+        # Each key goes back to its own session, whatever else shares its prefix.
+        assert await pool.acquire([*system, 7, *list(range(5000, 6600))], key="k2") is second
+        assert await pool.acquire([*system, 1, 2, 3, 4, 5], key="k1") is third
+
+    asyncio.run(scenario())

@@ -54,6 +54,10 @@ def serve(
     log_misses: Annotated[
         bool, typer.Option("--log-misses", help="log each request whose reuse stopped early, and where")
     ] = False,
+    max_output_tokens: Annotated[
+        int | None,
+        typer.Option("--max-output-tokens", min=1, help="cap every request's output tokens (x-warmkv-max-tokens)"),
+    ] = None,
     *,
     opts: RuntimeOptions,
 ) -> None:
@@ -77,6 +81,7 @@ def serve(
             model_aliases=tuple(model_alias or ()),
             keep_volatile=keep_volatile,
             log_misses=log_misses,
+            max_output_tokens=max_output_tokens,
         )
         rt = opts.load()
         app_ = create_app(rt, settings)

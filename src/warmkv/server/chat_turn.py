@@ -54,6 +54,8 @@ class ChatInput:
     sampling: Mapping[str, Any] = field(default_factory=dict)
     new_call_id: Callable[[], str] = new_call_id  # each API spells its call ids its own way
     messages_param: str = "messages"
+    session_key: str | None = None  # the conversation's id, if the client names it: picks the pooled session
+    clamp_max_tokens: bool = False  # max_tokens past the context's end ends there (Anthropic's is mandatory)
 
 
 @dataclass(frozen=True)
@@ -175,9 +177,14 @@ def _prepare(st: ServerState, inp: ChatInput) -> _Prompt:
     return _Prompt(text, messages, template_tools, fired)
 
 
+def render_prompt(st: ServerState, inp: ChatInput) -> str:
+    """The exact prompt text a chat request evaluates (blocking: renders the template)."""
+    return _prepare(st, inp).text
+
+
 async def prompt_of(st: ServerState, inp: ChatInput) -> str:
     """The exact prompt text a chat request evaluates (for counting tokens and /apply-template)."""
-    return (await run_in_threadpool(_prepare, st, inp)).text
+    return await run_in_threadpool(render_prompt, st, inp)
 
 
 async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
@@ -195,9 +202,11 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
         sampling["constraint"] = await run_in_threadpool(
             tool_grammar, fmt, inp.tools, inp.choice, inp.parallel, lambda t: _special_token(st, t)
         )
-    gen = await generate(st, prompt.text, inp.max_tokens, sampling)
+    gen = await generate(st, prompt.text, inp.max_tokens, sampling, key=inp.session_key, clamp=inp.clamp_max_tokens)
     parser = ToolCallParser(fmt, inp.new_call_id) if inp.tools and inp.choice.calls else None
     headers: dict[str, str] = {}
+    if inp.max_tokens is not None and gen.max_tokens < inp.max_tokens:
+        headers["x-warmkv-max-tokens"] = f"{gen.max_tokens} (asked {inp.max_tokens})"
     if inp.tools:
         headers["x-warmkv-tool-format"] = fmt.name
         log.debug("tools: %d offered, choice %s, format %s", len(inp.tools), inp.choice.mode, fmt.describe())

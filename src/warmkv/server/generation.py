@@ -21,6 +21,7 @@ class Generation:
     prompt_ids: tuple[int, ...]
     status: PrefixStatus  # how the prompt was made resident: reused, prefilled, where reuse stopped
     t0: float
+    max_tokens: int  # the budget the turn decodes under
 
     @property
     def cached_tokens(self) -> int:
@@ -32,10 +33,20 @@ class Generation:
 
 
 async def generate(
-    st: ServerState, prompt: str | PrefixInput, max_tokens: int | None, sampling: dict[str, Any]
+    st: ServerState,
+    prompt: str | PrefixInput,
+    max_tokens: int | None,
+    sampling: dict[str, Any],
+    *,
+    key: str | None = None,
+    clamp: bool = False,
 ) -> Generation:
     """Start generating after prompt (text, or a PrefixInput that carries its own tokens);
-    errors before the first token raise here (4xx/5xx)."""
+    errors before the first token raise here (4xx/5xx).
+
+    key: the conversation's id, which picks its pooled session. clamp: a max_tokens past the
+    context's end is cut to the room left (an overflowing prompt is still a 400). The server's
+    max_output_tokens caps every request."""
     t0 = time.perf_counter()
     rt = st.runtime
     sampling = dict(sampling)
@@ -49,10 +60,14 @@ async def generate(
     num_ctx = rt.config.num_ctx
     if max_tokens is None:
         max_tokens = min(st.settings.default_max_tokens, num_ctx - len(tokens))
+    elif clamp and len(tokens) < num_ctx:
+        max_tokens = min(max_tokens, num_ctx - len(tokens))
+    if st.settings.max_output_tokens is not None:
+        max_tokens = min(max_tokens, st.settings.max_output_tokens)
     if max_tokens < 1 or len(tokens) + max_tokens > num_ctx:
         raise ContextOverflow("prompt", len(tokens), max(max_tokens, 1), num_ctx)
     cfg = DecodeConfig(max_tokens=max_tokens, **sampling)
-    session = await st.pool.acquire(tokens)
+    session = await st.pool.acquire(tokens, key)
 
     def finished(stream: ChunkStream) -> None:
         final = stream.final
@@ -76,4 +91,4 @@ async def generate(
     status = await stream.resident()
     assert status is not None
     st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
-    return Generation(stream, tuple(tokens), status, t0)
+    return Generation(stream, tuple(tokens), status, t0, max_tokens)

@@ -170,6 +170,7 @@ def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any]) -> ChatInp
         parallel=req.parallel_tool_calls is not False,
         max_tokens=max_tokens,
         sampling=sampling,
+        session_key=req.prompt_cache_key,
     )
 
 

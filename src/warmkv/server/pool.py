@@ -2,8 +2,12 @@
 
 Each request goes to the idle session whose resident tokens share the longest token
 prefix with its prompt, so a client that resends the same long system prompt (or
-the whole conversation so far) lands where that prefix is already warm. All methods
-run on the event loop; release() may be scheduled there from other threads.
+the whole conversation so far) lands where that prefix is already warm. A request that
+names its conversation (a key: Claude Code's session id, a Responses or chat
+`prompt_cache_key`) goes back to the session its key last used, and avoids the sessions
+other keys hold where taking one would cost its history more than it gains: concurrent
+agent sessions that share a system prompt do not take each other's warm history. All
+methods run on the event loop; release() may be scheduled there from other threads.
 
 A session whose KV is unknown (SessionFatal) or that was closed is replaced by a
 fresh one. When opening the fresh one fails (no free sequence, model unloaded) the
@@ -37,6 +41,7 @@ class SessionPool:
         self._timeout_s = timeout_s
         self._idle: list[Session] = []
         self._last_used: dict[str, float] = {}
+        self._owner: dict[str, str] = {}  # session id -> the key whose conversation it holds
         self._waiters: list[asyncio.Future[Session]] = []
         self._missing = 0  # sessions lost and not yet replaced
         self._opening = 0  # replacements being opened
@@ -64,18 +69,21 @@ class SessionPool:
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self, tokens: list[int]) -> Session:
-        """The idle session sharing the longest prefix with tokens; waits (bounded) when none is idle."""
+    async def acquire(self, tokens: list[int], key: str | None = None) -> Session:
+        """The idle session sharing the longest prefix with tokens (key's own first, others' last);
+        waits (bounded) when none is idle."""
         self._refill()
         if self._idle:
-            return await self._best(tokens)
+            return await self._best(tokens, key)
         if self._missing == self.size and not self._opening:
             raise self._unavailable()
         with self._admission.wait():
             fut: asyncio.Future[Session] = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)
             try:
-                return await asyncio.wait_for(asyncio.shield(fut), self._timeout_s)
+                session = await asyncio.wait_for(asyncio.shield(fut), self._timeout_s)
+                self._own(session, key)
+                return session
             except BaseException as e:
                 # Timed out or the client left: a session handed over meanwhile goes back.
                 if fut in self._waiters:
@@ -89,19 +97,37 @@ class SessionPool:
                     ) from None
                 raise
 
-    async def _best(self, tokens: list[int]) -> Session:
+    async def _best(self, tokens: list[int], key: str | None) -> Session:
         idle = list(self._idle)
         resident = await run_in_threadpool(lambda: [s.token_ids() for s in idle])
-        # Longest shared prefix first; among equals the least recently used, to spread work.
-        scored = [
-            (common_prefix_len(r, tokens), -self._last_used.get(s.id, 0.0), s)
-            for r, s in zip(resident, idle, strict=True)
-        ]
-        best = max(scored, key=lambda x: (x[0], x[1]))[2]
+
+        def score(r: list[int], s: Session) -> tuple[bool, int, float]:
+            owner = self._owner.get(s.id)
+            mine = key is not None and owner == key
+            common = common_prefix_len(r, tokens)
+            # Taking another key's session costs that conversation the history past the shared
+            # prefix: a new agent session takes a warm system prompt and tools, but not a long
+            # history that another live session will send again. The key's own session first;
+            # then the most tokens gained; among equals the least recently used, to spread work.
+            lost = len(r) - common if key is not None and owner not in (None, key) else 0
+            return (mine, common - lost, -self._last_used.get(s.id, 0.0))
+
+        scored = [(score(r, s), s) for r, s in zip(resident, idle, strict=True)]
+        best = max(scored, key=lambda x: x[0])[1]
         if best not in self._idle:  # taken meanwhile: fall back to any idle or wait
-            return await self.acquire(tokens)
+            return await self.acquire(tokens, key)
         self._idle.remove(best)
+        self._own(best, key)
         return best
+
+    def _own(self, session: Session, key: str | None) -> None:
+        """A keyed request's session now holds that key's conversation (and no other key's)."""
+        if key is None:
+            return
+        for sid, owner in list(self._owner.items()):
+            if owner == key and sid != session.id:
+                del self._owner[sid]
+        self._owner[session.id] = key
 
     def release(self, session: Session) -> None:
         """Give a session back; a waiting request gets it first. A closed one is replaced."""
@@ -119,6 +145,7 @@ class SessionPool:
     def replace(self, session: Session) -> None:
         """Evict a session whose KV is unknown (backend failure) and put a fresh one in its place."""
         self._last_used.pop(session.id, None)
+        self._owner.pop(session.id, None)
         self._open_one(session)
 
     def _refill(self) -> None:

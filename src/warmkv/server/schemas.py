@@ -57,7 +57,7 @@ class _Sampling(_Request):
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: Literal["auto", "default"] | None = None
-    prompt_cache_key: str | None = None  # reuse is automatic: the longest resident token prefix
+    prompt_cache_key: str | None = None  # picks the pooled session that last served this key (chat)
     safety_identifier: str | None = None
     store: Literal[False] | None = None  # nothing is stored; store=true is refused
 

@@ -56,6 +56,9 @@ class ServerSettings:
     queue_timeout_s: float = 60.0
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 1024
+    # A cap on every request's output tokens (as llama-server's --n-predict): harnesses ask for their
+    # hosted model's maximum (Claude Code: 64,000). None: no cap beyond the context's end.
+    max_output_tokens: int | None = None
     tool_format: str = "auto"  # how tool calls are rendered and parsed: auto (from the template) or a format name
     # Other names clients may use for the served model ("*": any name, on every route). Without any,
     # the Anthropic route takes any name (harnesses send their own) and the OpenAI routes only the model's.
@@ -83,7 +86,7 @@ class ServerSettings:
             )
         for name in ("session_ttl_s", "queue_timeout_s"):
             _positive(name, getattr(self, name), integer=False)
-        for name in ("pool_size", "max_step_tokens"):
+        for name in ("pool_size", "max_step_tokens", "max_output_tokens"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         for name in ("max_queue", "max_body_bytes", "default_max_tokens"):
