@@ -1,8 +1,11 @@
 """POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API.
 
 Messages become chat messages (tool_use blocks the assistant's tool calls, tool_result
-blocks tool results), so a Messages conversation renders, constrains and reuses KV through
-the same ChatTurn as Chat Completions. Errors on these routes come in Anthropic's shape.
+blocks tool results, a mid-conversation system message a system turn where it stands),
+so a Messages conversation renders, constrains and reuses KV through the same ChatTurn as
+Chat Completions. context_management edits apply before rendering (context_edits.py);
+fields that cannot change a local model's output are named in x-warmkv-ignored
+(ignored.py). Errors on these routes come in Anthropic's shape.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -21,8 +24,10 @@ from ..errors import InvalidInput
 from ..tools import ArgsDelta, CallStart, TextDelta, ToolChoice, ToolSpec, make_tool
 from ..tools.spec import check_unique, choice_for
 from ..types import Usage
-from .anthropic_schemas import CountTokensRequest, MessagesRequest
-from .chat_turn import ChatInput, ChatTurn, TurnEnd, prompt_of, start_chat
+from . import ignored
+from .anthropic_schemas import CountTokensRequest, Message, MessagesRequest
+from .chat_turn import ChatInput, ChatTurn, TurnEnd, prompt_of, render_prompt, start_chat
+from .context_edits import Edited, apply_edits
 from .errors import from_warmkv
 from .message_log import Fingerprint, cache_miss_reason
 from .sampling import sampling_fields, usage_body
@@ -46,13 +51,14 @@ def _text(content: Any) -> str:
     return "\n".join(b.text for b in content)
 
 
-def _messages(req: Any) -> list[dict[str, Any]]:
-    """The request as OpenAI-shaped chat messages; a tool_result must answer an earlier tool_use."""
+def _messages(req: Any, messages: list[Message] | None = None) -> list[dict[str, Any]]:
+    """The request (or its edited `messages`) as OpenAI-shaped chat messages; a tool_result must
+    answer an earlier tool_use. Thinking blocks are not rendered: the model has no reasoning mode."""
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
     uses: set[str] = set()
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(req.messages if messages is None else messages):
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -60,8 +66,13 @@ def _messages(req: Any) -> list[dict[str, Any]]:
         calls: list[dict[str, Any]] = []
         for j, b in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
+            if m.role == "system" and b.type != "text":
+                raise InvalidInput(f"{where}: a system message holds text blocks only", param=f"{where}.type")
             if b.type == "text":
                 texts.append(b.text)
+            elif b.type in ("thinking", "redacted_thinking"):
+                if m.role != "assistant":
+                    raise InvalidInput(f"{where}: {b.type} blocks belong to assistant messages", param=f"{where}.type")
             elif b.type == "tool_use":
                 if m.role != "assistant":
                     raise InvalidInput(f"{where}: tool_use blocks belong to assistant messages", param=f"{where}.type")
@@ -80,7 +91,7 @@ def _messages(req: Any) -> list[dict[str, Any]]:
             turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
             out.append({**turn, "tool_calls": calls} if calls else turn)
         elif texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
+            out.append({"role": m.role, "content": "\n".join(texts)})
     return out
 
 
@@ -106,23 +117,85 @@ def _toolu() -> str:
     return "toolu_" + secrets.token_hex(12)
 
 
-def _chat_input(req: MessagesRequest) -> ChatInput:
+def _session_key(request: Request, req: MessagesRequest) -> str | None:
+    """The conversation's id: Claude Code's X-Claude-Code-Session-Id, or the session_id it puts
+    (as JSON) in metadata.user_id. It picks the pooled session that holds this conversation."""
+    key = request.headers.get("x-claude-code-session-id")
+    if key:
+        return key
+    user = req.metadata.user_id if req.metadata is not None else None
+    if not user:
+        return None
+    try:
+        sid = json.loads(user).get("session_id")
+    except (ValueError, AttributeError):
+        return None
+    return sid if isinstance(sid, str) and sid else None
+
+
+def _ignored(req: MessagesRequest, request: Request, keyed: bool) -> dict[str, str]:
+    """x-warmkv-ignored / x-warmkv-ignored-betas for what this request set without effect."""
+    names = []
+    if req.thinking is not None and req.thinking.type != "disabled":
+        names.append("thinking")
+    if req.output_config is not None and req.output_config.effort is not None:
+        names.append("output_config.effort")
+    blocks = [b for m in req.messages if not isinstance(m.content, str) for b in m.content]
+    if any(b.type in ("thinking", "redacted_thinking") for b in blocks):
+        names.append("thinking_blocks")
+    system = req.system if isinstance(req.system, list) else []
+    marked = [*blocks, *system, *(req.tools or []), req]
+    if any(getattr(b, "cache_control", None) is not None for b in marked):
+        names.append("cache_control")
+    if req.metadata is not None and not keyed:
+        names.append("metadata")
+    names += [f for f in ("service_tier", "speed", "inference_geo") if getattr(req, f) is not None]
+    return ignored.headers(ignored.MESSAGES, names, ignored.beta_values(request.headers.get("anthropic-beta")))
+
+
+async def _edit(st: ServerState, req: MessagesRequest) -> Edited:
+    """The messages after the request's context_management edits (unchanged without any)."""
+    if req.context_management is None or not req.context_management.edits:
+        return Edited(list(req.messages), [], None)
+    rt = st.runtime
+
+    def prompt_tokens() -> int:
+        tools, choice, parallel = _tools(req)
+        return len(rt.tokenize(render_prompt(st, ChatInput(_messages(req), tools, choice, parallel))))
+
+    def count(text: str) -> int:
+        return len(rt.tokenize(text, add_bos=False)) if text else 0
+
+    edits = req.context_management.edits
+    return await run_in_threadpool(apply_edits, req.messages, edits, prompt_tokens, count)
+
+
+def _chat_input(req: MessagesRequest, edited: Edited, key: str | None) -> ChatInput:
     tools, choice, parallel = _tools(req)
     fmt = req.output_config.format if req.output_config is not None else None
     constraint = Constraint.json_schema(fmt.schema_) if fmt is not None else None
     sampling = {**sampling_fields(req, stop="stop_sequences", defaults={"top_p": 1.0}), "constraint": constraint}
-    return ChatInput(_messages(req), tools, choice, parallel, req.max_tokens, sampling, new_call_id=_toolu)
+    return ChatInput(
+        _messages(req, edited.messages), tools, choice, parallel, req.max_tokens, sampling,
+        new_call_id=_toolu, session_key=key, clamp_max_tokens=True,
+    )  # fmt: skip
 
 
 @router.post("/messages")
-async def create_message(req: MessagesRequest, st: State) -> Any:
+async def create_message(req: MessagesRequest, request: Request, st: State) -> Any:
     """Generate the assistant's next message; tool calls come back as tool_use blocks."""
     model = st.check_model(req.model, route="anthropic")
-    turn = await start_chat(st, _chat_input(req))
+    key = _session_key(request, req)
+    edited = await _edit(st, req)
+    turn = await start_chat(st, _chat_input(req, edited, key))
+    turn.headers.update(_ignored(req, request, key is not None))
+    if edited.applied:
+        turn.headers["x-warmkv-context-edits"] = _edits_header(edited)
+    managed = {"applied_edits": edited.applied} if req.context_management is not None else None
     mid = "msg_" + secrets.token_hex(12)
     diagnostics = _diagnose(st, req, mid, turn)
     if req.stream:
-        events = _events(turn, mid, model, diagnostics)
+        events = _events(turn, mid, model, diagnostics, managed)
         return SSEResponse(events, on_close=turn.gen.stream.cancel, headers=turn.headers)
     end, _ = await turn.collect()
     content: list[dict[str, Any]] = []
@@ -142,9 +215,19 @@ async def create_message(req: MessagesRequest, st: State) -> Any:
         "stop_sequence": sequence,
         "usage": usage_body(end.usage, "messages"),
     }
+    if managed is not None:
+        body["context_management"] = managed
     if diagnostics is not None:
         body["diagnostics"] = diagnostics
     return JSONResponse(body, headers=turn.headers)
+
+
+def _edits_header(edited: Edited) -> str:
+    """What the edits did and the first message they changed: reuse stops there once."""
+    done = "; ".join(
+        f"{e['type']} cleared {e.get('cleared_tool_uses', e.get('cleared_thinking_turns'))}" for e in edited.applied
+    )
+    return f"{done}; first_message={edited.first_message}"
 
 
 def _diagnose(st: ServerState, req: MessagesRequest, mid: str, turn: ChatTurn) -> dict[str, Any] | None:
@@ -162,7 +245,9 @@ def _diagnose(st: ServerState, req: MessagesRequest, mid: str, turn: ChatTurn) -
     return None if reason is None else {"cache_miss_reason": reason}
 
 
-async def _events(turn: ChatTurn, mid: str, model: str, diagnostics: dict[str, Any] | None) -> AsyncIterator[bytes]:
+async def _events(
+    turn: ChatTurn, mid: str, model: str, diagnostics: dict[str, Any] | None, managed: dict[str, Any] | None
+) -> AsyncIterator[bytes]:
     """message_start, content blocks (start, deltas, stop), message_delta, message_stop; ping after the start."""
     start_usage = usage_body(Usage(turn.gen.prompt_tokens, 0, turn.gen.cached_tokens), "messages")
     message = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
@@ -209,7 +294,10 @@ async def _events(turn: ChatTurn, mid: str, model: str, diagnostics: dict[str, A
             return
         reason, sequence = _stop(end)
         usage = usage_body(end.usage, "messages")
-        yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage})
+        delta = {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage}
+        if managed is not None:  # Anthropic puts the applied edits in the final message_delta
+            delta["context_management"] = managed
+        yield _event("message_delta", delta)
         yield _event("message_stop", {})
 
 
@@ -218,7 +306,7 @@ async def count_tokens(req: CountTokensRequest, st: State) -> dict[str, int]:
     """The prompt tokens the request would evaluate (the chat template, tools and all)."""
     st.check_model(req.model, route="anthropic")
     tools, choice, parallel = _tools(req)
-    inp = ChatInput(_messages(req), tools, choice, parallel)
+    inp = ChatInput(_messages(req, (await _edit(st, req)).messages), tools, choice, parallel)
     prompt = await prompt_of(st, inp)
     tokens = await run_in_threadpool(st.runtime.tokenize, prompt)
     return {"input_tokens": len(tokens)}

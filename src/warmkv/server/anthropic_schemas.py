@@ -10,10 +10,11 @@ from .schemas import _Request
 
 
 class CacheControl(_Request):
-    """Accepted: reuse is automatic; a marked block's prefix is what warmkv keeps warm anyway."""
+    """Accepted without effect: reuse is automatic; a marked block's prefix is what warmkv keeps warm anyway."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
+    scope: Literal["global", "org"] | None = None  # Claude Code's prompt-caching-scope beta
 
 
 class TextBlock(_Request):
@@ -39,11 +40,27 @@ class ToolResultBlock(_Request):
     cache_control: CacheControl | None = None
 
 
-ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Request):
+    """A reply's reasoning sent back; the default models do not reason, so it is not rendered."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(_Request):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[
+    TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock, Field(discriminator="type")
+]
 
 
 class Message(_Request):
-    role: Literal["user", "assistant"]
+    # "system": a mid-conversation system message, rendered where it stands (text only).
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
@@ -53,6 +70,8 @@ class Tool(_Request):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None  # Anthropic's server tools (bash, web_search...) are not offered
     cache_control: CacheControl | None = None
+    strict: bool | None = None  # accepted: calls always follow the schema
+    eager_input_streaming: bool | None = None  # accepted: input is always streamed as it is decoded
 
 
 class ToolChoice(_Request):
@@ -66,11 +85,54 @@ class Metadata(_Request):
 
 
 class Thinking(BaseModel):
-    """Accepted without effect: the reply has no thinking blocks."""
+    """Accepted without effect on a model without a reasoning mode: the reply has no thinking blocks."""
 
     model_config = ConfigDict(extra="allow")
 
     type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=1024)
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class TokenCount(_Request):
+    type: Literal["input_tokens"]
+    value: int = Field(ge=0)
+
+
+class ToolUseCount(_Request):
+    type: Literal["tool_uses"]
+    value: int = Field(ge=0)
+
+
+class ThinkingTurns(_Request):
+    type: Literal["thinking_turns"]
+    value: int = Field(ge=1)
+
+
+class AllThinkingTurns(_Request):
+    type: Literal["all"]
+
+
+class ClearToolUses(_Request):
+    """Once the prompt is over `trigger`, the oldest tool results (all but the last `keep`) become a placeholder."""
+
+    type: Literal["clear_tool_uses_20250919"]
+    trigger: Annotated[TokenCount | ToolUseCount, Field(discriminator="type")] | None = None
+    keep: ToolUseCount | None = None
+    clear_at_least: TokenCount | None = None
+    exclude_tools: list[str] | None = None
+    clear_tool_inputs: bool | list[str] | None = None
+
+
+class ClearThinking(_Request):
+    """Thinking blocks of all but the last `keep` assistant turns leave the prompt."""
+
+    type: Literal["clear_thinking_20251015"]
+    keep: Annotated[ThinkingTurns | AllThinkingTurns, Field(discriminator="type")] | Literal["all"] | None = None
+
+
+class ContextManagement(_Request):
+    edits: list[Annotated[ClearToolUses | ClearThinking, Field(discriminator="type")]] = Field(max_length=8)
 
 
 class JsonFormat(_Request):
@@ -94,6 +156,7 @@ class _Prompt(_Request):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    context_management: ContextManagement | None = None
 
 
 class MessagesRequest(_Prompt):
@@ -105,7 +168,8 @@ class MessagesRequest(_Prompt):
     stream: bool = False
     output_config: OutputConfig | None = None
     diagnostics: Diagnostics | None = None  # previous_message_id -> why this request's cache missed
-    # Accepted without effect: identity, routing and caching hints of the hosted API.
+    # Accepted without effect: identity, routing and caching hints of the hosted API
+    # (metadata.user_id's session_id, as Claude Code sends it, picks the pooled session).
     metadata: Metadata | None = None
     cache_control: CacheControl | None = None  # reuse is automatic
     service_tier: Literal["auto", "standard_only"] | None = None

@@ -1,0 +1,75 @@
+"""Fields accepted without effect: one table per API, and the response headers that name them.
+
+A harness sends fields that cannot change a local model's output: client metadata, hints
+for a hosted cache, hosted tools warmkv cannot run, reasoning controls for a model that
+does not reason. Refusing them would refuse the harness; ignoring them silently would hide
+it. So each is accepted, listed here with the reason (docs/agents.md holds the same table,
+and a test keeps the two equal), and named in `x-warmkv-ignored` on every response whose
+request set it. `anthropic-beta` values warmkv does not act on go in `x-warmkv-ignored-betas`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+IGNORED_HEADER = "x-warmkv-ignored"
+BETAS_HEADER = "x-warmkv-ignored-betas"
+
+_NO_REASONING = "the model has no reasoning mode: it answers without thinking, whatever the request asks"
+
+MESSAGES: dict[str, str] = {
+    "thinking": _NO_REASONING,
+    "output_config.effort": _NO_REASONING,
+    "thinking_blocks": "thinking blocks sent back are not rendered: the model has no reasoning mode to read them",
+    "cache_control": "reuse is automatic: every resident token prefix is reused, marked or not",
+    "metadata": "client identity; only a session_id inside metadata.user_id is used (to pick the pooled session)",
+    "service_tier": "a hosted capacity tier; one local server has one",
+    "speed": "a hosted serving mode; one local server has one",
+    "inference_geo": "a hosted region; the model runs here",
+}
+
+RESPONSES: dict[str, str] = {
+    "reasoning": _NO_REASONING,
+    "include": "reasoning.encrypted_content: the reply has no reasoning items to encrypt",
+    "client_metadata": "client identity and telemetry ids",
+    "metadata": "stored with a response on the hosted API; warmkv stores none",
+    "user": "client identity",
+    "safety_identifier": "client identity for hosted abuse checks",
+    "service_tier": "a hosted capacity tier; one local server has one",
+    "tools.web_search": "a hosted tool: the server would run it, and warmkv cannot; not offered to the model",
+    "tools.web_search_preview": "a hosted tool (as web_search); not offered to the model",
+    "tools.file_search": "a hosted tool over hosted vector stores; not offered to the model",
+    "tools.code_interpreter": "a hosted sandbox; not offered to the model",
+    "tools.image_generation": "a hosted image model; not offered to the model",
+    "tools.computer_use_preview": "a hosted computer; not offered to the model",
+    "tools.mcp": "a remote MCP server the hosted API would call; not offered to the model",
+}
+
+# Betas whose features warmkv implements; every other anthropic-beta value is named as ignored.
+HONORED_BETAS = frozenset(
+    {
+        "context-management-2025-06-27",  # context_management edits
+        "mid-conversation-system-2026-04-07",  # role "system" inside messages
+        "fine-grained-tool-streaming-2025-05-14",  # tool input streams as it is decoded, always
+    }
+)
+
+
+def headers(table: dict[str, str], names: Iterable[str], betas: Iterable[str] = ()) -> dict[str, str]:
+    """The response headers for the ignored fields `names` (each a key of `table`) and beta values."""
+    out: dict[str, str] = {}
+    fields = list(dict.fromkeys(names))
+    unknown = [n for n in fields if n not in table]
+    if unknown:  # a route named a field the table (and so the docs) does not explain
+        raise KeyError(f"ignored fields missing from the table: {unknown}")
+    if fields:
+        out[IGNORED_HEADER] = ", ".join(fields)
+    skipped = [b for b in dict.fromkeys(betas) if b not in HONORED_BETAS]
+    if skipped:
+        out[BETAS_HEADER] = ", ".join(skipped)
+    return out
+
+
+def beta_values(header: str | None) -> list[str]:
+    """The comma-separated values of an anthropic-beta header."""
+    return [b.strip() for b in (header or "").split(",") if b.strip()]
