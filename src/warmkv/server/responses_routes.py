@@ -3,6 +3,11 @@
 Input items become chat messages (function_call items join the assistant turn before
 them, function_call_output items become tool results), so a Responses conversation
 renders, and reuses KV, exactly like the same conversation through Chat Completions.
+
+Tools: function tools are offered as they are; a namespace tool's functions are offered
+as `namespace.function`, and a call to one comes back as Codex reads it, `name` the
+function and `namespace` the namespace. Hosted tools (web_search...) are accepted, not
+offered, and named in x-warmkv-ignored with the other fields that have no effect here.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter
@@ -17,11 +23,20 @@ from fastapi.responses import JSONResponse
 
 from ..constraint import Constraint
 from ..errors import InvalidInput
-from ..tools import ArgsDelta, CallEnd, CallStart, TextDelta, make_tool, openai_choice
+from ..tools import ArgsDelta, CallEnd, CallStart, TextDelta, ToolSpec, make_tool, openai_choice
 from ..tools.spec import check_unique
+from . import ignored
 from .chat_turn import ChatInput, ChatTurn, TurnEnd, start_chat
 from .errors import ApiError, from_warmkv
-from .responses_schemas import FunctionCallItem, FunctionCallOutputItem, FunctionChoice, ResponsesRequest, TextPart
+from .responses_schemas import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    FunctionTool,
+    NamespaceTool,
+    ResponsesRequest,
+    TextPart,
+)
 from .sampling import sampling_fields, usage_body
 from .state import State
 from .streams import SSEResponse, sse
@@ -47,10 +62,11 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     calls: set[str] = set()
     for i, item in enumerate(req.input):
         if isinstance(item, FunctionCallItem):
+            name = item.name if item.namespace is None else f"{item.namespace}{NAMESPACE_SEP}{item.name}"
             call = {
                 "id": item.call_id,
                 "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
+                "function": {"name": name, "arguments": item.arguments},
             }
             prev = out[-1] if out else None
             if prev is not None and prev["role"] == "assistant":
@@ -68,6 +84,52 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         else:
             out.append({"role": item.role, "content": _text(item.content)})
     return out
+
+
+NAMESPACE_SEP = "."  # a namespace's function as the model sees and calls it: namespace.function
+
+
+@dataclass(frozen=True)
+class Offered:
+    """The tools the model is offered, and the hosted ones it is not."""
+
+    specs: tuple[ToolSpec, ...]
+    namespaced: frozenset[str]  # offered names that are namespace.function
+    hosted: tuple[str, ...]  # hosted tool types the request named
+    separator: str = NAMESPACE_SEP
+
+    def split(self, name: str) -> tuple[str, str | None]:
+        """A called name as (function, namespace): Codex routes a call by the pair."""
+        if name in self.namespaced:
+            ns, fn = name.split(self.separator, 1)
+            return fn, ns
+        return name, None
+
+
+def _offered(req: ResponsesRequest) -> Offered:
+    specs: list[ToolSpec] = []
+    namespaced: set[str] = set()
+    hosted: list[str] = []
+    for i, t in enumerate(req.tools or []):
+        if isinstance(t, FunctionTool):
+            specs.append(make_tool(t.name, t.description, t.parameters, f"tools[{i}]"))
+        elif isinstance(t, NamespaceTool):
+            for j, f in enumerate(t.tools):
+                name = f"{t.name}{NAMESPACE_SEP}{f.name}"
+                desc = f"{t.description}\n{f.description or ''}".strip() if t.description else f.description
+                specs.append(make_tool(name, desc, f.parameters, f"tools[{i}].tools[{j}]"))
+                namespaced.add(name)
+        else:
+            hosted.append(t.type)
+    return Offered(check_unique(specs, "tools"), frozenset(namespaced), tuple(dict.fromkeys(hosted)))
+
+
+def _responses_ignored(req: ResponsesRequest, offered: Offered) -> dict[str, str]:
+    """x-warmkv-ignored for what this request set without effect."""
+    names = [f for f in ("reasoning", "include", "client_metadata", "metadata", "user", "safety_identifier",
+                         "service_tier") if getattr(req, f) is not None]  # fmt: skip
+    names += [f"tools.{kind}" for kind in offered.hosted]
+    return ignored.headers(ignored.RESPONSES, names)
 
 
 def _format(req: ResponsesRequest) -> Constraint | None:
@@ -105,11 +167,12 @@ def _check(req: ResponsesRequest) -> None:
 class _Shape:
     """The response object and its output items, as they grow."""
 
-    def __init__(self, req: ResponsesRequest, tools: list[dict[str, Any]]) -> None:
+    def __init__(self, req: ResponsesRequest, tools: list[dict[str, Any]], offered: Offered) -> None:
         self.req = req
         self.id = _id("resp")
         self.created = int(time.time())
         self.tools = tools
+        self.offered = offered
         self.output: list[dict[str, Any]] = []
 
     def response(self, status: str, end: TurnEnd | None = None) -> dict[str, Any]:
@@ -144,16 +207,12 @@ class _Shape:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant", "content": [part]}
 
-    @staticmethod
-    def call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-        return {
-            "type": "function_call",
-            "id": _id("fc"),
-            "call_id": call_id,
-            "name": name,
-            "arguments": arguments,
-            "status": status,
-        }
+    def call(self, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+        fn, namespace = self.offered.split(name)
+        item = {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": fn}
+        if namespace is not None:
+            item["namespace"] = namespace
+        return {**item, "arguments": arguments, "status": status}
 
 
 @router.post("/responses")
@@ -161,8 +220,8 @@ async def create_response(req: ResponsesRequest, st: State) -> Any:
     """Generate a response; tool calls come back as function_call output items."""
     st.check_model(req.model)
     _check(req)
-    specs = [make_tool(t.name, t.description, t.parameters, f"tools[{i}]") for i, t in enumerate(req.tools or [])]
-    tools = check_unique(specs, "tools")
+    offered = _offered(req)
+    tools = offered.specs
     raw_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice
     sampling = {**sampling_fields(req), "constraint": _format(req)}
     inp = ChatInput(
@@ -173,9 +232,11 @@ async def create_response(req: ResponsesRequest, st: State) -> Any:
         max_tokens=req.max_output_tokens,
         sampling=sampling,
         messages_param="input",
+        session_key=req.prompt_cache_key,
     )
     turn = await start_chat(st, inp)
-    shape = _Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []])
+    turn.headers.update(_responses_ignored(req, offered))
+    shape = _Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered)
     if req.stream:
         return SSEResponse(_events(turn, shape), on_close=turn.gen.stream.cancel, headers=turn.headers)
     end, _ = await turn.collect()

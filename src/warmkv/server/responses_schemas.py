@@ -28,12 +28,14 @@ class MessageItem(_Echoed):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextPart]
+    phase: str | None = None  # Codex marks its assistant messages (commentary, final answer): not rendered
 
 
 class FunctionCallItem(_Echoed):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
+    namespace: str | None = None  # the call is to `name` inside this namespace tool
     arguments: str = "{}"
 
 
@@ -63,6 +65,55 @@ class FunctionTool(_Request):
     strict: bool | None = None  # accepted: arguments always follow the schema
 
 
+class NamespaceTool(_Request):
+    """A group of function tools (Codex's multi_agent_v1): offered as its functions."""
+
+    type: Literal["namespace"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    tools: list[FunctionTool] = Field(max_length=128)
+
+
+HOSTED_TOOLS = (
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "computer_use_preview",
+    "mcp",
+)
+
+
+class HostedTool(BaseModel):
+    """A tool the hosted API runs itself (web_search...): accepted, not offered to the model."""
+
+    model_config = ConfigDict(extra="allow")  # each hosted tool has its own options; none is used
+
+    type: Literal[HOSTED_TOOLS]  # type: ignore[valid-type]
+
+
+def _tool_kind(v: Any) -> str:
+    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return "hosted" if kind in HOSTED_TOOLS else str(kind)
+
+
+Tool = Annotated[
+    Annotated[FunctionTool, Tag("function")]
+    | Annotated[NamespaceTool, Tag("namespace")]
+    | Annotated[HostedTool, Tag("hosted")],
+    Discriminator(_tool_kind),
+]
+
+
+class Reasoning(_Request):
+    """Accepted without effect on a model without a reasoning mode."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class FunctionChoice(_Request):
     type: Literal["function"]
     name: str = Field(min_length=1)
@@ -84,7 +135,7 @@ class ResponsesRequest(_Request):
     model: str = Field(min_length=1, max_length=256)
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = Field(default=None, max_length=128)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["auto", "none", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -92,6 +143,9 @@ class ResponsesRequest(_Request):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stream: bool = False
     text: TextConfig | None = None
+    reasoning: Reasoning | None = None
+    # Only "reasoning.encrypted_content" (there are no reasoning items to encrypt); others are refused.
+    include: list[Literal["reasoning.encrypted_content"]] | None = None
     # Not yet supported: refused with a 400 when set.
     previous_response_id: str | None = None
     store: bool | None = None  # false (nothing is stored) is fine; true is refused
@@ -99,7 +153,8 @@ class ResponsesRequest(_Request):
     # Accepted without effect.
     metadata: dict[str, str] | None = None
     user: str | None = None
-    prompt_cache_key: str | None = None
+    prompt_cache_key: str | None = None  # picks the pooled session that last served this key
+    client_metadata: dict[str, Any] | None = None
     safety_identifier: str | None = None
     service_tier: Literal["auto", "default"] | None = None
     # warmkv extensions, as on the chat route.
