@@ -1,0 +1,214 @@
+"""The agent harnesses' captured requests, and the pieces that serve them, without a model.
+
+The fixtures under fixtures/harnesses are the first requests Claude Code and Codex sent at
+their pinned versions (harnesses/package.json), captured from the CLIs: each must validate,
+convert to chat messages, and name exactly its accepted-without-effect fields.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from warmkv.server import ignored
+from warmkv.server.anthropic_routes import _ignored, _messages, _session_key, _tools
+from warmkv.server.anthropic_schemas import ClearThinking, ClearToolUses, Message, MessagesRequest
+from warmkv.server.context_edits import PLACEHOLDER, apply_edits
+from warmkv.server.responses_routes import _messages as responses_messages
+from warmkv.server.responses_routes import _offered, _responses_ignored
+from warmkv.server.responses_schemas import ResponsesRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).parent / "fixtures" / "harnesses"
+
+
+def _fixture(name: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / name).read_text())
+
+
+def _pinned(package: str) -> str:
+    return json.loads((ROOT / "harnesses" / "package.json").read_text())["dependencies"][package]
+
+
+class _Request:
+    """What the routes read of a starlette Request: its headers."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.headers = {k.lower(): v for k, v in headers.items()}
+
+
+def test_fixtures_are_the_pinned_versions() -> None:
+    claude = _fixture(f"claude-code-{_pinned('@anthropic-ai/claude-code')}.json")
+    codex = _fixture(f"codex-{_pinned('@openai/codex')}.json")
+    assert claude["headers"]["user-agent"].startswith(f"claude-cli/{_pinned('@anthropic-ai/claude-code')} ")
+    assert f"codex_exec/{_pinned('@openai/codex')} " in codex["headers"]["user-agent"]
+
+
+def test_claude_code_request_validates_and_renders() -> None:
+    cap = _fixture(f"claude-code-{_pinned('@anthropic-ai/claude-code')}.json")
+    assert cap["path"] == "/v1/messages?beta=true"
+    req = MessagesRequest.model_validate(cap["body"])
+    msgs = _messages(req)
+    roles = [m["role"] for m in msgs]
+    # The top-level system, the user turn, then the mid-conversation system message where it stands.
+    assert roles == ["system", "user", "system"]
+    assert msgs[2]["content"].startswith("Available agent types")
+    tools, choice, _ = _tools(req)
+    assert len(tools) == len(cap["body"]["tools"]) == 24 and choice.mode == "auto"
+    request = _Request(cap["headers"])
+    key = _session_key(request, req)
+    assert key == cap["headers"]["x-claude-code-session-id"]
+    headers = _ignored(req, request, key is not None)
+    assert headers[ignored.IGNORED_HEADER] == "thinking, output_config.effort, cache_control"
+    betas = headers[ignored.BETAS_HEADER].split(", ")
+    assert "claude-code-20250219" in betas and "context-management-2025-06-27" not in betas
+    assert "mid-conversation-system-2026-04-07" not in betas
+
+
+def test_claude_code_session_id_from_metadata() -> None:
+    body = _fixture(f"claude-code-{_pinned('@anthropic-ai/claude-code')}.json")["body"]
+    req = MessagesRequest.model_validate(body)
+    assert _session_key(_Request({}), req) == json.loads(body["metadata"]["user_id"])["session_id"]
+    plain = MessagesRequest.model_validate({**body, "metadata": {"user_id": "not json"}})
+    assert _session_key(_Request({}), plain) is None
+    assert "metadata" in _ignored(plain, _Request({}), False)[ignored.IGNORED_HEADER]
+
+
+def test_codex_request_validates_and_offers_functions() -> None:
+    cap = _fixture(f"codex-{_pinned('@openai/codex')}.json")
+    req = ResponsesRequest.model_validate(cap["body"])
+    msgs = responses_messages(req)
+    assert [m["role"] for m in msgs] == ["developer", "developer", "user", "user"]
+    offered = _offered(req)
+    names = [t.name for t in offered.specs]
+    namespace = next(t for t in cap["body"]["tools"] if t["type"] == "namespace")
+    inner = [f"{namespace['name']}{offered.separator}{t['name']}" for t in namespace["tools"]]
+    assert set(inner) <= set(names) and "exec_command" in names
+    assert not any("web_search" in n for n in names)
+    headers = _responses_ignored(req, offered)
+    assert headers[ignored.IGNORED_HEADER].split(", ") == [
+        "reasoning",
+        "include",
+        "client_metadata",
+        "tools.web_search",
+    ]
+
+
+def test_every_ignored_field_is_documented() -> None:
+    docs = (ROOT / "docs" / "agents.md").read_text()
+    for table in (ignored.MESSAGES, ignored.RESPONSES):
+        for name in table:
+            assert re.search(rf"`{re.escape(name)}`", docs), f"docs/agents.md does not explain {name}"
+
+
+def test_an_undocumented_ignored_field_is_a_bug() -> None:
+    with pytest.raises(KeyError, match="not_in_the_table"):
+        ignored.headers(ignored.MESSAGES, ["not_in_the_table"])
+
+
+# -- context_management edits ---------------------------------------------------------
+
+
+def _loop(n: int, result_chars: int = 400) -> list[Message]:
+    """An agent loop: n tool calls, each answered by a long result, then a question."""
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "Fix the bug."}]
+    for i in range(n):
+        name = "Read" if i % 2 == 0 else "Grep"
+        msgs.append(
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": f"step {i}", "signature": "s"},
+                    {"type": "tool_use", "id": f"t{i}", "name": name, "input": {"path": f"f{i}.py"}},
+                ],
+            }
+        )
+        msgs.append(
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": f"t{i}", "content": "x" * result_chars}],
+            }
+        )
+    msgs.append({"role": "user", "content": "And now?"})
+    return [Message.model_validate(m) for m in msgs]
+
+
+def _chars(text: str) -> int:
+    return len(text)
+
+
+def _results(msgs: list[Message]) -> list[str]:
+    return [b.content for m in msgs if not isinstance(m.content, str) for b in m.content if b.type == "tool_result"]
+
+
+def test_clear_tool_uses_keeps_the_last_ones_and_reports() -> None:
+    msgs = _loop(6)
+    edit = ClearToolUses.model_validate(
+        {
+            "type": "clear_tool_uses_20250919",
+            "trigger": {"type": "input_tokens", "value": 1000},
+            "keep": {"type": "tool_uses", "value": 2},
+        }
+    )
+    out = apply_edits(msgs, [edit], lambda: 2500, _chars)
+    results = _results(out.messages)
+    assert results[:4] == [PLACEHOLDER] * 4 and results[4:] == ["x" * 400] * 2
+    assert out.applied == [
+        {
+            "type": "clear_tool_uses_20250919",
+            "cleared_tool_uses": 4,
+            "cleared_input_tokens": 4 * (400 - len(PLACEHOLDER)),
+        }
+    ]
+    assert out.first_message == 2  # the first tool result
+    assert _results(msgs) == ["x" * 400] * 6  # the request's own messages are untouched
+    # The same history, sent again with one more turn, clears the same blocks: the edited prefix is stable.
+    again = apply_edits(out.messages, [edit], lambda: 2500, _chars)
+    assert again.applied == [] and _results(again.messages) == results
+
+
+def test_clear_tool_uses_below_trigger_exclusions_and_minimum() -> None:
+    msgs = _loop(6)
+    base = {"type": "clear_tool_uses_20250919", "keep": {"type": "tool_uses", "value": 1}}
+    below = ClearToolUses.model_validate({**base, "trigger": {"type": "input_tokens", "value": 5000}})
+    assert apply_edits(msgs, [below], lambda: 2500, _chars).applied == []
+    default = ClearToolUses.model_validate(base)  # 100,000 input tokens
+    assert apply_edits(msgs, [default], lambda: 2500, _chars).applied == []
+    by_uses = ClearToolUses.model_validate(
+        {**base, "trigger": {"type": "tool_uses", "value": 5}, "exclude_tools": ["Grep"]}
+    )
+    out = apply_edits(msgs, [by_uses], lambda: pytest.fail("a tool_uses trigger needs no token count"), _chars)
+    assert _results(out.messages) == [PLACEHOLDER, "x" * 400, PLACEHOLDER, "x" * 400, PLACEHOLDER, "x" * 400]
+    too_much = ClearToolUses.model_validate(
+        {**by_uses.model_dump(exclude_none=True), "clear_at_least": {"type": "input_tokens", "value": 10_000}}
+    )
+    assert apply_edits(msgs, [too_much], lambda: 0, _chars).applied == []
+
+
+def test_clear_tool_inputs_and_thinking() -> None:
+    msgs = _loop(3)
+    edit = ClearToolUses.model_validate(
+        {
+            "type": "clear_tool_uses_20250919",
+            "trigger": {"type": "tool_uses", "value": 0},
+            "keep": {"type": "tool_uses", "value": 1},
+            "clear_tool_inputs": ["Read"],
+        }
+    )
+    thinking = ClearThinking.model_validate(
+        {"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}}
+    )
+    out = apply_edits(msgs, [thinking, edit], lambda: 0, _chars)
+    uses = [b for m in out.messages if m.role == "assistant" for b in m.content if b.type == "tool_use"]
+    assert [u.input for u in uses] == [{}, {"path": "f1.py"}, {"path": "f2.py"}]  # only Read's, only old ones
+    kinds = [[b.type for b in m.content] for m in out.messages if m.role == "assistant"]
+    assert kinds == [["tool_use"], ["tool_use"], ["thinking", "tool_use"]]
+    assert out.applied[0] == {"type": "clear_thinking_20251015", "cleared_thinking_turns": 2, "cleared_input_tokens": 0}
+    keep_all = ClearThinking.model_validate({"type": "clear_thinking_20251015", "keep": "all"})
+    assert apply_edits(msgs, [keep_all], lambda: 0, _chars).applied == []
