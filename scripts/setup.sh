@@ -33,6 +33,17 @@ if [ -n "$EXTRAS" ]; then
 else
     $PIP install -q -e .
 fi
+# The agent CLIs the tests drive (Claude Code, Codex), at the versions harnesses/package-lock.json pins.
+if [[ ",$EXTRAS," == *",dev,"* ]]; then
+    if ! command -v npm >/dev/null; then
+        echo "npm is needed for the agent CLIs the tests drive (install Node.js 18 or newer)" >&2
+        exit 1
+    fi
+    if [ ! -f harnesses/node_modules/.package-lock.json ] \
+        || [ harnesses/package-lock.json -nt harnesses/node_modules/.package-lock.json ]; then
+        npm ci --prefix harnesses --no-audit --no-fund --loglevel=error
+    fi
+fi
 # Build the native engine's C++ decode loop now rather than in the first request (~30 s, once).
 if .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -c "from warmkv.backends.native.decode_ext import main; main()"
