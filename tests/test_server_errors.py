@@ -132,9 +132,9 @@ NAMED = [
     ("chunks on an exact runtime", "/v1/chat/completions", _chat(reuse_mode="chunks"), "reuse_mode"),
     ("completions: reuse_mode a number", "/v1/completions", {"model": MODEL, "prompt": "x", "reuse_mode": 1}, "reuse"),
     (
-        "responses: hosted tool",
+        "responses: custom (freeform) tool",
         "/v1/responses",
-        {"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]},
+        {"model": MODEL, "input": "x", "tools": [{"type": "custom", "name": "apply_patch"}]},
         "tools[0]",
     ),
 ]
