@@ -45,8 +45,13 @@ class FunctionCallOutputItem(_Echoed):
     output: str | list[TextPart]
 
 
+def _type_of(v: Any) -> Any:
+    """The `type` of a raw item (a dict) or of a validated one, for the discriminators below."""
+    return v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+
+
 def _item_kind(v: Any) -> str:
-    return (v.get("type") if isinstance(v, dict) else getattr(v, "type", None)) or "message"
+    return _type_of(v) or "message"
 
 
 InputItem = Annotated[
@@ -94,7 +99,7 @@ class HostedTool(BaseModel):
 
 
 def _tool_kind(v: Any) -> str:
-    kind = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    kind = _type_of(v)
     return "hosted" if kind in HOSTED_TOOLS else str(kind)
 
 
