@@ -20,8 +20,8 @@ from warmkv.server import ignored
 from warmkv.server.anthropic_routes import _ignored, _messages, _session_key, _tools
 from warmkv.server.anthropic_schemas import ClearThinking, ClearToolUses, Message, MessagesRequest
 from warmkv.server.context_edits import PLACEHOLDER, apply_edits
+from warmkv.server.responses_routes import NAMESPACE_SEP, _offered, _responses_ignored
 from warmkv.server.responses_routes import _messages as responses_messages
-from warmkv.server.responses_routes import _offered, _responses_ignored
 from warmkv.server.responses_schemas import ResponsesRequest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +88,7 @@ def test_codex_request_validates_and_offers_functions() -> None:
     offered = _offered(req)
     names = [t.name for t in offered.specs]
     namespace = next(t for t in cap["body"]["tools"] if t["type"] == "namespace")
-    inner = [f"{namespace['name']}{offered.separator}{t['name']}" for t in namespace["tools"]]
+    inner = [f"{namespace['name']}{NAMESPACE_SEP}{t['name']}" for t in namespace["tools"]]
     assert set(inner) <= set(names) and "exec_command" in names
     assert not any("web_search" in n for n in names)
     headers = _responses_ignored(req, offered)

@@ -96,12 +96,11 @@ class Offered:
     specs: tuple[ToolSpec, ...]
     namespaced: frozenset[str]  # offered names that are namespace.function
     hosted: tuple[str, ...]  # hosted tool types the request named
-    separator: str = NAMESPACE_SEP
 
     def split(self, name: str) -> tuple[str, str | None]:
         """A called name as (function, namespace): Codex routes a call by the pair."""
         if name in self.namespaced:
-            ns, fn = name.split(self.separator, 1)
+            ns, fn = name.split(NAMESPACE_SEP, 1)
             return fn, ns
         return name, None
 
