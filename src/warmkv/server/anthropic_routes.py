@@ -186,9 +186,10 @@ async def create_message(req: MessagesRequest, request: Request, st: State) -> A
     """Generate the assistant's next message; tool calls come back as tool_use blocks."""
     model = st.check_model(req.model, route="anthropic")
     key = _session_key(request, req)
+    ignored_headers = _ignored(req, request, key is not None)
     edited = await _edit(st, req)
     turn = await start_chat(st, _chat_input(req, edited, key))
-    turn.headers.update(_ignored(req, request, key is not None))
+    turn.headers.update(ignored_headers)
     if edited.applied:
         turn.headers["x-warmkv-context-edits"] = _edits_header(edited)
     managed = {"applied_edits": edited.applied} if req.context_management is not None else None

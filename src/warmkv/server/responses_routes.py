@@ -233,8 +233,9 @@ async def create_response(req: ResponsesRequest, st: State) -> Any:
         messages_param="input",
         session_key=req.prompt_cache_key,
     )
+    ignored_headers = _responses_ignored(req, offered)
     turn = await start_chat(st, inp)
-    turn.headers.update(_responses_ignored(req, offered))
+    turn.headers.update(ignored_headers)
     shape = _Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered)
     if req.stream:
         return SSEResponse(_events(turn, shape), on_close=turn.gen.stream.cancel, headers=turn.headers)
