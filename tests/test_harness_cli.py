@@ -13,8 +13,6 @@ import json
 import os
 import re
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +22,8 @@ import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
+
+from warmkv.bench.server_proc import serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = ROOT / "harnesses" / "node_modules" / ".bin"
@@ -48,42 +48,15 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """`warmkv serve` on the default model, with a context that holds Claude Code's default prompt."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     # --max-output-tokens: past its 8K training context the default model rambles until its cap,
     # and Claude Code treats a reply cut at max_tokens as an error (it retries, then gives up).
-    args = ["--port", str(port), "--num-ctx", "32768", "--n-seq-max", "4", "--backend", "native",
-            "--max-output-tokens", "512"]  # fmt: skip
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-c", "from warmkv.cli import main; main()", "serve", *args],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    base = f"http://127.0.0.1:{port}"
+    args = ["--num-ctx", "32768", "--n-seq-max", "4", "--backend", "native", "--max-output-tokens", "512"]
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"warmkv serve exited: {log.read_text()[-2000:]}")
-            try:
-                health = httpx.get(f"{base}/health", timeout=2).json()
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"warmkv serve did not start: {log.read_text()[-2000:]}")
-                time.sleep(0.3)
-        yield Server(base, health["model"], log)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        with serve(args, start_timeout_s=180, log=log) as live:
+            yield Server(live.base, live.model, log)
+    except RuntimeError as e:  # it did not start: say why
+        pytest.fail(str(e))
 
 
 def _workspace(tmp_path: Path) -> Path:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -47,19 +48,36 @@ def _free_port() -> int:
 
 @contextmanager
 def serve(
-    args: Sequence[str] = (), *, start_timeout_s: float = 120, env: Mapping[str, str] | None = None
+    args: Sequence[str] = (),
+    *,
+    start_timeout_s: float = 120,
+    env: Mapping[str, str] | None = None,
+    log: Path | None = None,
 ) -> Iterator[LiveServer]:
-    """Start `warmkv serve ARGS` on a free port (env: extra environment), wait for /health, stop it afterwards."""
+    """Start `warmkv serve ARGS` on a free port (env: extra environment), wait for /health, stop it afterwards.
+
+    log: a file for the server's output (stdout and stderr), which a long run can fill without
+    blocking; without it stderr is kept for the start-up error and stdout dropped."""
     port = _free_port()
     cmd = [sys.executable, "-c", _CLI, "serve", "--port", str(port), *args]
     full_env = {**os.environ, **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env)
+    if log is None:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env)
+    else:
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+
+    def output() -> str:
+        if log is not None:
+            return log.read_text()[-2000:]
+        return proc.stderr.read() if proc.stderr else ""
+
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"warmkv serve exited: {proc.stderr.read() if proc.stderr else ''}")
+                raise RuntimeError(f"warmkv serve exited: {output()}")
             try:
                 health = httpx.get(f"{base}/health", timeout=2).json()
                 break
