@@ -49,9 +49,8 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """`warmkv serve` on the default model, with a context that holds Claude Code's default prompt."""
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    # --max-output-tokens: past its 8K training context the default model rambles until its cap,
-    # and Claude Code treats a reply cut at max_tokens as an error (it retries, then gives up).
-    args = ["--num-ctx", "32768", "--n-seq-max", "4", "--backend", "native", "--max-output-tokens", "512"]
+    # --max-output-tokens: a reply that does not stop (below) ends after 128 tokens, not 32K.
+    args = ["--num-ctx", "32768", "--n-seq-max", "4", "--backend", "native", "--max-output-tokens", "128"]
     try:
         with serve(args, start_timeout_s=180, log=log) as live:
             yield Server(live.base, live.model, log)
@@ -61,7 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def _workspace(tmp_path: Path) -> Path:
     ws = tmp_path / "project"
-    ws.mkdir()
+    ws.mkdir(parents=True)
     (ws / "app.py").write_text(APP)
     subprocess.run(["git", "init", "-q"], cwd=ws, check=True)
     return ws
@@ -95,19 +94,22 @@ def _claude_env(home: Path, server: Server) -> dict[str, str]:
     }
 
 
-# Claude Code's own verdict on a reply cut at max_tokens (it retries, then gives up): the model
-# did not stop, which is no API error.
+# The default model does not always stop: at temperature 1 (neither harness sends one) about a
+# quarter of its replies, even to "Say hi.", run to the server's --max-output-tokens. Claude Code
+# retries such a reply, then gives its own verdict; Codex fails the turn. Neither is an API
+# error, and both are the model's, not warmkv's: the tests accept Claude Code's verdict, and run
+# Codex's conversation again from the start (its failed turn reports no usage).
 TOO_LONG = re.compile(r"Claude's response exceeded the \d+ output token maximum")
+CODEX_TOO_LONG = "Incomplete response returned, reason: max_output_tokens"
+CODEX_ATTEMPTS = 8  # at ~1 in 4 per turn, eight two-turn conversations all cut short: ~0.1%
 
 
-def _claude_turn(
-    args: list[str], ws: Path, env: dict[str, str], server: Server, timeout: int, *, may_ramble: bool = False
-) -> dict[str, Any]:
-    codes = (0, 1) if may_ramble else (0,)  # claude -p exits 1 when it reports an error
-    out = _run([str(_cli("claude")), "-p", *args, "--output-format", "json"], ws, env, server, timeout, codes)
+def _claude_turn(args: list[str], ws: Path, env: dict[str, str], server: Server, timeout: int) -> dict[str, Any]:
+    # claude -p exits 1 when it reports an error, the too-long verdict included
+    out = _run([str(_cli("claude")), "-p", *args, "--output-format", "json"], ws, env, server, timeout, (0, 1))
     result = json.loads(out.strip().splitlines()[-1])
     assert result.get("api_error_status") is None, f"an API error: {result}"
-    if not (may_ramble and TOO_LONG.search(result.get("result") or "")):
+    if not TOO_LONG.search(result.get("result") or ""):
         assert not result.get("is_error"), f"Claude Code reported an error: {result.get('result')!r}"
     return result
 
@@ -120,15 +122,14 @@ def _claude_reuse(usage: dict[str, Any]) -> float:
 
 
 def _two_claude_turns(
-    tmp_path: Path, server: Server, extra: list[str], timeout: int, env_extra: dict[str, str] | None = None
+    tmp_path: Path, server: Server, extra: list[str], timeout: int, max_output: int
 ) -> tuple[dict, dict]:
+    """Two turns; CLAUDE_CODE_MAX_OUTPUT_TOKENS keeps the retries of a reply that runs on short."""
     ws = _workspace(tmp_path)
-    env = {**_claude_env(tmp_path / "home", server), **(env_extra or {})}
+    env = {**_claude_env(tmp_path / "home", server), "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output)}
     (tmp_path / "home").mkdir()
-    ramble = env_extra is not None
-    first = _claude_turn([*extra, "--max-turns", "4", "Say hi."], ws, env, server, timeout, may_ramble=ramble)
-    again = [*extra, "--max-turns", "4", "--continue", "Say hi again."]
-    second = _claude_turn(again, ws, env, server, timeout, may_ramble=ramble)
+    first = _claude_turn([*extra, "--max-turns", "4", "Say hi."], ws, env, server, timeout)
+    second = _claude_turn([*extra, "--max-turns", "4", "--continue", "Say hi again."], ws, env, server, timeout)
     return first, second
 
 
@@ -136,9 +137,10 @@ def test_claude_code_two_turns_small_prompt(server: Server, tmp_path: Path) -> N
     """Claude Code with its own options shrinking the prompt: no tools, a short system prompt."""
     rules = " ".join(f"Rule {i}: answer in one short, friendly sentence." for i in range(60))
     extra = ["--tools", "", "--system-prompt", f"You are a friendly assistant. {rules}"]
-    first, second = _two_claude_turns(tmp_path, server, extra, timeout=600)
+    first, second = _two_claude_turns(tmp_path, server, extra, timeout=600, max_output=64)
     assert first["usage"]["output_tokens"] > 0
     reuse = _claude_reuse(second["usage"])
+    print(f"claude turn 2 usage: {second['usage']} -> reused {reuse:.1%}")  # shown with pytest -rP
     assert reuse >= MIN_REUSE, f"turn 2 reused {reuse:.1%} of its prompt: {second['usage']}"
 
 
@@ -150,11 +152,11 @@ def test_claude_code_two_turns_default_prompt(server: Server, tmp_path: Path) ->
     Past its 8K training context the default model does not stop on its own: replies end at
     CLAUDE_CODE_MAX_OUTPUT_TOKENS, which Claude Code reports as too long, not as an API error.
     """
-    env = {"CLAUDE_CODE_MAX_OUTPUT_TOKENS": "32"}
-    first, second = _two_claude_turns(tmp_path, server, ["--model", "claude-opus-4-8"], 1500, env)
+    first, second = _two_claude_turns(tmp_path, server, ["--model", "claude-opus-4-8"], 1500, max_output=32)
     total = sum(first["usage"].get(k) or 0 for k in ("input_tokens", "cache_read_input_tokens"))
     assert total > 15_000, first["usage"]
     reuse = _claude_reuse(second["usage"])
+    print(f"claude turn 2 usage: {second['usage']} -> reused {reuse:.1%}")  # shown with pytest -rP
     assert reuse >= MIN_REUSE, f"turn 2 reused {reuse:.1%} of its prompt: {second['usage']}"
 
 
@@ -171,9 +173,13 @@ def _codex_env(home: Path, server: Server) -> dict[str, str]:
     return {"PATH": os.environ["PATH"], "HOME": str(home), "CODEX_HOME": str(home)}
 
 
-def _codex_usage(out: str) -> dict[str, Any]:
+def _codex_turn(cmd: list[str], ws: Path, env: dict[str, str], server: Server) -> dict[str, Any] | None:
+    """The turn's usage (the thread's running total), or None when the model ran to the cap."""
+    out = _run(cmd, ws, env, server, 900, (0, 1))
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     failed = [e for e in events if e.get("type") in ("turn.failed", "error")]
+    if failed and all(CODEX_TOO_LONG in json.dumps(e) for e in failed):
+        return None
     assert not failed, f"Codex reported an error: {failed}"
     done = [e for e in events if e.get("type") == "turn.completed"]
     assert done, f"Codex did not complete its turn: {events[-5:]}"
@@ -182,14 +188,20 @@ def _codex_usage(out: str) -> dict[str, Any]:
 
 def test_codex_two_turns_default_prompt(server: Server, tmp_path: Path) -> None:
     """Codex as installed (its ~10K-token prompt, namespace and web_search tools), then `exec resume --last`."""
-    ws = _workspace(tmp_path)
-    env = _codex_env(tmp_path / "codex", server)
     codex = str(_cli("codex"))
     base = ["--json", "--skip-git-repo-check"]
-    u1 = _codex_usage(_run([codex, "exec", *base, "Say hi."], ws, env, server, 900))
-    u2 = _codex_usage(_run([codex, "exec", "resume", "--last", *base, "Say hi again."], ws, env, server, 900))
+    for attempt in range(CODEX_ATTEMPTS):
+        ws = _workspace(tmp_path / str(attempt))
+        env = _codex_env(tmp_path / str(attempt) / "codex", server)
+        u1 = _codex_turn([codex, "exec", *base, "Say hi."], ws, env, server)
+        u2 = u1 and _codex_turn([codex, "exec", "resume", "--last", *base, "Say hi again."], ws, env, server)
+        if u1 is not None and u2 is not None:
+            break
+    else:
+        pytest.fail(f"the model ran to the output cap in each of {CODEX_ATTEMPTS} conversations")
     # Codex's usage is the thread's running total: turn 2 is the difference.
     prompt = u2["input_tokens"] - u1["input_tokens"]
     cached = u2["cached_input_tokens"] - u1["cached_input_tokens"]
     assert prompt > 0, (u1, u2)
+    print(f"codex turn 2: {cached} of {prompt} prompt tokens cached ({cached / prompt:.1%})")  # pytest -rP
     assert cached / prompt >= MIN_REUSE, f"turn 2 reused {cached}/{prompt} of its prompt: {u1} -> {u2}"
