@@ -140,3 +140,11 @@ def test_backend_option_by_keyword_is_checked_against_the_backend() -> None:
         warmkv.Runtime.load(compute_dtype="int4")
     with pytest.raises(warmkv.InvalidConfig, match="compute_dtype must be one of"):
         warmkv.Runtime.load(backend="native", compute_dtype="int3")
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.5])
+def test_bad_max_output_tokens(value: object) -> None:
+    from warmkv.server.settings import ServerSettings
+
+    with pytest.raises(warmkv.InvalidConfig, match="max_output_tokens must be a positive integer"):
+        ServerSettings(max_output_tokens=value)  # type: ignore[arg-type]

@@ -132,6 +132,12 @@ NAMED = [
     ("chunks on an exact runtime", "/v1/chat/completions", _chat(reuse_mode="chunks"), "reuse_mode"),
     ("completions: reuse_mode a number", "/v1/completions", {"model": MODEL, "prompt": "x", "reuse_mode": 1}, "reuse"),
     (
+        "responses: an include that would change the output",
+        "/v1/responses",
+        {"model": MODEL, "input": "x", "include": ["message.output_text.logprobs"]},
+        "include",
+    ),
+    (
         "responses: custom (freeform) tool",
         "/v1/responses",
         {"model": MODEL, "input": "x", "tools": [{"type": "custom", "name": "apply_patch"}]},
@@ -211,3 +217,56 @@ def test_busy_pool_is_429_with_retry_after() -> None:
     r = e.value.response("/v1/chat/completions")
     assert r.status_code == 429 and r.headers["retry-after"] and e.value.code == "queue_timeout"
     assert pool.waiting == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "over", "where"),
+    [
+        (
+            "unknown context edit",
+            {"context_management": {"edits": [{"type": "compact_20260112"}]}},
+            "context_management",
+        ),
+        (
+            "thinking turns kept below one",
+            {
+                "context_management": {
+                    "edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 0}}]
+                }
+            },
+            "context_management",
+        ),
+        (
+            "tool_use in a system message",
+            {
+                "messages": [
+                    *MSGS,
+                    {"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                ]
+            },
+            "messages[1].content[0]",
+        ),
+        (
+            "thinking in a user message",
+            {"messages": [{"role": "user", "content": [{"type": "thinking", "thinking": "x"}]}]},
+            "messages[0].content[0]",
+        ),
+    ],
+)
+def test_messages_harness_fields_are_checked(http: httpx.Client, name: str, over: dict, where: str) -> None:
+    """Claude Code's fields are validated like the rest: a bad value is a 400 naming where, then the
+    server serves the next request as before."""
+    r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": MSGS, **over})
+    assert r.status_code == 400, r.text
+    assert where in r.json()["error"]["message"], r.text
+    assert http.post("/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": MSGS}).status_code == 200
+
+
+def test_messages_max_tokens_past_the_context_is_cut_to_it(http: httpx.Client) -> None:
+    """Anthropic's max_tokens is mandatory and harnesses send their hosted model's maximum: it ends
+    at the context's end, and the header says so (the OpenAI routes answer the same ask with a 400)."""
+    body = {"model": MODEL, "max_tokens": 64000, "messages": MSGS, "temperature": 0}
+    r = http.post("/v1/messages", json=body)
+    assert r.status_code == 200, r.text
+    room = 512 - (r.json()["usage"]["input_tokens"] + r.json()["usage"]["cache_read_input_tokens"])
+    assert r.headers["x-warmkv-max-tokens"] == f"{room} (asked 64000)"
