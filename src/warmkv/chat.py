@@ -1,9 +1,17 @@
-"""Chat templates: the model's own Jinja template, rendered as HF renders it."""
+"""Chat templates: the model's own Jinja template, rendered as HF renders it.
+
+Which template a runtime uses (resolve_template): the one the user gives
+(RuntimeConfig.chat_template, `--chat-template-file`), else the model's own, else its
+family's known format when the file carries none (Gemma's GGUFs often do not), else
+ChatML when the vocabulary has ChatML's control tokens; otherwise chat is refused with
+an error that says how to give one.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -16,7 +24,25 @@ CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content']"
     " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# Gemma's turn format (gemma, gemma2, gemma3): `model` is the assistant's role, a system
+# message is folded into the first user turn, and the roles must alternate.
+GEMMA = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] in ('system', 'developer') %}"
+    "{% set first_prefix = messages[0]['content'] + '\\n\\n' %}{% set turns = messages[1:] %}"
+    "{% else %}{% set first_prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% for message in turns %}"
+    "{% if (message['role'] == 'assistant') == (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Gemma needs the roles to alternate user/assistant/user/...') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\\n' }}"
+    "{{ (first_prefix if loop.first else '') + message['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+FAMILY_TEMPLATES = {"gemma": GEMMA, "gemma2": GEMMA, "gemma3": GEMMA}
 ROLES = ("system", "user", "assistant", "tool", "developer")
+# Names the template's own variables; a request's chat_template_kwargs may not set them.
+RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 def _raise(message: str) -> None:
@@ -80,10 +106,14 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        """template_kwargs: extra variables for the template (enable_thinking...), as transformers passes them."""
         msgs = normalize_messages(messages)
+        extra = check_template_kwargs(template_kwargs)
         try:
             text = self._template.render(
+                **extra,
                 messages=msgs,
                 add_generation_prompt=add_generation_prompt,
                 tools=list(tools) if tools else None,
@@ -98,12 +128,62 @@ class ChatTemplate:
         return text
 
 
-def resolve_template(prompt_format: str, model_template: str | None) -> str | None:
-    """Template source for a prompt_format: auto (model's, else ChatML), chatml, or raw (none)."""
-    if prompt_format == "auto":
-        return model_template or CHATML
-    if prompt_format == "chatml":
-        return CHATML
+def check_template_kwargs(kwargs: Mapping[str, Any] | None, param: str = "chat_template_kwargs") -> dict[str, Any]:
+    """Extra template variables: a JSON object whose keys are not the template's own variables."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise InvalidInput(f"{param} must be an object, got {type(kwargs).__name__}", param=param)
+    clash = sorted(RESERVED_KWARGS & set(kwargs))
+    if clash:
+        raise InvalidInput(f"{param} may not set {', '.join(clash)}: warmkv passes them itself", param=param)
+    try:
+        json.dumps(kwargs)
+    except (TypeError, ValueError) as e:
+        raise InvalidInput(f"{param} must hold JSON values only: {e}", param=param) from None
+    return dict(kwargs)
+
+
+@dataclass(frozen=True)
+class TemplateChoice:
+    """The template a runtime renders chat with, and where it came from (for `warmkv info`)."""
+
+    source: str | None  # None: no chat (raw prompts only)
+    origin: str  # given, model, family:<arch>, chatml, raw, or none
+    why_none: str = ""  # when source is None: what chat answers
+
+
+def resolve_template(
+    prompt_format: str,
+    *,
+    given: str | None = None,
+    model_template: str | None = None,
+    architecture: str = "",
+    has_chatml: bool = True,
+) -> TemplateChoice:
+    """The template for a prompt_format: auto (given, model's, family's, ChatML), chatml, or raw (none).
+
+    has_chatml: the vocabulary has <|im_start|> and <|im_end|> as tokens; ChatML is never used
+    for a model that would read its markers as plain text.
+    """
+    no_chatml = (
+        f"this {architecture or 'model'}'s vocabulary has no ChatML tokens (<|im_start|>, <|im_end|>) and the "
+        "model file carries no chat template; give one with --chat-template-file PATH (RuntimeConfig.chat_template)"
+    )
     if prompt_format == "raw":
-        return None
-    raise InvalidInput(f"unknown prompt_format {prompt_format!r}; use auto, chatml or raw")
+        return TemplateChoice(None, "raw", "prompt_format='raw' has no chat template")
+    if prompt_format == "chatml":
+        if not has_chatml:
+            raise InvalidInput(f"prompt_format='chatml': {no_chatml}")
+        return TemplateChoice(CHATML, "chatml")
+    if prompt_format != "auto":
+        raise InvalidInput(f"unknown prompt_format {prompt_format!r}; use auto, chatml or raw")
+    if given:
+        return TemplateChoice(given, "given")
+    if model_template:
+        return TemplateChoice(model_template, "model")
+    if architecture in FAMILY_TEMPLATES:
+        return TemplateChoice(FAMILY_TEMPLATES[architecture], f"family:{architecture}")
+    if has_chatml:
+        return TemplateChoice(CHATML, "chatml")
+    return TemplateChoice(None, "none", no_chatml)

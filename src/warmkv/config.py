@@ -6,8 +6,12 @@ sees the config; nothing mutates a config after construction.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+from typing import Any
 
 from .constraint import Constraint
 from .errors import InvalidConfig
@@ -73,6 +77,10 @@ class RuntimeConfig:
     n_seq_max: int = 4
     prompt_format: str = "auto"
     disable_bos: bool = False
+    # The chat template's source (None: the model's own, else its family's, else ChatML), and extra
+    # variables every render gets (enable_thinking...); requests may add their own.
+    chat_template: str | None = field(default=None, repr=False)
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     # Warm tiers (no effect on numerics, so not in the manifest).
     prefix_cache_mb: int = 1024
     kv_store_dir: str | None = None
@@ -104,6 +112,15 @@ class RuntimeConfig:
             )
         _int("n_seq_max", self.n_seq_max, minimum=1, maximum=256)
         _choice("prompt_format", self.prompt_format, PROMPT_FORMATS)
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
+            raise InvalidConfig("chat_template must be a non-empty template string")
+        if not isinstance(self.chat_template_kwargs, Mapping):
+            raise InvalidConfig(f"chat_template_kwargs must be a mapping, got {self.chat_template_kwargs!r}")
+        try:
+            json.dumps(dict(self.chat_template_kwargs))
+        except (TypeError, ValueError) as e:
+            raise InvalidConfig(f"chat_template_kwargs must hold JSON values only: {e}") from None
+        object.__setattr__(self, "chat_template_kwargs", MappingProxyType(dict(self.chat_template_kwargs)))
         _int("prefix_cache_mb", self.prefix_cache_mb, minimum=0)
         _int("kv_store_mb", self.kv_store_mb, minimum=0)
         _int("cache_block_tokens", self.cache_block_tokens, minimum=1, maximum=65536)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from .backends import Backend, BackendOptions, KVMemory, ModelInfo, ModelState, load_backend, make_options, options_type
-from .chat import ChatTemplate, resolve_template
+from .chat import ChatTemplate, TemplateChoice, check_template_kwargs, resolve_template
 from .config import REUSE_MODES, DecodeConfig, ResolvedConfig, RuntimeConfig
 from .constraint import Constraint, Guide, build_tokenizer
 from .embeddings import EmbedInput, l2_normalize, split_inputs
@@ -69,6 +69,15 @@ class Completion:
     total_s: float
 
 
+def _has_chatml(backend: Backend) -> bool:
+    """Whether ChatML's markers are control tokens of this vocabulary (else they would read as text)."""
+    for marker in ("<|im_start|>", "<|im_end|>"):
+        ids = backend.tokenize(marker, add_bos=False, parse_special=True)
+        if len(ids) != 1 or backend.token_bytes(ids[0]):
+            return False
+    return True
+
+
 class Runtime:
     """One loaded model. Use :meth:`load`; close it (or use `with`) when done."""
 
@@ -91,11 +100,22 @@ class Runtime:
         # The plain tokenizations of recent prompts: an agent resends the same prefix text every turn.
         self._recent_prompts: OrderedDict[tuple[str, bool, bool], tuple[int, ...]] = OrderedDict()
         self._helper_lock = threading.Lock()
-        template = resolve_template(self.config.prompt_format, backend.info.chat_template)
+        c = self.config
+        try:
+            self.template_choice: TemplateChoice = resolve_template(
+                c.prompt_format,
+                given=c.chat_template,
+                model_template=backend.info.chat_template,
+                architecture=backend.info.architecture,
+                has_chatml=_has_chatml(backend),
+            )
+        except InvalidInput as e:
+            backend.close()
+            raise InvalidConfig(str(e)) from None
+        template = self.template_choice.source
         self._template_source = template
         self._template: ChatTemplate | None = None
         self.default_add_bos = backend.info.add_bos and not self.config.disable_bos
-        c = self.config
         # Warm tiers need a backend that can keep, export and import a sequence's KV.
         self.tiers = (
             KVTiers(
@@ -343,7 +363,7 @@ class Runtime:
 
     def chat_template(self) -> ChatTemplate:
         if self._template_source is None:
-            raise Unsupported("chat", "prompt_format='raw' has no chat template")
+            raise Unsupported("chat", self.template_choice.why_none)
         if self._template is None:
             bos, eos = self.info.bos_token_id, self.info.eos_token_id
             self._template = ChatTemplate(
@@ -354,8 +374,25 @@ class Runtime:
             )
         return self._template
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> str:
-        return self.chat_template().render(messages, **kwargs)
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The prompt for a conversation. template_kwargs add to RuntimeConfig.chat_template_kwargs."""
+        return self.chat_template().render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=self.template_kwargs(template_kwargs),
+        )
+
+    def template_kwargs(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The variables a render passes the template: the config's, then a request's own."""
+        return {**self.config.chat_template_kwargs, **check_template_kwargs(extra)}
 
     def complete(
         self, prompt: str | bytes, config: DecodeConfig | None = None, *, stream: bool = False, **decode: Any

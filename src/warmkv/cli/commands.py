@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from .. import Constraint, DecodeConfig, InvalidInput, WarmkvError, available_backends, registered_backends
+from .. import Constraint, DecodeConfig, InvalidInput, Runtime, WarmkvError, available_backends, registered_backends
 from .options import RuntimeOptions, console, err, fail, runtime_options
 
 
@@ -64,7 +64,7 @@ def info(opts: RuntimeOptions) -> None:
             ("vocabulary", i.n_vocab),
             ("training context", i.n_ctx_train),
             ("add BOS", i.add_bos),
-            ("chat template", "yes" if i.chat_template else "no"),
+            ("chat template", _template(rt)),
             ("file sha256", i.file_digest),
             ("manifest", rt.manifest().digest),
             ("state", rt.state.value),
@@ -80,6 +80,22 @@ def info(opts: RuntimeOptions) -> None:
         console.print(b)
         console.print(f"config: {rt.config}")
         console.print(f"KV memory: {rt.kv_memory().describe()}", soft_wrap=True)
+
+
+def _template(rt: Runtime) -> str:
+    """Which chat template renders chat, where it came from, and whether it thinks."""
+    choice = rt.template_choice
+    where = {
+        "given": "given (--chat-template-file)",
+        "model": "the model's own",
+        "chatml": "ChatML (the model file has none)",
+        "raw": "none (prompt_format raw)",
+    }.get(choice.origin, choice.origin)
+    if choice.origin.startswith("family:"):
+        where = f"its family's ({choice.origin[7:]}; the model file has none)"
+    if choice.source is None:
+        return f"{where}: {choice.why_none}" if choice.why_none and choice.origin == "none" else where
+    return where
 
 
 @runtime_options()

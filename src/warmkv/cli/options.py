@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -21,6 +23,7 @@ from rich.console import Console
 
 from ..backends import BackendOptions, make_options
 from ..config import RuntimeConfig
+from ..errors import InvalidConfig
 from ..runtime import Runtime
 
 # Piped into a file or a CI log, rich would lay tables out at 80 columns and cut the benches'
@@ -74,6 +77,20 @@ SPECS = (
     ),
     Spec("chunk_min_tokens", ("--chunk-min-tokens",), int, "chunks mode: shortest moved run (>= 16)", "runtime"),
     Spec("chunk_recompute", ("--chunk-recompute",), int, "chunks mode: tokens recomputed per moved run", "runtime"),
+    Spec(
+        "chat_template_file",
+        ("--chat-template-file",),
+        str,
+        "a Jinja chat template to use instead of the model's (default: the model's, else its family's)",
+        "runtime",
+    ),
+    Spec(
+        "chat_template_kwargs",
+        ("--chat-template-kwargs",),
+        str,
+        "JSON object of template variables for every request, e.g. '{\"enable_thinking\": false}'",
+        "runtime",
+    ),
     Spec("prefix_cache_mb", ("--prefix-cache-mb",), int, "shared prefix cache in RAM, MiB (0: off)", "runtime"),
     Spec("kv_store_dir", ("--kv-store-dir",), str, "persistent KV store directory (default: user cache)", "runtime"),
     Spec("kv_store_mb", ("--kv-store-mb",), int, "persistent KV store cap, MiB (0: off)", "runtime"),
@@ -117,7 +134,20 @@ class RuntimeOptions:
         return cls(values.get("model"), values.get("backend") or "llamacpp", runtime, backend)
 
     def config(self, **overrides: Any) -> RuntimeConfig:
-        return RuntimeConfig.from_kwargs(**{**self.runtime, **overrides})
+        values = {**self.runtime, **overrides}
+        path = values.pop("chat_template_file", None)
+        if path is not None:
+            try:
+                values["chat_template"] = Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise InvalidConfig(f"--chat-template-file {path}: {e}") from None
+        kwargs = values.get("chat_template_kwargs")
+        if isinstance(kwargs, str):
+            try:
+                values["chat_template_kwargs"] = json.loads(kwargs)
+            except ValueError as e:
+                raise InvalidConfig(f"--chat-template-kwargs is not JSON: {e}") from None
+        return RuntimeConfig.from_kwargs(**values)
 
     def backend_options(self) -> BackendOptions:
         return make_options(self.backend, **self.backend_given)
