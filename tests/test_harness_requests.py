@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,11 +21,15 @@ from warmkv.server import ignored
 from warmkv.server.anthropic_routes import _ignored, _messages, _session_key, _tools
 from warmkv.server.anthropic_schemas import ClearThinking, ClearToolUses, Message, MessagesRequest
 from warmkv.server.context_edits import PLACEHOLDER, apply_edits
+from warmkv.server.reasoning_store import ReasoningStore
 from warmkv.server.responses_routes import NAMESPACE_SEP, _offered, _responses_ignored
 from warmkv.server.responses_routes import _messages as responses_messages
 from warmkv.server.responses_schemas import ResponsesRequest
 
 ROOT = Path(__file__).resolve().parent.parent
+# What _ignored reads of the server: whether the model's template thinks, and its signed reasoning.
+NOT_THINKING = SimpleNamespace(thinks=False, reasoning=ReasoningStore())
+THINKING = SimpleNamespace(thinks=True, reasoning=ReasoningStore())
 FIXTURES = Path(__file__).parent / "fixtures" / "harnesses"
 
 
@@ -64,8 +69,11 @@ def test_claude_code_request_validates_and_renders() -> None:
     request = _Request(cap["headers"])
     key = _session_key(request, req)
     assert key == cap["headers"]["x-claude-code-session-id"]
-    headers = _ignored(req, request, key is not None)
+    headers = _ignored(NOT_THINKING, req, request, key is not None)
     assert headers[ignored.IGNORED_HEADER] == "thinking, output_config.effort, cache_control"
+    # With a reasoning template, thinking is honored (Claude Code's is adaptive: on).
+    thinking = _ignored(THINKING, req, request, key is not None)[ignored.IGNORED_HEADER]
+    assert thinking == "output_config.effort, cache_control"
     betas = headers[ignored.BETAS_HEADER].split(", ")
     assert "claude-code-20250219" in betas and "context-management-2025-06-27" not in betas
     assert "mid-conversation-system-2026-04-07" not in betas
@@ -77,7 +85,7 @@ def test_claude_code_session_id_from_metadata() -> None:
     assert _session_key(_Request({}), req) == json.loads(body["metadata"]["user_id"])["session_id"]
     plain = MessagesRequest.model_validate({**body, "metadata": {"user_id": "not json"}})
     assert _session_key(_Request({}), plain) is None
-    assert "metadata" in _ignored(plain, _Request({}), False)[ignored.IGNORED_HEADER]
+    assert "metadata" in _ignored(NOT_THINKING, plain, _Request({}), False)[ignored.IGNORED_HEADER]
 
 
 def test_codex_request_validates_and_offers_functions() -> None:
@@ -91,7 +99,9 @@ def test_codex_request_validates_and_offers_functions() -> None:
     inner = [f"{namespace['name']}{NAMESPACE_SEP}{t['name']}" for t in namespace["tools"]]
     assert set(inner) <= set(names) and "exec_command" in names
     assert not any("web_search" in n for n in names)
-    headers = _responses_ignored(req, offered)
+    thinking = _responses_ignored(req, offered, True)[ignored.IGNORED_HEADER].split(", ")
+    assert "reasoning" not in thinking and "include" not in thinking
+    headers = _responses_ignored(req, offered, False)
     assert headers[ignored.IGNORED_HEADER].split(", ") == [
         "reasoning",
         "include",

@@ -119,7 +119,7 @@ NAMED = [
     (
         "responses: unknown item",
         "/v1/responses",
-        {"model": MODEL, "input": [{"type": "reasoning", "summary": []}]},
+        {"model": MODEL, "input": [{"type": "item_reference", "id": "msg_1"}]},
         "input[0]",
     ),
     (

@@ -78,6 +78,15 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
+def _fold_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    reasoning = message.get("reasoning_content")
+    if message.get("role") != "assistant" or not isinstance(reasoning, str) or not reasoning:
+        return message
+    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    out["content"] = f"<think>\n{reasoning}\n</think>\n\n{message.get('content') or ''}"
+    return out
+
+
 class ChatTemplate:
     """A compiled chat template plus the special tokens it may reference."""
 
@@ -96,6 +105,9 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise Unsupported("chat template", f"the model's template does not compile: {e}") from e
         self.source = source
+        # A template that does not read reasoning_content gets an assistant turn's reasoning
+        # inside its content, as the model wrote it; otherwise it would vanish from the prompt.
+        self.reads_reasoning = "reasoning_content" in source
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.adds_bos = adds_bos
@@ -110,6 +122,8 @@ class ChatTemplate:
     ) -> str:
         """template_kwargs: extra variables for the template (enable_thinking...), as transformers passes them."""
         msgs = normalize_messages(messages)
+        if not self.reads_reasoning:
+            msgs = [_fold_reasoning(m) for m in msgs]
         extra = check_template_kwargs(template_kwargs)
         try:
             text = self._template.render(

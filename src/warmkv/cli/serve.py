@@ -58,6 +58,13 @@ def serve(
         int | None,
         typer.Option("--max-output-tokens", min=1, help="cap every request's output tokens (x-warmkv-max-tokens)"),
     ] = None,
+    reasoning_format: Annotated[
+        str,
+        typer.Option(
+            "--reasoning-format",
+            help="think blocks: auto (parsed into reasoning when the template thinks), deepseek (always), none",
+        ),
+    ] = "auto",
     *,
     opts: RuntimeOptions,
 ) -> None:
@@ -82,6 +89,7 @@ def serve(
             keep_volatile=keep_volatile,
             log_misses=log_misses,
             max_output_tokens=max_output_tokens,
+            reasoning_format=reasoning_format,
         )
         rt = opts.load()
         app_ = create_app(rt, settings)

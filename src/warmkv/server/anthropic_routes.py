@@ -26,10 +26,11 @@ from ..tools.spec import check_unique, choice_for
 from ..types import Usage
 from . import ignored
 from .anthropic_schemas import CountTokensRequest, Message, MessagesRequest
-from .chat_turn import ChatInput, ChatTurn, TurnEnd, prompt_of, render_prompt, start_chat
+from .chat_turn import ChatInput, ChatTurn, ReasoningDelta, TurnEnd, prompt_of, render_prompt, start_chat
 from .context_edits import Edited, apply_edits
 from .errors import from_warmkv
 from .message_log import Fingerprint, cache_miss_reason
+from .reasoning_store import ReasoningStore
 from .sampling import sampling_fields, usage_body
 from .state import ServerState, State
 from .streams import SSEResponse
@@ -51,9 +52,13 @@ def _text(content: Any) -> str:
     return "\n".join(b.text for b in content)
 
 
-def _messages(req: Any, messages: list[Message] | None = None) -> list[dict[str, Any]]:
+def _messages(
+    req: Any, messages: list[Message] | None = None, store: ReasoningStore | None = None
+) -> list[dict[str, Any]]:
     """The request (or its edited `messages`) as OpenAI-shaped chat messages; a tool_result must
-    answer an earlier tool_use. Thinking blocks are not rendered: the model has no reasoning mode."""
+    answer an earlier tool_use. With a store (the template thinks), thinking blocks become the
+    turn's reasoning: their text, or the text this server signed (a redacted block, or a thinking
+    block sent back empty); without one they are not rendered."""
     out: list[dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system)})
@@ -63,6 +68,7 @@ def _messages(req: Any, messages: list[Message] | None = None) -> list[dict[str,
             out.append({"role": m.role, "content": m.content})
             continue
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for j, b in enumerate(m.content):
             where = f"messages[{i}].content[{j}]"
@@ -73,6 +79,10 @@ def _messages(req: Any, messages: list[Message] | None = None) -> list[dict[str,
             elif b.type in ("thinking", "redacted_thinking"):
                 if m.role != "assistant":
                     raise InvalidInput(f"{where}: {b.type} blocks belong to assistant messages", param=f"{where}.type")
+                if store is not None:
+                    thought = b.thinking or store.text(b.signature) if b.type == "thinking" else store.text(b.data)
+                    if thought:
+                        thoughts.append(thought)
             elif b.type == "tool_use":
                 if m.role != "assistant":
                     raise InvalidInput(f"{where}: tool_use blocks belong to assistant messages", param=f"{where}.type")
@@ -89,6 +99,8 @@ def _messages(req: Any, messages: list[Message] | None = None) -> list[dict[str,
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
         if m.role == "assistant":
             turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+            if thoughts:
+                turn["reasoning_content"] = "\n\n".join(thoughts)
             out.append({**turn, "tool_calls": calls} if calls else turn)
         elif texts:
             out.append({"role": m.role, "content": "\n".join(texts)})
@@ -133,16 +145,23 @@ def _session_key(request: Request, req: MessagesRequest) -> str | None:
     return sid if isinstance(sid, str) and sid else None
 
 
-def _ignored(req: MessagesRequest, request: Request, keyed: bool) -> dict[str, str]:
-    """x-warmkv-ignored / x-warmkv-ignored-betas for what this request set without effect."""
+def _ignored(st: ServerState, req: MessagesRequest, request: Request, keyed: bool) -> dict[str, str]:
+    """x-warmkv-ignored / x-warmkv-ignored-betas for what this request set without effect.
+
+    st: the server, read for whether its template thinks and for the reasoning it signed."""
     names = []
-    if req.thinking is not None and req.thinking.type != "disabled":
+    thinking = req.thinking
+    if thinking is not None and not st.thinks and thinking.type != "disabled":
         names.append("thinking")
+    if thinking is not None and st.thinks and thinking.budget_tokens is not None:
+        names.append("thinking.budget_tokens")
     if req.output_config is not None and req.output_config.effort is not None:
         names.append("output_config.effort")
     blocks = [b for m in req.messages if not isinstance(m.content, str) for b in m.content]
-    if any(b.type in ("thinking", "redacted_thinking") for b in blocks):
+    if not st.thinks and any(b.type in ("thinking", "redacted_thinking") for b in blocks):
         names.append("thinking_blocks")
+    if st.thinks and any(b.type == "redacted_thinking" and st.reasoning.text(b.data) is None for b in blocks):
+        names.append("redacted_thinking")
     system = req.system if isinstance(req.system, list) else []
     marked = [*blocks, *system, *(req.tools or []), req]
     if any(getattr(b, "cache_control", None) is not None for b in marked):
@@ -161,7 +180,8 @@ async def _edit(st: ServerState, req: MessagesRequest) -> Edited:
 
     def prompt_tokens() -> int:
         tools, choice, parallel = _tools(req)
-        return len(rt.tokenize(render_prompt(st, ChatInput(_messages(req), tools, choice, parallel))))
+        inp = ChatInput(_messages(req, store=_store(st)), tools, choice, parallel, template_kwargs=_thinking(req))
+        return len(rt.tokenize(render_prompt(st, inp)))
 
     def count(text: str) -> int:
         return len(rt.tokenize(text, add_bos=False)) if text else 0
@@ -170,14 +190,25 @@ async def _edit(st: ServerState, req: MessagesRequest) -> Edited:
     return await run_in_threadpool(apply_edits, req.messages, edits, prompt_tokens, count)
 
 
-def _chat_input(req: MessagesRequest, edited: Edited, key: str | None) -> ChatInput:
+def _store(st: ServerState) -> ReasoningStore | None:
+    """Where thinking blocks sent back are read from; None when the template does not think."""
+    return st.reasoning if st.thinks else None
+
+
+def _thinking(req: Any) -> dict[str, Any] | None:
+    """`thinking` as the template variable reasoning templates read: enabled/adaptive or disabled."""
+    thinking = getattr(req, "thinking", None)
+    return None if thinking is None else {"enable_thinking": thinking.type != "disabled"}
+
+
+def _chat_input(st: ServerState, req: MessagesRequest, edited: Edited, key: str | None) -> ChatInput:
     tools, choice, parallel = _tools(req)
     fmt = req.output_config.format if req.output_config is not None else None
     constraint = Constraint.json_schema(fmt.schema_) if fmt is not None else None
     sampling = {**sampling_fields(req, stop="stop_sequences", defaults={"top_p": 1.0}), "constraint": constraint}
     return ChatInput(
-        _messages(req, edited.messages), tools, choice, parallel, req.max_tokens, sampling,
-        new_call_id=_toolu, session_key=key, clamp_max_tokens=True,
+        _messages(req, edited.messages, _store(st)), tools, choice, parallel, req.max_tokens, sampling,
+        new_call_id=_toolu, session_key=key, clamp_max_tokens=True, template_kwargs=_thinking(req),
     )  # fmt: skip
 
 
@@ -186,9 +217,9 @@ async def create_message(req: MessagesRequest, request: Request, st: State) -> A
     """Generate the assistant's next message; tool calls come back as tool_use blocks."""
     model = st.check_model(req.model, route="anthropic")
     key = _session_key(request, req)
-    ignored_headers = _ignored(req, request, key is not None)
+    ignored_headers = _ignored(st, req, request, key is not None)
     edited = await _edit(st, req)
-    turn = await start_chat(st, _chat_input(req, edited, key))
+    turn = await start_chat(st, _chat_input(st, req, edited, key))
     turn.headers.update(ignored_headers)
     if edited.applied:
         turn.headers["x-warmkv-context-edits"] = _edits_header(edited)
@@ -196,12 +227,14 @@ async def create_message(req: MessagesRequest, request: Request, st: State) -> A
     mid = "msg_" + secrets.token_hex(12)
     diagnostics = _diagnose(st, req, mid, turn)
     if req.stream:
-        events = _events(turn, mid, model, diagnostics, managed)
+        events = _events(st, turn, mid, model, diagnostics, managed)
         return SSEResponse(events, on_close=turn.gen.stream.cancel, headers=turn.headers)
     end, _ = await turn.collect()
     content: list[dict[str, Any]] = []
+    if end.reasoning:
+        content.append({"type": "thinking", "thinking": end.reasoning, "signature": st.reasoning.sign(end.reasoning)})
     text = end.content.strip() if end.calls else end.content
-    if text or not end.calls:
+    if text or not (end.calls or end.reasoning):
         content.append({"type": "text", "text": text})
     for call_id, name, arguments in end.calls:
         content.append({"type": "tool_use", "id": call_id, "name": name, "input": json.loads(arguments or "{}")})
@@ -247,7 +280,12 @@ def _diagnose(st: ServerState, req: MessagesRequest, mid: str, turn: ChatTurn) -
 
 
 async def _events(
-    turn: ChatTurn, mid: str, model: str, diagnostics: dict[str, Any] | None, managed: dict[str, Any] | None
+    st: ServerState,
+    turn: ChatTurn,
+    mid: str,
+    model: str,
+    diagnostics: dict[str, Any] | None,
+    managed: dict[str, Any] | None,
 ) -> AsyncIterator[bytes]:
     """message_start, content blocks (start, deltas, stop), message_delta, message_stop; ping after the start."""
     start_usage = usage_body(Usage(turn.gen.prompt_tokens, 0, turn.gen.cached_tokens), "messages")
@@ -259,16 +297,32 @@ async def _events(
     index = -1
     open_kind: str | None = None
 
+    thought: list[str] = []
+
     def close() -> list[bytes]:
         nonlocal open_kind
         if open_kind is None:
             return []
+        out = []
+        if open_kind == "thinking":  # the signature covers the whole block, so it comes last
+            signature = {"type": "signature_delta", "signature": st.reasoning.sign("".join(thought))}
+            out.append(_event("content_block_delta", {"index": index, "delta": signature}))
         open_kind = None
-        return [_event("content_block_stop", {"index": index})]
+        return [*out, _event("content_block_stop", {"index": index})]
 
     async for step in turn.steps():
         for e in step.events:
-            if isinstance(e, TextDelta):
+            if isinstance(e, ReasoningDelta):
+                if open_kind != "thinking":
+                    for b in close():
+                        yield b
+                    index, open_kind = index + 1, "thinking"
+                    block = {"type": "thinking", "thinking": "", "signature": ""}
+                    yield _event("content_block_start", {"index": index, "content_block": block})
+                thought.append(e.text)
+                delta = {"type": "thinking_delta", "thinking": e.text}
+                yield _event("content_block_delta", {"index": index, "delta": delta})
+            elif isinstance(e, TextDelta):
                 if open_kind != "text":
                     for b in close():
                         yield b
@@ -307,7 +361,8 @@ async def count_tokens(req: CountTokensRequest, st: State) -> dict[str, int]:
     """The prompt tokens the request would evaluate (the chat template, tools and all)."""
     st.check_model(req.model, route="anthropic")
     tools, choice, parallel = _tools(req)
-    inp = ChatInput(_messages(req, (await _edit(st, req)).messages), tools, choice, parallel)
+    messages = _messages(req, (await _edit(st, req)).messages, _store(st))
+    inp = ChatInput(messages, tools, choice, parallel, template_kwargs=_thinking(req))
     prompt = await prompt_of(st, inp)
     tokens = await run_in_threadpool(st.runtime.tokenize, prompt)
     return {"input_tokens": len(tokens)}

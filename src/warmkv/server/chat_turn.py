@@ -9,6 +9,7 @@ request that sends it back reuses the KV the model computed for it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -18,6 +19,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import InvalidInput, WarmkvError
+from ..reasoning import ReasoningSplitter, parses, starts_inside
 from ..tools import (
     Call,
     Event,
@@ -31,6 +33,7 @@ from ..tools import (
     new_call_id,
     tool_grammar,
 )
+from ..tools.grammar import with_thinking
 from ..types import StreamChunk, TokenLogprob, Usage
 from .collect import collect
 from .errors import ApiError
@@ -56,6 +59,14 @@ class ChatInput:
     messages_param: str = "messages"
     session_key: str | None = None  # the conversation's id, if the client names it: picks the pooled session
     clamp_max_tokens: bool = False  # max_tokens past the context's end ends there (Anthropic's is mandatory)
+    template_kwargs: Mapping[str, Any] | None = None  # the request's chat_template_kwargs (enable_thinking...)
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    """A piece of the reply's reasoning (its think block), parsed out of the text."""
+
+    text: str
 
 
 @dataclass(frozen=True)
@@ -69,13 +80,15 @@ class TurnEnd:
     error: WarmkvError | None = None
     tool_error: str | None = None  # a call cut off by the token budget
     stop_sequence: str | None = None  # the stop string that ended the reply, if one did
+    reasoning: str = ""  # the reply's think block, without its tags
+    reasoning_tokens: int = 0  # generated tokens spent inside it
 
 
 @dataclass(frozen=True)
 class TurnStep:
     """What one decode chunk became: parsed events, the chunk itself, and the end when it is the last."""
 
-    events: list[Event]
+    events: list[Event | ReasoningDelta]
     chunk: StreamChunk
     end: TurnEnd | None = None
 
@@ -87,7 +100,9 @@ class ChatTurn:
     parser: ToolCallParser | None
     st: ServerState
     headers: dict[str, str]  # how the prompt was made and reused (tool format, normalization, x-warmkv-*)
-    _text: list[str] = field(default_factory=list)
+    splitter: ReasoningSplitter | None = None  # parses the think block out, when the template thinks
+    _text: list[str] = field(default_factory=list)  # the reply's content (the think block left out)
+    _reasoning_tokens: int = 0
 
     async def steps(self) -> AsyncIterator[TurnStep]:
         """The turn's steps, one per decode chunk; the last carries the end."""
@@ -99,7 +114,7 @@ class ChatTurn:
                     self.st.metrics.ttft.observe(time.perf_counter() - self.gen.t0)
                     first = False
                 generated += chunk.token_ids
-                events = self._parse(chunk.text)
+                events = self._parse(chunk.text, len(chunk.token_ids))
                 if not chunk.done:
                     yield TurnStep(events, chunk)
                     continue
@@ -128,14 +143,31 @@ class ChatTurn:
             raise ApiError(500, "the final chunk came without the turn's end", code="internal_error")
         return end, got.logprobs
 
-    def _parse(self, text: str) -> list[Event]:
+    def _parse(self, text: str, n_tokens: int = 0) -> list[Event | ReasoningDelta]:
+        out: list[Event | ReasoningDelta] = []
+        if self.splitter is not None:
+            if self.splitter.in_reasoning:
+                self._reasoning_tokens += n_tokens
+            piece = self.splitter.feed(text)
+            if piece.reasoning:
+                out.append(ReasoningDelta(piece.reasoning))
+            text = piece.content
+        return out + self._content(text)
+
+    def _content(self, text: str) -> list[Event | ReasoningDelta]:
         self._text.append(text)
         if self.parser is None:
             return [TextDelta(text)] if text else []
-        return self.parser.feed(text)
+        return list(self.parser.feed(text))
 
-    def _parse_finish(self) -> list[Event]:
-        return [] if self.parser is None else self.parser.finish()
+    def _parse_finish(self) -> list[Event | ReasoningDelta]:
+        out: list[Event | ReasoningDelta] = []
+        if self.splitter is not None:
+            piece = self.splitter.finish()
+            if piece.reasoning:
+                out.append(ReasoningDelta(piece.reasoning))
+            out += self._content(piece.content)
+        return out + ([] if self.parser is None else list(self.parser.finish()))
 
     def _end(self, chunk: StreamChunk) -> TurnEnd:
         p = self.parser
@@ -146,7 +178,18 @@ class ChatTurn:
         tool_error = p.error if p is not None else None
         # A call cut off by the budget: the reply as written, so nothing the model wrote is lost.
         content = p.content if p is not None and tool_error is None else "".join(self._text)
-        return TurnEnd(finish, chunk.usage, content, calls, chunk.error, tool_error, chunk.stop_sequence)
+        reasoning = self.splitter.reasoning if self.splitter is not None else ""
+        return TurnEnd(
+            finish,
+            chunk.usage,
+            content,
+            calls,
+            chunk.error,
+            tool_error,
+            chunk.stop_sequence,
+            reasoning,
+            self._reasoning_tokens,
+        )
 
 
 def _special_token(st: ServerState, text: str) -> int | None:
@@ -173,7 +216,9 @@ def _prepare(st: ServerState, inp: ChatInput) -> _Prompt:
     if not st.settings.keep_volatile:
         history, fired = strip_volatile(history)
     messages, template_tools = for_template(history, inp.tools, st.tool_format, rt.raw_turn)
-    text = rt.render_chat(messages, add_generation_prompt=True, tools=template_tools)
+    text = rt.render_chat(
+        messages, add_generation_prompt=True, tools=template_tools, template_kwargs=inp.template_kwargs
+    )
     return _Prompt(text, messages, template_tools, fired)
 
 
@@ -198,12 +243,18 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
             param="tool_choice",
         )
     prompt = await run_in_threadpool(_prepare, st, inp)
+    thinking = _thinking(st, inp, prompt.text)
     if inp.tools and sampling.get("constraint") is None:
         sampling["constraint"] = await run_in_threadpool(
-            tool_grammar, fmt, inp.tools, inp.choice, inp.parallel, lambda t: _special_token(st, t)
+            tool_grammar, fmt, inp.tools, inp.choice, inp.parallel, lambda t: _special_token(st, t), thinking
         )
+    elif sampling.get("constraint") is not None:
+        sampling["constraint"] = with_thinking(sampling["constraint"], thinking)
     gen = await generate(st, prompt.text, inp.max_tokens, sampling, key=inp.session_key, clamp=inp.clamp_max_tokens)
     parser = ToolCallParser(fmt, inp.new_call_id) if inp.tools and inp.choice.calls else None
+    splitter = None
+    if parses(st.settings.reasoning_format, rt.chat_template().source):
+        splitter = ReasoningSplitter(inside=starts_inside(prompt.text))
     headers: dict[str, str] = {}
     if inp.max_tokens is not None and gen.max_tokens < inp.max_tokens:
         headers["x-warmkv-max-tokens"] = f"{gen.max_tokens} (asked {inp.max_tokens})"
@@ -212,7 +263,18 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
         log.debug("tools: %d offered, choice %s, format %s", len(inp.tools), inp.choice.mode, fmt.describe())
     if prompt.normalized:
         headers["x-warmkv-normalized"] = ",".join(prompt.normalized)
-    ends = message_ends(rt.render_chat, prompt.messages, prompt.text, tools=prompt.template_tools)
+    render = functools.partial(rt.render_chat, template_kwargs=inp.template_kwargs)
+    ends = message_ends(render, prompt.messages, prompt.text, tools=prompt.template_tools)
     roles = [m["role"] for m in prompt.messages]
     headers.update(report(st, gen.status, gen.prompt_tokens, roles, ends))
-    return ChatTurn(gen, fmt, parser, st, headers)
+    return ChatTurn(gen, fmt, parser, st, headers, splitter)
+
+
+def _thinking(st: ServerState, inp: ChatInput, prompt: str) -> str:
+    """How a constrained reply may think first: "" (it may not), "optional" or "inside"."""
+    rt = st.runtime
+    if not parses(st.settings.reasoning_format, rt.chat_template().source):
+        return ""
+    if starts_inside(prompt):
+        return "inside"
+    return "" if rt.template_kwargs(inp.template_kwargs).get("enable_thinking") is False else "optional"

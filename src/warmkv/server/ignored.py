@@ -15,12 +15,17 @@ from collections.abc import Iterable
 IGNORED_HEADER = "x-warmkv-ignored"
 BETAS_HEADER = "x-warmkv-ignored-betas"
 
-_NO_REASONING = "the model has no reasoning mode: it answers without thinking, whatever the request asks"
+_NO_REASONING = (
+    "the model's chat template has no reasoning mode (no think blocks): it answers without thinking, "
+    "whatever the request asks"
+)
 
 MESSAGES: dict[str, str] = {
     "thinking": _NO_REASONING,
-    "output_config.effort": _NO_REASONING,
-    "thinking_blocks": "thinking blocks sent back are not rendered: the model has no reasoning mode to read them",
+    "thinking.budget_tokens": "the model thinks until it closes its think block (or max_tokens ends the reply)",
+    "output_config.effort": "reasoning templates have no effort levels: thinking is on or off (thinking.type)",
+    "thinking_blocks": "thinking blocks sent back are not rendered: the model's template has no reasoning to read",
+    "redacted_thinking": "a redacted_thinking block this server did not sign cannot be read; it is not rendered",
     "cache_control": "reuse is automatic: every resident token prefix is reused, marked or not",
     "metadata": "client identity; only a session_id inside metadata.user_id is used (to pick the pooled session)",
     "service_tier": "a hosted capacity tier; one local server has one",
@@ -30,7 +35,9 @@ MESSAGES: dict[str, str] = {
 
 RESPONSES: dict[str, str] = {
     "reasoning": _NO_REASONING,
-    "include": "reasoning.encrypted_content: the reply has no reasoning items to encrypt",
+    "reasoning.effort": "reasoning templates have no effort levels: thinking is on, or off with effort 'none'",
+    "reasoning.summary": "reasoning items carry the whole reasoning text; no summary is written",
+    "include": "reasoning.encrypted_content: the model's template has no reasoning, so there are no items to sign",
     "client_metadata": "client identity and telemetry ids",
     "metadata": "stored with a response on the hosted API; warmkv stores none",
     "user": "client identity",

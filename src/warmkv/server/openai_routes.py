@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 from ..constraint import Constraint
 from ..tools import ArgsDelta, Call, CallStart, Event, TextDelta, openai_choice, openai_tools
 from ..types import PrefixInput, StreamChunk, Usage
-from .chat_turn import ChatInput, start_chat
+from .chat_turn import ChatInput, ReasoningDelta, start_chat
 from .collect import collect
 from .constraints import one_constraint
 from .errors import ApiError, from_warmkv
@@ -171,6 +171,7 @@ def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any]) -> ChatInp
         max_tokens=max_tokens,
         sampling=sampling,
         session_key=req.prompt_cache_key,
+        template_kwargs=req.chat_template_kwargs,
     )
 
 
@@ -216,7 +217,9 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
                 so_far = _so_far(turn.gen, generated) if continuous else None
                 lp = chat_logprobs(backend, step.chunk.logprobs) if step.chunk.logprobs else None
                 for event in step.events:
-                    if isinstance(event, TextDelta):
+                    if isinstance(event, ReasoningDelta):
+                        yield frame({"reasoning_content": event.text, "reasoning": event.text}, usage=so_far)
+                    elif isinstance(event, TextDelta):
                         yield frame({"content": event.text}, usage=so_far, lp=lp)
                         lp = None  # a chunk's logprobs go out once, with its text
                     elif (call := _tool_call_delta(event)) is not None:
@@ -231,7 +234,7 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
                 else:
                     yield frame({}, _openai_finish(end.finish_reason), usage=so_far, lp=lp)
                     if include_usage:
-                        yield frame(None, usage=usage_body(end.usage, "chat"))
+                        yield frame(None, usage=usage_body(end.usage, "chat", end.reasoning_tokens))
             yield SSE_DONE
 
         return SSEResponse(body(), on_close=turn.gen.stream.cancel, headers=turn.headers)
@@ -239,6 +242,8 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
     message: dict[str, Any] = {"role": "assistant", "content": end.content}
     if end.calls:
         message = {"role": "assistant", "content": end.content.strip() or None, "tool_calls": _tool_calls(end.calls)}
+    if turn.splitter is not None:
+        message["reasoning_content"] = message["reasoning"] = end.reasoning or None
     choice: dict[str, Any] = {
         "index": 0,
         "message": message,
@@ -253,7 +258,7 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
         "created": created,
         "model": model,
         "choices": [choice],
-        "usage": usage_body(end.usage, "chat"),
+        "usage": usage_body(end.usage, "chat", end.reasoning_tokens),
     }
     return JSONResponse(body, headers=turn.headers)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,14 +26,16 @@ from ..errors import InvalidInput
 from ..tools import ArgsDelta, CallEnd, CallStart, TextDelta, ToolSpec, make_tool, openai_choice
 from ..tools.spec import check_unique
 from . import ignored
-from .chat_turn import ChatInput, ChatTurn, TurnEnd, start_chat
+from .chat_turn import ChatInput, ChatTurn, ReasoningDelta, TurnEnd, start_chat
 from .errors import ApiError, from_warmkv
+from .reasoning_store import ReasoningStore
 from .responses_schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
     FunctionChoice,
     FunctionTool,
     NamespaceTool,
+    ReasoningItem,
     ResponsesRequest,
     TextPart,
 )
@@ -52,15 +54,33 @@ def _text(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    """Input items as chat messages; a function_call_output must answer an earlier function_call."""
+def _reasoning_text(item: ReasoningItem, store: ReasoningStore) -> str:
+    """A reasoning item's text: its reasoning_text parts, else what this server signed as encrypted_content."""
+    text = "".join(p.text for p in item.content or [] if p.type == "reasoning_text")
+    return text or store.text(item.encrypted_content) or ""
+
+
+def _messages(req: ResponsesRequest, store: ReasoningStore | None = None) -> list[dict[str, Any]]:
+    """Input items as chat messages; a function_call_output must answer an earlier function_call.
+
+    With a store (the template thinks), a reasoning item becomes the reasoning of the assistant
+    turn that follows it; without one it is not rendered."""
     out: list[dict[str, Any]] = []
     if req.instructions:
         out.append({"role": "system", "content": req.instructions})
     if isinstance(req.input, str):
         return [*out, {"role": "user", "content": req.input}]
     calls: set[str] = set()
+    thought = ""  # reasoning waiting for its assistant turn
     for i, item in enumerate(req.input):
+        if isinstance(item, ReasoningItem):
+            if store is not None:
+                thought += _reasoning_text(item, store)
+            continue
+        starts_turn = isinstance(item, FunctionCallItem) or getattr(item, "role", None) == "assistant"
+        if thought and starts_turn:
+            out.append({"role": "assistant", "content": None, "reasoning_content": thought})
+            thought = ""
         if isinstance(item, FunctionCallItem):
             name = item.name if item.namespace is None else f"{item.namespace}{NAMESPACE_SEP}{item.name}"
             call = {
@@ -82,8 +102,17 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 )
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
         else:
-            out.append({"role": item.role, "content": _text(item.content)})
+            prev = out[-1] if out else None
+            if item.role == "assistant" and prev is not None and _open_thought(prev):
+                prev["content"] = _text(item.content)  # the reasoning's own turn
+            else:
+                out.append({"role": item.role, "content": _text(item.content)})
     return out
+
+
+def _open_thought(m: dict[str, Any]) -> bool:
+    """An assistant turn that holds only reasoning so far: the next message or call completes it."""
+    return m["role"] == "assistant" and bool(m.get("reasoning_content")) and not m["content"] and "tool_calls" not in m
 
 
 NAMESPACE_SEP = "."  # a namespace's function as the model sees and calls it: namespace.function
@@ -123,10 +152,15 @@ def _offered(req: ResponsesRequest) -> Offered:
     return Offered(check_unique(specs, "tools"), frozenset(namespaced), tuple(dict.fromkeys(hosted)))
 
 
-def _responses_ignored(req: ResponsesRequest, offered: Offered) -> dict[str, str]:
+def _responses_ignored(req: ResponsesRequest, offered: Offered, thinks: bool) -> dict[str, str]:
     """x-warmkv-ignored for what this request set without effect."""
-    names = [f for f in ("reasoning", "include", "client_metadata", "metadata", "user", "safety_identifier",
-                         "service_tier") if getattr(req, f) is not None]  # fmt: skip
+    fields = ("client_metadata", "metadata", "user", "safety_identifier", "service_tier")
+    names = [f for f in ("reasoning", "include") if not thinks and getattr(req, f) is not None]
+    if thinks and req.reasoning is not None and req.reasoning.effort not in (None, "none"):
+        names.append("reasoning.effort")
+    if thinks and req.reasoning is not None and (req.reasoning.summary or req.reasoning.generate_summary):
+        names.append("reasoning.summary")
+    names += [f for f in fields if getattr(req, f) is not None]
     names += [f"tools.{kind}" for kind in offered.hosted]
     return ignored.headers(ignored.RESPONSES, names)
 
@@ -166,8 +200,15 @@ def _check(req: ResponsesRequest) -> None:
 class _Shape:
     """The response object and its output items, as they grow."""
 
-    def __init__(self, req: ResponsesRequest, tools: list[dict[str, Any]], offered: Offered) -> None:
+    def __init__(
+        self,
+        req: ResponsesRequest,
+        tools: list[dict[str, Any]],
+        offered: Offered,
+        sign: Callable[[str], str] | None = None,
+    ) -> None:
         self.req = req
+        self.sign = sign  # encrypted_content for reasoning items, when the request includes it
         self.id = _id("resp")
         self.created = int(time.time())
         self.tools = tools
@@ -199,8 +240,15 @@ class _Shape:
             "metadata": r.metadata or {},
             "error": None,
             "incomplete_details": incomplete,
-            "usage": usage_body(end.usage, "responses") if end is not None else None,
+            "usage": usage_body(end.usage, "responses", end.reasoning_tokens) if end is not None else None,
         }
+
+    def reasoning(self, text: str, status: str) -> dict[str, Any]:
+        item = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": status}
+        item["content"] = [{"type": "reasoning_text", "text": text}]
+        if self.sign is not None:
+            item["encrypted_content"] = self.sign(text) if status == "completed" else None
+        return item
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -223,8 +271,9 @@ async def create_response(req: ResponsesRequest, st: State) -> Any:
     tools = offered.specs
     raw_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice
     sampling = {**sampling_fields(req), "constraint": _format(req)}
+    effort = req.reasoning.effort if req.reasoning is not None else None
     inp = ChatInput(
-        messages=_messages(req),
+        messages=_messages(req, st.reasoning if st.thinks else None),
         tools=tools,
         choice=openai_choice(raw_choice, tools),
         parallel=req.parallel_tool_calls is not False,
@@ -232,15 +281,19 @@ async def create_response(req: ResponsesRequest, st: State) -> Any:
         sampling=sampling,
         messages_param="input",
         session_key=req.prompt_cache_key,
+        template_kwargs={"enable_thinking": False} if effort == "none" else None,
     )
-    ignored_headers = _responses_ignored(req, offered)
+    ignored_headers = _responses_ignored(req, offered, st.thinks)
     turn = await start_chat(st, inp)
     turn.headers.update(ignored_headers)
-    shape = _Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered)
+    sign = st.reasoning.sign if "reasoning.encrypted_content" in (req.include or []) else None
+    shape = _Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered, sign)
     if req.stream:
         return SSEResponse(_events(turn, shape), on_close=turn.gen.stream.cancel, headers=turn.headers)
     end, _ = await turn.collect()
-    if end.content.strip() or not end.calls:
+    if end.reasoning:
+        shape.output.append(shape.reasoning(end.reasoning, "completed"))
+    if end.content.strip() or not (end.calls or end.reasoning):
         shape.output.append(shape.message(end.content.strip() if end.calls else end.content, "completed"))
     for call_id, name, arguments in end.calls:
         shape.output.append(shape.call(call_id, name, arguments, "completed"))
@@ -262,6 +315,21 @@ async def _events(turn: ChatTurn, shape: _Shape) -> AsyncIterator[bytes]:
     text_item: dict[str, Any] | None = None
     text = ""
     calls: dict[int, dict[str, Any]] = {}
+    thought_item: dict[str, Any] | None = None
+    thought = ""
+
+    def close_thought() -> list[bytes]:
+        nonlocal thought_item
+        if thought_item is None:
+            return []
+        item, thought_item = thought_item, None
+        at = shape.output.index(item)
+        item.update(shape.reasoning(thought, "completed"), id=item["id"])
+        ids = {"item_id": item["id"], "output_index": at}
+        return [
+            event("response.reasoning_text.done", **ids, content_index=0, text=thought),
+            event("response.output_item.done", output_index=at, item=item),
+        ]
 
     def close_text() -> list[bytes]:
         nonlocal text_item
@@ -281,6 +349,20 @@ async def _events(turn: ChatTurn, shape: _Shape) -> AsyncIterator[bytes]:
 
     async for step in turn.steps():
         for e in step.events:
+            if isinstance(e, ReasoningDelta):
+                if thought_item is None:
+                    thought_item = shape.reasoning("", "in_progress")
+                    shape.output.append(thought_item)
+                    yield event("response.output_item.added", output_index=len(shape.output) - 1, item=thought_item)
+                thought += e.text
+                at = shape.output.index(thought_item)
+                yield event(
+                    "response.reasoning_text.delta", item_id=thought_item["id"], output_index=at, content_index=0,
+                    delta=e.text,
+                )  # fmt: skip
+                continue
+            for b in close_thought():
+                yield b
             if isinstance(e, TextDelta):
                 if text_item is None:
                     text_item = shape.message("", "in_progress")
@@ -335,7 +417,7 @@ async def _events(turn: ChatTurn, shape: _Shape) -> AsyncIterator[bytes]:
         end = step.end
         if end is None:
             continue
-        for b in close_text():
+        for b in [*close_thought(), *close_text()]:
             yield b
         if end.error is not None:
             err = from_warmkv(end.error)

@@ -45,6 +45,20 @@ class FunctionCallOutputItem(_Echoed):
     output: str | list[TextPart]
 
 
+class ReasoningPart(_Request):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(_Echoed):
+    """A reply's reasoning sent back: its text (content), or the encrypted_content this server gave it."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningPart] = Field(default_factory=list)
+    content: list[ReasoningPart] | None = None
+    encrypted_content: str | None = None
+
+
 def _type_of(v: Any) -> Any:
     """The `type` of a raw item (a dict) or of a validated one, for the discriminators below."""
     return v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
@@ -57,7 +71,8 @@ def _item_kind(v: Any) -> str:
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_kind),
 ]
 
@@ -112,7 +127,7 @@ Tool = Annotated[
 
 
 class Reasoning(_Request):
-    """Accepted without effect on a model without a reasoning mode."""
+    """effort "none" turns a reasoning template's thinking off; other levels leave it on."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
@@ -149,7 +164,7 @@ class ResponsesRequest(_Request):
     stream: bool = False
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
-    # Only "reasoning.encrypted_content" (there are no reasoning items to encrypt); others are refused.
+    # Only "reasoning.encrypted_content": reasoning items then carry this server's signature; others are refused.
     include: list[Literal["reasoning.encrypted_content"]] | None = None
     # Not yet supported: refused with a 400 when set.
     previous_response_id: str | None = None

@@ -57,8 +57,10 @@ def sampling_fields(req: Any, *, stop: str = "stop", defaults: Mapping[str, Any]
 UsageApi = Literal["chat", "responses", "messages", "sessions", "embeddings"]
 
 
-def usage_body(u: Usage | None, api: UsageApi) -> dict[str, Any] | None:
-    """Usage as each API spells it; None when there is none (Messages: zero counts)."""
+def usage_body(u: Usage | None, api: UsageApi, reasoning_tokens: int = 0) -> dict[str, Any] | None:
+    """Usage as each API spells it; None when there is none (Messages: zero counts).
+
+    reasoning_tokens: the output tokens spent in the reply's think block (chat and responses)."""
     if api == "messages":
         if u is None:
             return {"input_tokens": 0, "output_tokens": 0}
@@ -77,7 +79,7 @@ def usage_body(u: Usage | None, api: UsageApi) -> dict[str, Any] | None:
             "input_tokens": u.prompt_tokens,
             "input_tokens_details": {"cached_tokens": u.cached_tokens},
             "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": u.total_tokens,
         }
     counts = {
@@ -86,7 +88,11 @@ def usage_body(u: Usage | None, api: UsageApi) -> dict[str, Any] | None:
         "total_tokens": u.total_tokens,
     }
     if api == "chat":
-        return {**counts, "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+        return {
+            **counts,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        }
     return {
         **counts,
         "cached_tokens": u.cached_tokens,

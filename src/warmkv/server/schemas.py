@@ -81,6 +81,7 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     # Other keys an SDK echoes back with an assistant message (refusal, annotations...) are not rendered.
     model_config = ConfigDict(extra="allow")
+    # An assistant turn's reasoning (either name; vLLM now says reasoning) is rendered where the template does.
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
@@ -119,6 +120,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     modalities: list[Literal["text"]] | None = None  # text is all warmkv produces
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking...), as vLLM
 
 
 class CompletionRequest(_Sampling):

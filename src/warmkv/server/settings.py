@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..config import SERVE_N_SEQ_MAX, SESSIONS_RESERVED
 from ..errors import InvalidConfig
+from ..reasoning import REASONING_FORMATS
 from ..tools.formats import FORMAT_NAMES
 
 LOOPBACK_NAMES = ("localhost",)
@@ -66,6 +67,8 @@ class ServerSettings:
     keep_volatile: bool = False  # keep known per-request volatile blocks (normalize.py) instead of stripping them
     log_misses: bool = False  # log one line per request whose reuse stopped before the resident context's end
     max_step_tokens: int | None = None
+    # Replies' think blocks: auto (parsed out when the template thinks), deepseek (always) or none.
+    reasoning_format: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
@@ -91,5 +94,9 @@ class ServerSettings:
                 _positive(name, getattr(self, name))
         for name in ("max_queue", "max_body_bytes", "default_max_tokens"):
             _positive(name, getattr(self, name))
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise InvalidConfig(
+                f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}; got {self.reasoning_format!r}"
+            )
         if self.tool_format not in FORMAT_NAMES:
             raise InvalidConfig(f"tool_format must be one of {', '.join(FORMAT_NAMES)}; got {self.tool_format!r}")

@@ -9,6 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from ..reasoning import parses
 from ..runtime import Runtime
 from ..scheduler import Scheduler
 from ..tools import ToolFormat
@@ -17,6 +18,7 @@ from .errors import ApiError
 from .message_log import MessageLog
 from .metrics import ServerMetrics
 from .pool import SessionPool
+from .reasoning_store import ReasoningStore
 from .registry import SessionRegistry
 from .settings import ServerSettings
 
@@ -33,6 +35,7 @@ class ServerState:
     model_id: str
     tool_format: ToolFormat
     messages_log: MessageLog = field(default_factory=MessageLog)  # /v1/messages fingerprints for diagnostics
+    reasoning: ReasoningStore = field(default_factory=ReasoningStore)  # signed reasoning clients send back
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -54,6 +57,11 @@ class ServerState:
             code="model_not_found",
             param="model",
         )
+
+    @property
+    def thinks(self) -> bool:
+        """Whether replies' think blocks are parsed out (so reasoning comes back, and is taken back)."""
+        return parses(self.settings.reasoning_format, self.runtime.template_choice.source)
 
     @property
     def queue_depth(self) -> int:

@@ -35,6 +35,7 @@ class ApplyTemplateRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = Field(default=None, max_length=128)
     tool_choice: str | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @router.post("/tokenize")
@@ -57,7 +58,8 @@ async def detokenize(req: DetokenizeRequest, st: State) -> dict[str, str]:
 async def apply_template(req: ApplyTemplateRequest, st: State) -> dict[str, str]:
     tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
     raw = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
-    inp = ChatInput([m.model_dump(exclude_none=True) for m in req.messages], tools, openai_choice(raw, tools))
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    inp = ChatInput(messages, tools, openai_choice(raw, tools), template_kwargs=req.chat_template_kwargs)
     prompt = await prompt_of(st, inp)
     rt = st.runtime
     bos = rt.info.bos_token_id

@@ -94,11 +94,14 @@ def tool_grammar(
     choice: ToolChoice,
     parallel: bool,
     special_token: Callable[[str], int | None],
+    thinking: str = "",
 ) -> Constraint | None:
     """The constraint for a reply; None when no tools are offered.
 
     special_token(text) is the id of a control token spelled `text`, if the vocabulary has one
     (Mistral's [TOOL_CALLS] is one in its newer tokenizers, plain text in older ones).
+    thinking: "", "optional" (a think block may come first) or "inside" (the prompt opened one,
+    which the reply must close first); a free-text reply allows any text before calls anyway.
     """
     if not tools:
         return None
@@ -115,13 +118,16 @@ def tool_grammar(
             _lit(fmt.list_close) if fmt.list_close else ""
         )
         if choice.forced:
-            return Constraint.lark(f"%llguidance {{}}\nstart: calls\n{calls}\n{body}\n")
+            return Constraint.lark(
+                f"%llguidance {{}}\nstart: {_think_ref(thinking)} calls\n{calls}\n{body}\n{_think(thinking)}"
+            )
         return Constraint.lark(f"%llguidance {{}}\nstart: TEXT | calls\n{_no_call_text(fmt)}\n{calls}\n{body}\n")
     one = f"body {_lit(fmt.call_close)}"
     more = f"({_lit(fmt.call_sep + fmt.call_open)} {one})*" if many else ""
     after_trigger = fmt.call_open[len(fmt.trigger) :]
     if choice.forced:
-        return Constraint.lark(f"%llguidance {{}}\nstart: {_lit(fmt.call_open)} {one} {more}\n{body}\n")
+        head = f"{_think_ref(thinking)} {_lit(fmt.call_open)}"
+        return Constraint.lark(f"%llguidance {{}}\nstart: {head} {one} {more}\n{body}\n{_think(thinking)}")
     return Constraint.lark(
         "%llguidance {}\n"
         "start: TEXT | head calls\n"
@@ -137,3 +143,31 @@ def _no_call_text(fmt: ToolFormat) -> str:
     if fmt.anchored:
         return f"TEXT: /(?s:([^{_regex(fmt.trigger[0])}].*)?)/"
     return f"TEXT: /(?s:.*)/ & ~/(?s:.*){_regex(fmt.trigger)}(?s:.*)/"
+
+
+THINKING = ("", "optional", "inside")
+
+
+def _think_ref(thinking: str) -> str:
+    return {"": "", "optional": "think?", "inside": "think"}[thinking]
+
+
+def _think(thinking: str) -> str:
+    """The think block's rule: the shortest text through `</think>` and the blank line after it."""
+    if not thinking:
+        return ""
+    opener = "<think>" if thinking == "optional" else ""
+    return f"think[lazy]: /{opener}(?s:.*)<\\/think>\\n\\n/\n"
+
+
+def with_thinking(constraint: Constraint, thinking: str) -> Constraint:
+    """A JSON constraint that lets (or makes) a think block come first; others are returned as they are.
+
+    A regex or a grammar constrains the whole reply, think block included, as its author wrote it.
+    """
+    if not thinking or constraint.kind not in ("json", "json_schema"):
+        return constraint
+    schema = constraint.spec if constraint.kind == "json_schema" else '{"type": "object"}'
+    return Constraint.lark(
+        f"%llguidance {{}}\nstart: {_think_ref(thinking)} body\nbody: %json {schema}\n{_think(thinking)}"
+    )

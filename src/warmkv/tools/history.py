@@ -47,6 +47,21 @@ def _call(raw: object, where: str) -> Call:
     return (cid, fn["name"], args)
 
 
+def _reasoning(m: Mapping[str, Any], where: str) -> str:
+    """An assistant turn's reasoning: reasoning_content, or reasoning (vLLM's newer name)."""
+    out = ""
+    for key in ("reasoning_content", "reasoning"):
+        value = m.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise InvalidInput(f"{where}.{key} must be a string", param=f"{where}.{key}")
+        if out and value and value != out:
+            raise InvalidInput(f"{where}: reasoning and reasoning_content differ; send one", param=f"{where}.{key}")
+        out = out or value
+    return out
+
+
 def check_history(messages: Sequence[Mapping[str, Any]], param: str = "messages") -> list[dict[str, Any]]:
     """Validated messages: text content, tool calls as (id, name, arguments), tool results tied to a call."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
@@ -63,6 +78,13 @@ def check_history(messages: Sequence[Mapping[str, Any]], param: str = "messages"
         msg: dict[str, Any] = {"role": role, "content": content_text(m.get("content"), i)}
         if m.get("name") is not None:
             msg["name"] = m["name"]
+        reasoning = _reasoning(m, where)
+        if reasoning:
+            if role != "assistant":
+                raise InvalidInput(
+                    f"{where}: only assistant messages carry reasoning", param=f"{where}.reasoning_content"
+                )
+            msg["reasoning_content"] = reasoning
         raw_calls = m.get("tool_calls")
         if raw_calls:
             if role != "assistant":
@@ -134,7 +156,8 @@ def for_template(
                 out.append({**m, "tool_calls": shaped})
             else:
                 text = m["content"] + "\n" if m["content"] else ""
-                out.append({"role": "assistant", "content": text + call_text(fmt, calls)})
+                reasoning = {"reasoning_content": m["reasoning_content"]} if m.get("reasoning_content") else {}
+                out.append({"role": "assistant", "content": text + call_text(fmt, calls), **reasoning})
         elif m["role"] == "tool" and not fmt.template_renders:
             block = f"<tool_response>\n{m['content']}\n</tool_response>"
             prev = out[-1] if out else None

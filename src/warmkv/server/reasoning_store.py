@@ -1,0 +1,57 @@
+"""Reasoning the server produced, by the signature it gave it.
+
+Anthropic's thinking blocks carry a `signature`, and the Responses API's reasoning items an
+`encrypted_content`, that clients keep and send back with the conversation. warmkv signs
+each reply's reasoning with a key of its own (HMAC-SHA256) and keeps the text by its
+signature, so a client that sends the signature back without the text (a redacted block,
+an item without content) still gets the turn rendered as the model wrote it, and warm.
+A signature this server did not make is not an error: the block is not ours to read.
+
+Bounded (least recently used first) and thread-safe; its lock is a leaf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+from collections import OrderedDict
+
+PREFIX = "wkr1."
+MAX_ENTRIES = 4096
+
+
+class ReasoningStore:
+    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+        self._key = secrets.token_bytes(32)
+        self._texts: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_entries = max_entries
+
+    def sign(self, text: str) -> str:
+        """The signature of a reply's reasoning; the text is kept under it."""
+        sig = PREFIX + hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()
+        with self._lock:
+            self._texts[sig] = text
+            self._texts.move_to_end(sig)
+            while len(self._texts) > self.max_entries:
+                self._texts.popitem(last=False)
+        return sig
+
+    def ours(self, text: str, signature: str | None) -> bool:
+        """Whether this server signed exactly this text."""
+        if not signature or not signature.startswith(PREFIX):
+            return False
+        want = PREFIX + hmac.new(self._key, text.encode(), hashlib.sha256).hexdigest()
+        return hmac.compare_digest(want, signature)
+
+    def text(self, signature: str | None) -> str | None:
+        """The reasoning this server signed with `signature`, if it still holds it."""
+        if not signature or not signature.startswith(PREFIX):
+            return None
+        with self._lock:
+            found = self._texts.get(signature)
+            if found is not None:
+                self._texts.move_to_end(signature)
+            return found

@@ -1,0 +1,86 @@
+"""Reasoning without a model: the think-block splitter, templates that do not read it, signatures, grammars."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import llguidance
+import pytest
+
+from warmkv.chat import CHATML, ChatTemplate
+from warmkv.constraint import Constraint
+from warmkv.reasoning import ReasoningSplitter, parses, starts_inside, template_thinks
+from warmkv.server.reasoning_store import ReasoningStore
+from warmkv.tools import ToolChoice, make_tool
+from warmkv.tools.formats import detect
+from warmkv.tools.grammar import tool_grammar, with_thinking
+
+QWEN3 = (Path(__file__).parent / "fixtures" / "templates" / "qwen3.jinja").read_text()
+
+CASES = [
+    # (reply, starts inside a think block, reasoning, content)
+    (
+        "  <think>\nRun the tests.\nYes.\n</think>\n\nThe answer is 4.",
+        False,
+        "Run the tests.\nYes.",
+        "The answer is 4.",
+    ),
+    ("\nI think.\n</think>\n\nok", True, "I think.", "ok"),
+    ("Hello <think>x</think>", False, "", "Hello <think>x</think>"),  # only at the start of a reply
+    ("<thi", False, "", "<thi"),
+    ("<think>\ncut off by the budget\n\n", False, "cut off by the budget", ""),
+]
+
+
+@pytest.mark.parametrize(("reply", "inside", "reasoning", "content"), CASES)
+def test_the_splitter_gives_the_same_parts_however_the_reply_is_cut(
+    reply: str, inside: bool, reasoning: str, content: str
+) -> None:
+    rng = random.Random(7)
+    for _ in range(100):
+        cuts = sorted(rng.sample(range(1, len(reply)), min(len(reply) - 1, rng.randint(0, 12))))
+        parts = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)], strict=True)]
+        s = ReasoningSplitter(inside)
+        got_r = got_c = ""
+        for piece in [*(s.feed(p) for p in parts), s.finish()]:
+            got_r, got_c = got_r + piece.reasoning, got_c + piece.content
+        assert (got_r, got_c) == (reasoning, content), parts
+        assert (s.reasoning, s.content) == (reasoning, content)
+
+
+def test_which_templates_think_and_where_the_reply_starts() -> None:
+    assert template_thinks(QWEN3) and not template_thinks(CHATML)
+    assert parses("auto", QWEN3) and not parses("auto", CHATML)
+    assert parses("deepseek", CHATML) and not parses("none", QWEN3)
+    assert starts_inside("<|im_start|>assistant\n<think>\n")
+    assert not starts_inside("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not starts_inside("<|im_start|>assistant\n")
+
+
+def test_a_template_that_does_not_read_reasoning_gets_it_in_the_content() -> None:
+    t = ChatTemplate(CHATML, adds_bos=False)
+    text = t.render([{"role": "assistant", "content": "4", "reasoning_content": "2+2"}], add_generation_prompt=False)
+    assert text == "<|im_start|>assistant\n<think>\n2+2\n</think>\n\n4<|im_end|>\n"
+
+
+def test_signatures_find_their_text_and_only_this_servers() -> None:
+    store, other = ReasoningStore(max_entries=2), ReasoningStore()
+    sig = store.sign("because")
+    assert store.text(sig) == "because" and store.ours("because", sig)
+    assert not store.ours("changed", sig) and not other.ours("because", sig)
+    assert store.text("EqQBCkYIBxgCKkA-anthropic") is None and store.text(None) is None
+    store.sign("b")
+    store.sign("c")
+    assert store.text(sig) is None  # bounded: the oldest went first
+
+
+def test_thinking_grammars_compile() -> None:
+    schema = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    tools = (make_tool("run", None, {"type": "object", "properties": {"cmd": {"type": "string"}}}, "tools[0]"),)
+    for thinking in ("optional", "inside"):
+        c = with_thinking(schema, thinking)
+        assert c.kind == "lark" and llguidance.LLMatcher.validate_grammar(c.grammar(), None) == ""
+        g = tool_grammar(detect(QWEN3), tools, ToolChoice("required"), True, lambda _: None, thinking)
+        assert g is not None and llguidance.LLMatcher.validate_grammar(g.grammar(), None) == ""
+    assert with_thinking(Constraint.regex("a+"), "optional") == Constraint.regex("a+")
