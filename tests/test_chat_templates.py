@@ -72,6 +72,8 @@ def test_bad_template_config_is_refused() -> None:
         warmkv.RuntimeConfig(chat_template_kwargs={"x": object()})
     with pytest.raises(InvalidConfig, match="chat_template"):
         warmkv.RuntimeConfig(chat_template="")
+    with pytest.raises(InvalidConfig, match="thinking_history"):
+        warmkv.RuntimeConfig(thinking_history="drop")
 
 
 def test_template_resolution() -> None:

@@ -1,4 +1,4 @@
-"""Reasoning without a model: the think-block splitter, templates that do not read it, signatures, grammars."""
+"""Reasoning without a model: the think-block splitter, kept rendering, templates, signatures, grammars."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from warmkv.chat import CHATML, ChatTemplate
 from warmkv.constraint import Constraint
 from warmkv.reasoning import ReasoningSplitter, parses, starts_inside, template_thinks
+from warmkv.reasoning_history import KeptRenderer
 from warmkv.server.reasoning_store import ReasoningStore
 from warmkv.tools import ToolChoice, make_tool
 from warmkv.tools.formats import detect
@@ -56,6 +57,44 @@ def test_which_templates_think_and_where_the_reply_starts() -> None:
     assert starts_inside("<|im_start|>assistant\n<think>\n")
     assert not starts_inside("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not starts_inside("<|im_start|>assistant\n")
+
+
+def _loop(n_calls: int) -> list[dict[str, object]]:
+    msgs: list[dict[str, object]] = [{"role": "system", "content": "sys"}, {"role": "user", "content": "fix it"}]
+    for k in range(n_calls):
+        call = {"id": f"c{k}", "type": "function", "function": {"name": "run", "arguments": {"n": k}}}
+        msgs += [
+            {"role": "assistant", "content": "", "reasoning_content": f"step {k}: run it", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"c{k}", "content": f"result {k}"},
+        ]
+    return msgs
+
+
+def test_kept_rendering_only_grows_where_the_template_drops_reasoning() -> None:
+    t = ChatTemplate(QWEN3, adds_bos=False)
+    kept = KeptRenderer(t.render)
+    loop = _loop(4)
+    before = kept.render(loop, add_generation_prompt=True)
+    reply = "<think>\nall pass\n</think>\n\ndone"
+    after = [*loop, {"role": "assistant", "content": "done", "reasoning_content": "all pass"}]
+    after.append({"role": "user", "content": "now commit"})
+    as_kept = kept.render(after, add_generation_prompt=True)
+    as_template = t.render(after, add_generation_prompt=True)
+    assert as_kept.startswith(before + reply + "<|im_end|>\n<|im_start|>user\nnow commit")
+    assert "step 0: run it" in as_kept and "step 0: run it" not in as_template  # the template drops it
+    assert as_kept.endswith(as_template[as_template.rindex("<|im_start|>user") :])
+    # Pure function of the messages: a fresh renderer (a cold request) renders the same prompt.
+    assert KeptRenderer(t.render).render(after, add_generation_prompt=True) == as_kept
+    # And the exchange after that keeps growing from this one.
+    later = [*after, {"role": "assistant", "content": "committed", "reasoning_content": "git commit"}]
+    later.append({"role": "user", "content": "thanks"})
+    assert kept.render(later, add_generation_prompt=True).startswith(as_kept)
+
+
+def test_a_template_that_keeps_everything_renders_as_it_says() -> None:
+    t = ChatTemplate(CHATML, adds_bos=False)
+    msgs = [*_loop(0), {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    assert KeptRenderer(t.render).render(msgs, add_generation_prompt=True) == t.render(msgs)
 
 
 def test_a_template_that_does_not_read_reasoning_gets_it_in_the_content() -> None:

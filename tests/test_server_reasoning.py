@@ -4,11 +4,12 @@ The default model does not think on its own, so its replies are made to: a regex
 think block before the answer, or the template opens the block in the generation prompt
 (as Qwen3's thinking variants and DeepSeek-R1's do) and the reply starts inside it. What
 is checked is warmkv's part: the reasoning comes back separated, as each API spells it,
-and is taken back.
+is taken back, and a tool loop stays warm when the template drops earlier reasoning.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ _CLOSED = "{%- if enable_thinking is defined and enable_thinking is false %}{{- 
 QWEN3_OPEN = QWEN3.replace(_CLOSED + "{%- endif %}", _CLOSED + "{%- else %}{{- '<think>\\n' }}{%- endif %}")
 THINK_THEN_ANSWER = "<think>\n[a-z ]{8,40}\n</think>\n\n[A-Za-z0-9 ]{3,24}"
 GREEDY = {"temperature": 0}
+TOOL_OUTPUT = " ".join(f"tests/test_mod{i}.py::test_case PASSED [{i}%]" for i in range(40))  # ~400 tokens
 TOOLS = [
     {
         "type": "function",
@@ -41,7 +43,7 @@ TOOLS = [
     }
 ]
 NO_TIERS = {"prefix_cache_mb": 0, "kv_store_mb": 0}
-# The faster engine where it runs.
+# The faster engine where it runs: a loop of ~2,600 tokens is prefilled cold in some tests.
 BACKEND = "native" if "native" in warmkv.available_backends() else "llamacpp"
 
 
@@ -127,6 +129,58 @@ def test_a_forced_call_may_follow_a_think_block() -> None:
             assert accepted is ok, text
     finally:
         rt.close()
+
+
+def _loop_messages() -> list[dict[str, Any]]:
+    """One user message, four tool calls each with reasoning and a ~400-token result."""
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. Run commands to fix the tests."},
+        {"role": "user", "content": "The tests fail. Fix them."},
+    ]
+    for k in range(4):
+        call = {
+            "id": f"call_{k}",
+            "type": "function",
+            "function": {"name": "run", "arguments": json.dumps({"cmd": f"pytest -k part{k}"})},
+        }
+        msgs += [
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": f"Part {k} may fail; run its tests.",
+                "tool_calls": [call],
+            },
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": f"part {k}: {TOOL_OUTPUT}"},
+        ]
+    return msgs
+
+
+def _loop_reuse(client: openai.OpenAI) -> tuple[float, str]:
+    """Reuse at the new user message, as a share of the previous request's prompt; and its divergence."""
+    model, msgs = _model(client), _loop_messages()
+    first = client.chat.completions.with_raw_response.create(
+        model=model, messages=msgs, tools=TOOLS, max_tokens=8, extra_body=GREEDY
+    )
+    prompt = first.parse().usage.prompt_tokens
+    final = {"role": "assistant", "content": "All tests pass now.", "reasoning_content": "Every part passed."}
+    msgs += [final, {"role": "user", "content": "Commit the fix."}]
+    second = client.chat.completions.with_raw_response.create(
+        model=model, messages=msgs, tools=TOOLS, max_tokens=8, extra_body=GREEDY
+    )
+    cached = second.parse().usage.prompt_tokens_details.cached_tokens
+    return min(cached, prompt) / prompt, second.headers["x-warmkv-divergence"]
+
+
+def test_a_reasoning_tool_loop_stays_warm_at_the_next_user_message(oai: openai.OpenAI) -> None:
+    reuse, _ = _loop_reuse(oai)
+    assert reuse >= 0.9
+
+
+def test_the_exact_template_drops_the_reasoning_and_says_so() -> None:
+    for base in _serve(QWEN3, thinking_history="template"):
+        reuse, divergence = _loop_reuse(openai.OpenAI(base_url=f"{base}/v1", api_key="unused"))
+        assert reuse < 0.5
+        assert 'cause="the chat template dropped' in divergence
 
 
 def test_template_kwargs_per_request(oai: openai.OpenAI, base: str) -> None:

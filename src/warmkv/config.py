@@ -21,6 +21,10 @@ KV_CACHE_TYPES = ("f16", "q8_0", "q4_0", "f32", "bf16")
 QUANTIZED_KV = ("q8_0", "q4_0")
 FLASH_ATTN = ("auto", "on", "off")
 PROMPT_FORMATS = ("auto", "chatml", "raw")
+# How earlier assistant turns' reasoning is rendered. "keep": every turn keeps the reasoning the
+# model wrote, where it stands, so the prompt only grows and a tool loop stays warm across the
+# next user message. "template": exactly as the chat template says (most drop it there).
+THINKING_HISTORY = ("keep", "template")
 # "exact": reuse only the resident common prefix (warm == cold). "chunks": also move runs of
 # resident KV that shifted position, recomputing the first tokens of each (approximate).
 REUSE_MODES = ("exact", "chunks")
@@ -81,6 +85,7 @@ class RuntimeConfig:
     # variables every render gets (enable_thinking...); requests may add their own.
     chat_template: str | None = field(default=None, repr=False)
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    thinking_history: str = "keep"
     # Warm tiers (no effect on numerics, so not in the manifest).
     prefix_cache_mb: int = 1024
     kv_store_dir: str | None = None
@@ -121,6 +126,7 @@ class RuntimeConfig:
         except (TypeError, ValueError) as e:
             raise InvalidConfig(f"chat_template_kwargs must hold JSON values only: {e}") from None
         object.__setattr__(self, "chat_template_kwargs", MappingProxyType(dict(self.chat_template_kwargs)))
+        _choice("thinking_history", self.thinking_history, THINKING_HISTORY)
         _int("prefix_cache_mb", self.prefix_cache_mb, minimum=0)
         _int("kv_store_mb", self.kv_store_mb, minimum=0)
         _int("cache_block_tokens", self.cache_block_tokens, minimum=1, maximum=65536)

@@ -46,6 +46,8 @@ from .errors import ContextOverflow, InvalidConfig, InvalidInput, ManifestMismat
 from .infill import ExtraFile, FimTokens, check_extra, find_fim_tokens, infill_tokens
 from .manifest import ContextManifest
 from .models import resolve_model
+from .reasoning import template_thinks
+from .reasoning_history import KeptRenderer
 from .session import NO_STORE, Session
 from .text import as_text
 from .tiers import KVTiers
@@ -115,6 +117,7 @@ class Runtime:
         template = self.template_choice.source
         self._template_source = template
         self._template: ChatTemplate | None = None
+        self._kept: KeptRenderer | None = None
         self.default_add_bos = backend.info.add_bos and not self.config.disable_bos
         # Warm tiers need a backend that can keep, export and import a sequence's KV.
         self.tiers = (
@@ -381,14 +384,22 @@ class Runtime:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        thinking_history: str | None = None,
     ) -> str:
-        """The prompt for a conversation. template_kwargs add to RuntimeConfig.chat_template_kwargs."""
-        return self.chat_template().render(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            template_kwargs=self.template_kwargs(template_kwargs),
-        )
+        """The prompt for a conversation. template_kwargs add to RuntimeConfig.chat_template_kwargs.
+
+        thinking_history (None: the config's): "keep" lets earlier turns keep their reasoning where
+        a reasoning template would drop it (reasoning_history.py); "template" renders as the template says.
+        """
+        template = self.chat_template()
+        kw = self.template_kwargs(template_kwargs)
+        args = {"add_generation_prompt": add_generation_prompt, "tools": tools, "template_kwargs": kw}
+        mode = thinking_history or self.config.thinking_history
+        if mode != "keep" or not template_thinks(template.source):
+            return template.render(messages, **args)
+        if self._kept is None:
+            self._kept = KeptRenderer(template.render)
+        return self._kept.render(messages, **args)
 
     def template_kwargs(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The variables a render passes the template: the config's, then a request's own."""

@@ -323,6 +323,40 @@ def _print_agent_loop(model: str, backend: str, loop: dict[str, Any]) -> None:
     console.print(f"turns 2..N reused {loop['reused_fraction']:.1%} of their prompt tokens")
 
 
+@bench_app.command("reasoning-loop")
+@runtime_options(num_ctx=8192)
+def bench_reasoning_loop(
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
+    *,
+    opts: RuntimeOptions,
+) -> None:
+    """A reasoning tool loop per API: the reuse at the next user message, thinking history keep vs template.
+
+    Give a reasoning template with --chat-template-file (e.g. tests/fixtures/templates/qwen3.jinja)."""
+    from ..bench.reasoning_loop import measure
+    from ..bench.server_proc import serve
+
+    report: dict[str, Any] = {"backend": opts.backend, "modes": {}}
+    try:
+        for mode in ("keep", "template"):
+            args = opts.flags(thinking_history=mode)
+            with tempfile.TemporaryDirectory() as store, serve(args, env={"WARMKV_CACHE_DIR": store}) as server:
+                report["model"] = server.model
+                report["modes"][mode] = measure(server.base, server.model)
+    except RuntimeError as e:
+        fail(e)
+    t = Table(title=f"reasoning loop, reuse at the next user message: {report['model']} ({opts.backend})")
+    for col in ("API", "previous prompt", "keep: reused", "keep", "template: reused", "template"):
+        t.add_column(col, justify="left" if col == "API" else "right")
+    keep, exact = report["modes"]["keep"], report["modes"]["template"]
+    for api in keep:
+        k, e = keep[api], exact[api]
+        row = [str(k["previous_prompt_tokens"]), str(k["reused_tokens"]), f"{k['reuse']:.1%}"]
+        t.add_row(api, *row, str(e["reused_tokens"]), f"{e['reuse']:.1%}")
+    console.print(t)
+    _write_report(json_out, report)
+
+
 @bench_app.command("chunks")
 @runtime_options()
 def bench_chunks(

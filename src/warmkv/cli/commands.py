@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from .. import Constraint, DecodeConfig, InvalidInput, Runtime, WarmkvError, available_backends, registered_backends
+from ..reasoning import template_thinks
 from .options import RuntimeOptions, console, err, fail, runtime_options
 
 
@@ -95,7 +96,9 @@ def _template(rt: Runtime) -> str:
         where = f"its family's ({choice.origin[7:]}; the model file has none)"
     if choice.source is None:
         return f"{where}: {choice.why_none}" if choice.why_none and choice.origin == "none" else where
-    return where
+    if not template_thinks(choice.source):
+        return f"{where}; no reasoning"
+    return f"{where}; reasoning in think blocks; thinking history {rt.config.thinking_history}"
 
 
 @runtime_options()

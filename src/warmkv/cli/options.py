@@ -91,6 +91,13 @@ SPECS = (
         "JSON object of template variables for every request, e.g. '{\"enable_thinking\": false}'",
         "runtime",
     ),
+    Spec(
+        "thinking_history",
+        ("--thinking-history",),
+        str,
+        "keep (earlier turns keep their reasoning: tool loops stay warm) or template (render as it says)",
+        "runtime",
+    ),
     Spec("prefix_cache_mb", ("--prefix-cache-mb",), int, "shared prefix cache in RAM, MiB (0: off)", "runtime"),
     Spec("kv_store_dir", ("--kv-store-dir",), str, "persistent KV store directory (default: user cache)", "runtime"),
     Spec("kv_store_mb", ("--kv-store-mb",), int, "persistent KV store cap, MiB (0: off)", "runtime"),

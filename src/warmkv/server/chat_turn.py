@@ -19,7 +19,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import InvalidInput, WarmkvError
-from ..reasoning import ReasoningSplitter, parses, starts_inside
+from ..reasoning import ReasoningSplitter, parses, starts_inside, template_thinks
 from ..tools import (
     Call,
     Event,
@@ -34,7 +34,7 @@ from ..tools import (
     tool_grammar,
 )
 from ..tools.grammar import with_thinking
-from ..types import StreamChunk, TokenLogprob, Usage
+from ..types import PrefixStatus, StreamChunk, TokenLogprob, Usage
 from .collect import collect
 from .errors import ApiError
 from .generation import Generation, generate
@@ -266,7 +266,8 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
     render = functools.partial(rt.render_chat, template_kwargs=inp.template_kwargs)
     ends = message_ends(render, prompt.messages, prompt.text, tools=prompt.template_tools)
     roles = [m["role"] for m in prompt.messages]
-    headers.update(report(st, gen.status, gen.prompt_tokens, roles, ends))
+    cause = await run_in_threadpool(_dropped_reasoning, st, inp, prompt, gen.status)
+    headers.update(report(st, gen.status, gen.prompt_tokens, roles, ends, cause))
     return ChatTurn(gen, fmt, parser, st, headers, splitter)
 
 
@@ -278,3 +279,22 @@ def _thinking(st: ServerState, inp: ChatInput, prompt: str) -> str:
     if starts_inside(prompt):
         return "inside"
     return "" if rt.template_kwargs(inp.template_kwargs).get("enable_thinking") is False else "optional"
+
+
+def _dropped_reasoning(st: ServerState, inp: ChatInput, prompt: _Prompt, status: PrefixStatus) -> str | None:
+    """Why reuse stopped, when it stopped where the template dropped earlier turns' reasoning."""
+    rt = st.runtime
+    d = status.divergence
+    if d is None or rt.config.thinking_history == "keep" or not template_thinks(rt.chat_template().source):
+        return None
+    kept = rt.render_chat(
+        prompt.messages,
+        tools=prompt.template_tools,
+        template_kwargs=inp.template_kwargs,
+        thinking_history="keep",
+    )
+    first = next((i for i, (a, b) in enumerate(zip(kept, prompt.text, strict=False)) if a != b), None)
+    # The divergent token starts at d.char and may span the first character that differs.
+    if first is None or first > d.char + len(d.old):
+        return None
+    return "the chat template dropped earlier turns' reasoning (--thinking-history keep keeps it)"

@@ -7,6 +7,8 @@ excerpt of the old and the new text there, JSON-escaped:
 
     x-warmkv-divergence: token=812; message=0; role="system"; old="cch=1a2b;..."; new="cch=9f8e;..."
 
+and, when reuse stopped where the chat template dropped earlier turns' reasoning, a `cause="..."`.
+
 A miss is a request whose reuse stopped before the end of what was resident (the
 previous request's prompt and reply): the common cause of a cold turn is upstream,
 a value that changes in the system prompt, a block that moves, a re-rendered turn.
@@ -63,7 +65,9 @@ def _message_at(d: Divergence, ends: MessageEnds | None) -> int | None:
     return min(bisect.bisect_right(found, d.char), len(found) - 1)
 
 
-def divergence_header(d: Divergence | None, message: int | None = None, role: str | None = None) -> str:
+def divergence_header(
+    d: Divergence | None, message: int | None = None, role: str | None = None, cause: str | None = None
+) -> str:
     if d is None:
         return "none"
     parts = [f"token={d.token}"]
@@ -71,7 +75,10 @@ def divergence_header(d: Divergence | None, message: int | None = None, role: st
         parts.append(f"message={message}")
     if role is not None:
         parts.append(f"role={_q(role)}")
-    return "; ".join([*parts, f"old={_q(d.old)}", f"new={_q(d.new)}"])
+    parts += [f"old={_q(d.old)}", f"new={_q(d.new)}"]
+    if cause is not None:
+        parts.append(f"cause={_q(cause)}")
+    return "; ".join(parts)
 
 
 def report(
@@ -80,6 +87,7 @@ def report(
     prompt_tokens: int,
     roles: Sequence[str] = (),
     ends: MessageEnds | None = None,
+    cause: str | None = None,
 ) -> dict[str, str]:
     """The reuse headers of one request; counts it in /metrics and logs it when it missed."""
     d = status.divergence
@@ -89,7 +97,7 @@ def report(
         message = _message_at(d, ends)
         role = roles[message] if message is not None and message < len(roles) else None
         st.metrics.misses.labels(role or "none").inc()
-    header = divergence_header(d, message, role)
+    header = divergence_header(d, message, role, cause)
     if d is not None and st.settings.log_misses:
         log.warning(
             "cache miss: reused %d of %d resident tokens, prefilled %d: %s",
