@@ -6,7 +6,7 @@ is in the batch, so a token's numbers do not depend on batch composition.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -16,22 +16,51 @@ from .paged_kv import PagedKVCache
 
 @dataclass(frozen=True)
 class RowPlan:
-    """One sequence's slice of a flat batch: tokens [offset, offset + n) at positions [start, start + n)."""
+    """One sequence's slice of a flat batch: tokens [offset, offset + n) at positions [start, start + n).
+
+    A sliding-window plan (window > 0) sees only keys [key_start, start + n): each query at
+    position p attends to positions (p - window, p], as llama.cpp's standard SWA mask does.
+    """
 
     offset: int
     n: int
     start: int
-    slots: torch.Tensor  # slot ids of positions [0, start + n)
-    mask: torch.Tensor | None  # [n, start + n] bool, None when plain causal or a single query
+    slots: torch.Tensor  # slot ids of positions [key_start, start + n)
+    mask: torch.Tensor | None  # [n, start + n - key_start] bool, None when plain causal or a single query
     causal: bool
-    first_slot: int | None  # set when the slots are one range: K/V are read as a view
+    first_slot: int | None  # slot of position key_start when the slots are one range: K/V read as a view
     per_query: bool = False  # each query alone over its own keys, exactly as a decode step
     decode: bool = False  # generated tokens or a draft: the decode kernels, not prefill's
+    key_start: int = 0
+    window: int = 0
 
     def query(self, i: int) -> RowPlan:
         """Query i of this row as a one-token row."""
-        keys = self.slots[: self.start + i + 1]
-        return RowPlan(self.offset + i, 1, self.start + i, keys, None, False, self.first_slot, decode=self.decode)
+        p = self.start + i
+        lo = max(self.key_start, p + 1 - self.window) if self.window else self.key_start
+        keys = self.slots[lo - self.key_start : p + 1 - self.key_start]
+        first = None if self.first_slot is None else self.first_slot + lo - self.key_start
+        return RowPlan(
+            self.offset + i, 1, p, keys, None, False, first, decode=self.decode, key_start=lo, window=self.window
+        )
+
+    def windowed(self, window: int) -> RowPlan:
+        """This row for a sliding-window layer; itself when no query reaches past the window."""
+        end = self.start + self.n
+        if end <= window:
+            return self
+        lo = max(0, self.start + 1 - window)  # the first query's oldest key: a lone query sees exactly its window
+        mask = None
+        if self.n > 1 and not self.per_query:
+            # Keys from where the piece ends, not where it begins (up to `window` more, masked): a
+            # partial hit's first piece then reads the cold piece's keys and rounds as it did.
+            lo = max(0, min(lo, end - 2 * window))
+            k = torch.arange(lo, end, device=self.slots.device)
+            q = self.start + torch.arange(self.n, device=self.slots.device)
+            mask = (k[None, :] <= q[:, None]) & (k[None, :] > q[:, None] - window)
+        keys = self.slots[lo:]
+        first = None if self.first_slot is None else self.first_slot + lo
+        return replace(self, slots=keys, mask=mask, causal=False, first_slot=first, key_start=lo, window=window)
 
 
 def plan_row(

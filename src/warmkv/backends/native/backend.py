@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -32,6 +33,7 @@ from ..slots import SeqSlots
 from . import decode_ext
 from .batch import BatchPlanner
 from .checkpoint import Checkpoint
+from .gemma3 import CPP_LOOP_UNSUPPORTED, Gemma3
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf
 from .kv_blob import export_seq, import_seq
@@ -41,6 +43,7 @@ from .model import Transformer
 from .paged_kv import KVLayout, PagedKVCache
 from .sampler import TorchSampler
 
+log = logging.getLogger(__name__)
 # RuntimeConfig.kv_cache_type (llama.cpp names) -> the native KV storage dtype.
 KV_STORAGE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "q8_0": "int8"}
 # Architectures whose attention is full-context causal with RoPE on K: their KV runs can move.
@@ -178,9 +181,14 @@ class NativeBackend:
         cpu = self.device.type == "cpu"
         # int4 matmuls need the C++ kernels even when the layer loop stays in Python.
         wanted = opts.cpp_decode if cpu else "off"
+        if args.arch == "gemma3" and wanted != "off":
+            if wanted == "on":
+                raise Unsupported("cpp_decode", f"'on' with a {args.arch} model: {CPP_LOOP_UNSUPPORTED}")
+            log.info("cpp_decode=auto: %s", CPP_LOOP_UNSUPPORTED)
+            wanted = "off"
         module = decode_ext.extension("auto" if wanted == "off" and cpu and quant == "int4" else wanted)
         prefill_weights = _prefill_weights(opts.prefill_weights, quant, module, ckpt.layer_params())
-        self._model = Transformer(
+        self._model = (Gemma3 if args.arch == "gemma3" else Transformer)(
             args,
             ckpt.weights,
             dtype,

@@ -20,7 +20,7 @@ from .qweights import KINDS, Blocks, from_gguf
 from .tokenizer import from_gguf_metadata
 
 Q = gguf.GGMLQuantizationType
-DEQUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+DEQUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,15 +43,26 @@ _LAYER = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 norms around attention and the MLP, under transformers' Gemma3 names.
+_GEMMA3_LAYER = _LAYER | {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# llama.cpp (llama-model.cpp, LLM_ARCH_GEMMA3): every 6th layer is global, the rest slide;
+# local layers rotate with base 10000; the 27B (62 layers) scales queries by (dim / heads) ** -0.5.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: str = "llama") -> str | None:
     """The HF name of a GGUF tensor name, None for tensors the engine does not use."""
     if name in _GLOBAL:
         return _GLOBAL[name]
+    layer = _GEMMA3_LAYER if arch == "gemma3" else _LAYER
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}"
     return None
 
 
@@ -85,6 +96,7 @@ def _args(meta: dict[str, object], arch: str, tensors: set[str]) -> ModelArgs:
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none", "llama3"):
         raise Unsupported("rope scaling", f"{scaling!r} in GGUF; supported: none, llama3")
+    gemma: dict[str, object] = _gemma3(meta, arch, n_heads, dim, head_dim) if arch == "gemma3" else {}
     return ModelArgs(
         arch=arch,
         vocab_size=int(vocab),  # type: ignore[call-overload]
@@ -100,7 +112,23 @@ def _args(meta: dict[str, object], arch: str, tensors: set[str]) -> ModelArgs:
         tie_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        **gemma,  # type: ignore[arg-type]
     )
+
+
+def _gemma3(meta: dict[str, object], arch: str, n_heads: int, dim: int, head_dim: int) -> dict[str, object]:
+    """Gemma 3's extra hyperparameters, decided as llama.cpp decides them."""
+    n_layers = int(meta[f"{arch}.block_count"])  # type: ignore[call-overload]
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window is None:
+        raise InvalidModelFile(f"GGUF metadata lacks {arch}.attention.sliding_window")
+    return {
+        "sliding_window": int(window),  # type: ignore[call-overload]
+        "swa_layers": tuple(i % GEMMA3_SWA_PATTERN < GEMMA3_SWA_PATTERN - 1 for i in range(n_layers)),
+        "rope_local_theta": GEMMA3_LOCAL_ROPE_BASE,
+        "attn_scale": (dim / n_heads if n_layers == 62 else head_dim) ** -0.5,
+        "logit_softcap": float(meta.get(f"{arch}.final_logit_softcapping") or 0.0),  # type: ignore[arg-type]
+    }
 
 
 class _Reader(gguf.GGUFReader):
@@ -159,7 +187,7 @@ def load_gguf(path: Path) -> Checkpoint:
     shapes: dict[str, tuple[int, ...]] = {}
     layer_types: set[str] = set()
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
             continue
         if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2:

@@ -147,6 +147,8 @@ def _take(weights: Lazy[torch.Tensor], name: str, shape: tuple[int, ...]) -> tor
 
 
 class Transformer:
+    FFN_NORM = "post_attention_layernorm"  # the HF name of the norm in front of the MLP
+
     def __init__(
         self,
         args: ModelArgs,
@@ -203,7 +205,7 @@ class Transformer:
                 bias = torch.cat([_take(weights, f"{p}self_attn.{x}_proj.bias", (d,)) for x, d in qkv_dims])
             # (x * r * g) W^T == (x * r) (W * g)^T: the norm's weight g costs nothing per step.
             attn_norm = _take(weights, f"{p}input_layernorm.weight", (a.dim,)).float()
-            ffn_norm = _take(weights, f"{p}post_attention_layernorm.weight", (a.dim,)).float()
+            ffn_norm = _take(weights, f"{p}{self.FFN_NORM}.weight", (a.dim,)).float()
             qk_norm = None
             if a.qk_norm:
                 qn = _take(weights, f"{p}self_attn.q_norm.weight", (a.head_dim,))
@@ -290,7 +292,7 @@ class Transformer:
         Decode rows (generated tokens, drafts) and prefill pieces run apart, each on its own
         kernels: a token's numbers follow its kind, never what it is batched with.
         """
-        x = self.embed[tokens]
+        x = self._embed(tokens)
         decode = [r for r in rows if r.decode and not hidden]
         loop = self.decode_loop
         if not hidden and loop is not None and loop.prefills:  # one C++ pass for every row: all attend alone
@@ -312,6 +314,9 @@ class Transformer:
         if hidden:
             return F.rms_norm(x, (self.args.dim,), self.norm, self.args.norm_eps)
         return self._logits(x[logit_index])
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed[tokens]
 
     def _decode(
         self, x: torch.Tensor, positions: torch.Tensor, rows: list[RowPlan], slots: torch.Tensor, cache: PagedKVCache

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
 
 from ...errors import InvalidInput, Unsupported
+from .tokenizer_spm import spm_tokenizer
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 # llama.cpp treats control tokens with these texts as end-of-generation too (EOT, EOM and FIM pad/repo/sep).
@@ -155,13 +156,37 @@ def _digest(*parts: object) -> str:
     return h.hexdigest()
 
 
+def _opt(meta: dict[str, object], key: str) -> int | None:
+    v = meta.get(key)
+    return int(v) if v is not None else None  # type: ignore[call-overload]
+
+
+def _spm(meta: dict[str, object], texts: tuple[str, ...], types: tuple[int, ...]) -> TextTokenizer:
+    """llama.cpp's "llama" (SentencePiece) vocabulary: see tokenizer_spm.py."""
+    scores = tuple(float(s) for s in meta.get("tokenizer.ggml.scores", [0.0] * len(texts)))  # type: ignore[union-attr]
+    space = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    special = [t for t, k in zip(texts, types, strict=True) if k in (CONTROL, UNKNOWN)]
+    user = [t for t, k in zip(texts, types, strict=True) if k == USER_DEFINED]
+    tok = spm_tokenizer(texts, scores, special, user, space)
+    bos, eos = _opt(meta, "tokenizer.ggml.bos_token_id"), _opt(meta, "tokenizer.ggml.eos_token_id")
+    eog = _eog(
+        texts, types, [eos, _opt(meta, "tokenizer.ggml.eot_token_id"), _opt(meta, "tokenizer.ggml.eom_token_id")]
+    )
+    digest = _digest("llama", space, texts, types, scores, bos, eos)
+    return TextTokenizer(tok, Vocab(texts, types, bos, eos, eog, digest), byte_level=False)
+
+
 def from_gguf_metadata(meta: dict[str, object]) -> TextTokenizer:
-    """Rebuild llama.cpp's gpt2-style BPE tokenizer from tokenizer.ggml.* metadata."""
+    """Rebuild llama.cpp's tokenizer from tokenizer.ggml.* metadata: gpt2-style BPE or llama (SPM)."""
     model = str(meta.get("tokenizer.ggml.model", ""))
-    if model != "gpt2":
-        raise Unsupported("GGUF tokenizer", f"tokenizer.ggml.model={model!r}; only gpt2 (byte-level BPE) is built")
+    if model not in ("gpt2", "llama"):
+        raise Unsupported(
+            "GGUF tokenizer", f"tokenizer.ggml.model={model!r}; built: gpt2 (byte-level BPE), llama (SPM)"
+        )
     texts = tuple(str(t) for t in meta["tokenizer.ggml.tokens"])  # type: ignore[union-attr]
     types = tuple(int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(texts)))  # type: ignore[union-attr]
+    if model == "llama":
+        return _spm(meta, texts, types)
     merges = [tuple(str(m).split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]  # type: ignore[union-attr]
     pre = str(meta.get("tokenizer.ggml.pre", "default"))
     vocab_map = {t: i for i, t in enumerate(texts)}
@@ -175,12 +200,10 @@ def from_gguf_metadata(meta: dict[str, object]) -> TextTokenizer:
     tok.add_special_tokens(special)
     tok.add_tokens(user)
 
-    def opt(key: str) -> int | None:
-        v = meta.get(key)
-        return int(v) if v is not None else None  # type: ignore[call-overload]
-
-    bos, eos = opt("tokenizer.ggml.bos_token_id"), opt("tokenizer.ggml.eos_token_id")
-    eog = _eog(texts, types, [eos, opt("tokenizer.ggml.eot_token_id"), opt("tokenizer.ggml.eom_token_id")])
+    bos, eos = _opt(meta, "tokenizer.ggml.bos_token_id"), _opt(meta, "tokenizer.ggml.eos_token_id")
+    eog = _eog(
+        texts, types, [eos, _opt(meta, "tokenizer.ggml.eot_token_id"), _opt(meta, "tokenizer.ggml.eom_token_id")]
+    )
     digest = _digest(model, pre, texts, types, merges, bos, eos)
     return TextTokenizer(tok, Vocab(texts, types, bos, eos, eog, digest), byte_level=True)
 
