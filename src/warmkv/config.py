@@ -29,6 +29,9 @@ THINKING_HISTORY = ("keep", "template")
 # resident KV that shifted position, recomputing the first tokens of each (approximate).
 REUSE_MODES = ("exact", "chunks")
 MIN_CHUNK_TOKENS = 16
+# Sliding-window layers (e.g. Gemma 3): "window" keeps about n_swa + n_ubatch cells for them
+# and checkpoints their state so a cut-back sequence stays exact; "full" keeps every position.
+SWA_CACHES = ("window", "full")
 # Upper bound for num_ctx when the caller leaves it to the model: keeps the
 # preallocated KV modest on small machines while fitting agent contexts.
 DEFAULT_MAX_CTX = 4096
@@ -97,6 +100,11 @@ class RuntimeConfig:
     reuse_mode: str = "exact"
     chunk_min_tokens: int = 64  # shortest moved run
     chunk_recompute: int = 8  # tokens recomputed at the start of each moved run
+    # Sliding-window models only (see SWA_CACHES). A checkpoint of the window layers is taken
+    # where a prompt ends and each time a prefill passes a multiple of swa_checkpoint_tokens
+    # (0: at prompt ends only); a partial hit restores the nearest one at or before it.
+    swa_cache: str = "window"
+    swa_checkpoint_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.num_ctx is not None:
@@ -134,6 +142,8 @@ class RuntimeConfig:
         _choice("reuse_mode", self.reuse_mode, REUSE_MODES)
         _int("chunk_min_tokens", self.chunk_min_tokens, minimum=MIN_CHUNK_TOKENS, maximum=self.num_ctx)
         _int("chunk_recompute", self.chunk_recompute, minimum=0, maximum=self.chunk_min_tokens - 1)
+        _choice("swa_cache", self.swa_cache, SWA_CACHES)
+        _int("swa_checkpoint_tokens", self.swa_checkpoint_tokens, minimum=0, maximum=1 << 20)
         if self.kv_store_dir is not None and not isinstance(self.kv_store_dir, str):
             raise InvalidConfig(f"kv_store_dir must be a path string, got {self.kv_store_dir!r}")
         if not isinstance(self.disable_bos, bool):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .backends.base import Backend, ForwardRow
+from .backends.base import Backend, ForwardRow, exact_cut
 from .errors import SessionFatal
 
 
@@ -48,15 +48,25 @@ class ResidentContext:
     def live(self) -> int:
         return len(self.tokens) if self.detached is None else self.detached
 
-    def truncate(self, n: int) -> None:
-        """Keep the first n resident tokens; logits survive only where the kept prefill logits sit."""
+    def truncate(self, n: int, *, refill: bool = True) -> None:
+        """Keep the first n resident tokens; logits survive only where the kept prefill logits sit.
+
+        Sliding-window layers forget: where the KV of exactly n cannot be had, the backend cuts to
+        the nearest exact point m < n (a checkpoint, or 0) and tokens [m, n) are prefilled again
+        (refill=False: they stay dropped, for a caller that prefills from wherever the cut lands).
+        """
         if n < len(self.tokens):
-            self.backend.truncate(self.seq, n)
-            del self.tokens[n:]
+            m = exact_cut(self.backend, self.seq, n)
+            self.backend.truncate(self.seq, m)
+            lost = self.tokens[m:n]
+            del self.tokens[m:]
             kept = self.prefill_logits
-            self.logits = kept[1] if kept is not None and kept[0] == n else None
-            if kept is not None and kept[0] > n:
+            self.logits = kept[1] if kept is not None and kept[0] == m else None
+            if kept is not None and kept[0] > m:
                 self.prefill_logits = None
+            self.pending = []
+            if lost and refill:
+                self.eval(lost)
         if self.detached is not None and self.detached >= len(self.tokens):
             self.detached = None
         if self.exact_end is not None and self.exact_end >= len(self.tokens):

@@ -135,8 +135,9 @@ class PrefixLoad:
             # logits unknown until settle() drops the detached part (and restores the kept prefill logits)
             ctx.pending, ctx.logits, ctx.detached = [], None, plan.reused
         else:
-            ctx.truncate(reused)
+            ctx.truncate(reused, refill=False)  # the plan cut `reused` to an exact point already
             ctx.detached = None
+            reused = min(reused, len(ctx.tokens))
         ctx.prefix_len = ctx.suffix_end = 0
         self.reused = reused
         if tiers is not None:
@@ -196,7 +197,7 @@ class PrefixLoad:
             ctx.reset()
             return False
         ctx.reset(hit.kv.tokens)
-        ctx.truncate(hit.n_tokens)
+        ctx.truncate(hit.n_tokens, refill=False)  # hit.n_tokens is an exact point of the entry
         return True
 
     @property
@@ -251,7 +252,7 @@ class PrefixLoad:
         """Roll back this load's prefill (what it dropped stays dropped: the KV is gone)."""
         self._release()
         if self.ctx.fatal is None:
-            self.ctx.truncate(self.start)
+            self.ctx.truncate(self.start, refill=False)
 
     def _release(self) -> None:
         stash, self._stash = self._stash, None

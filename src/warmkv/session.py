@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .backends.base import exact_cut
 from .config import DecodeConfig
 from .context import ResidentContext
 from .decode_state import DecodeState
@@ -178,6 +179,12 @@ class Session:
             cfg = self._rt.config
             runs = (cfg.chunk_min_tokens, cfg.chunk_recompute) if chunks else None
             moves = plan_moves(tokens, ctx.tokens, reused, *runs) if runs is not None and same else ()
+            common = reused
+            if reused < len(ctx.tokens):  # sliding-window layers: back to the nearest exact point
+                reused = exact_cut(self._backend, self._seq, reused)
+            reason = self._prefix_reason(same, manifest, reused, len(tokens))
+            if reused < common:
+                reason += f" (diverged at token {common}; the nearest exact point of the window layers is {reused})"
             return PrefixPlan(
                 tokens=tuple(tokens),
                 raw=raw,
@@ -185,8 +192,8 @@ class Session:
                 reused=reused,
                 detach=same and reused == len(tokens) and len(ctx.tokens) > reused,
                 dropped=len(ctx.tokens) + len(ctx.pending) - reused,
-                reason=self._prefix_reason(same, manifest, reused, len(tokens)),
-                divergence=self._divergence(tokens, reused, add_bos) if same and reused < len(ctx.tokens) else None,
+                reason=reason,
+                divergence=self._divergence(tokens, common, add_bos) if same and common < len(ctx.tokens) else None,
                 resident=tuple(ctx.tokens),
                 moves=moves,
                 runs=runs,

@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .backends.base import Backend, BlobKV, KeptKV
+from .backends.base import Backend, BlobKV, KeptKV, kept_cut
 from .cache import (
     CacheEntry,
     EvictedEntry,
@@ -152,7 +152,7 @@ class KVTiers:
         m = self.memory.match(keys, count=count)
         if m.entry is not None:
             kv = cached_kv(m.entry)
-            n = common_prefix_len(kv.tokens, tokens)
+            n = kept_cut(kv.kv, common_prefix_len(kv.tokens, tokens))
             if n > beat:
                 return WarmHit("memory", n, kv)
         return None
@@ -184,9 +184,9 @@ class KVTiers:
             e = queued.entry
             try:
                 blob = blob_bytes(e.blob)  # a spill not copied yet: copied here, off the lock
-                return WarmHit(
-                    "disk", queued.n_tokens, CachedKV(e.tokens, BlobKV(self._backend, blob), manifest_digest)
-                )
+                kept = BlobKV(self._backend, blob)
+                if (n := kept.cut(queued.n_tokens)) > beat:
+                    return WarmHit("disk", n, CachedKV(e.tokens, kept, manifest_digest))
             except WarmkvError as err:  # written meanwhile (the store has it), or its copy failed
                 log.debug("queued kv entry not readable: %s", err)
         try:
@@ -195,8 +195,9 @@ class KVTiers:
             log.warning("kv store lookup failed: %s", e)
             return None
         if s is not None and s.n_tokens > beat:
-            kv = CachedKV(tuple(s.entry.tokens), BlobKV(self._backend, s.entry.blob), manifest_digest)
-            return WarmHit("disk", s.n_tokens, kv)
+            kept = BlobKV(self._backend, s.entry.blob)
+            if (n := kept.cut(s.n_tokens)) > beat:
+                return WarmHit("disk", n, CachedKV(tuple(s.entry.tokens), kept, manifest_digest))
         return None
 
     def load(self, hit: WarmHit, seq: int) -> None:

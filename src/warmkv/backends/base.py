@@ -67,8 +67,9 @@ class KVMemory:
     sequences: int  # n_seq_max sessions + the runtime's own
     pool_tokens: int  # tokens the allocation holds in all
     allocated: bool  # False until the first session opens
+    detail: str | None = None  # how a sliding-window model's layers differ from the rest
 
-    def to_dict(self) -> dict[str, int | bool]:
+    def to_dict(self) -> dict[str, int | bool | str]:
         return {
             "bytes": self.bytes,
             "bytes_per_token": self.bytes_per_token,
@@ -76,7 +77,7 @@ class KVMemory:
             "sequences": self.sequences,
             "pool_tokens": self.pool_tokens,
             "allocated": self.allocated,
-        }
+        } | ({"detail": self.detail} if self.detail else {})
 
     def describe(self) -> str:
         mib = self.bytes / 2**20
@@ -84,6 +85,7 @@ class KVMemory:
             f"{mib:,.1f} MiB for {self.pool_tokens:,} tokens ({self.sequences} sequences x "
             f"{self.tokens_per_seq:,} tokens, {self.bytes_per_token:,} bytes per token)"
             + ("" if self.allocated else ", allocated when the first session opens")
+            + (f"; {self.detail}" if self.detail else "")
         )
 
 
@@ -204,6 +206,22 @@ class KeptKV(Protocol):
         ...
 
 
+def exact_cut(backend: Backend, seq: int, n: int) -> int:
+    """The longest m <= n that seq can be truncated to with exactly a cold prefill's KV.
+
+    n, except on a backend whose sliding-window layers forget (llama.cpp's exact_cut: it then
+    names the nearest checkpoint at or before n, or 0).
+    """
+    cut = getattr(backend, "exact_cut", None)
+    return n if cut is None else cut(seq, n)
+
+
+def kept_cut(kv: KeptKV, n: int) -> int:
+    """exact_cut for kept KV (a tier entry), before it is loaded."""
+    cut = getattr(kv, "cut", None)
+    return n if cut is None else cut(n)
+
+
 class BlobKV:
     """KV held as an export_seq blob; loading it is an import_seq."""
 
@@ -214,6 +232,11 @@ class BlobKV:
 
     def load_into(self, seq: int) -> None:
         self._backend.import_seq(seq, self.blob)
+
+    def cut(self, n: int) -> int:
+        """How many of the first n tokens load exactly (see exact_cut)."""
+        cut = getattr(self._backend, "blob_cut", None)
+        return n if cut is None else cut(self.blob, n)
 
     def to_bytes(self) -> Blob:
         return self.blob

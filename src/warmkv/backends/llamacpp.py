@@ -25,6 +25,7 @@ from pathlib import Path
 import llama_cpp as lc
 import numpy as np
 
+from ..cache.store_types import Blob
 from ..config import DecodeConfig, RuntimeConfig
 from ..errors import (
     EngineError,
@@ -41,6 +42,7 @@ from .base import BlobKV, ForwardRow, KVMemory, ModelInfo, ModelState, check_emb
 from .compute_thread import ComputeThread, on_compute_thread
 from .llamacpp_embed import EmbeddingContext
 from .llamacpp_moves import KVMover, LlamaMovedKV, chunk_support, require
+from .llamacpp_window import WindowKV, unpack
 from .options import LlamaCppOptions
 from .slots import SeqSlots
 
@@ -56,6 +58,12 @@ _FLASH = {"on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED, "off": lc.LLAMA_FLASH_ATTN_TYP
 # of 32 values in 34 and 18 bytes.
 KV_TYPE_BYTES = {"f32": (4, 1), "f16": (2, 1), "bf16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
 GGUF_MAGIC = b"GGUF"
+# With swa_cache="window" llama.cpp gives the window layers n_swa + n_ubatch cells (padded to
+# 256): n_ubatch is capped here so that at 4,096 tokens Gemma 3's KV is under a third of full.
+WINDOW_UBATCH = 256
+# Which layers attend through the window: llama.cpp fixes the pattern per architecture (every
+# period-th layer is full attention); it is not in the GGUF, so kv_memory() uses this table.
+SWA_PERIOD = {"gemma3": 6, "gemma2": 2, "cohere2": 4}
 log = logging.getLogger("warmkv.llamacpp")
 
 _init_lock = threading.Lock()
@@ -151,6 +159,14 @@ class LlamaCppBackend:
         self._chunks = self.config.reuse_mode == "chunks"
         self._mover = KVMover(self, self._slots.total) if self._chunks else None
         self._compute = ComputeThread.shared("warmkv-compute")  # every llama_decode runs there
+        n_swa = lc.llama_model_n_swa(model)
+        self._ring = n_swa > 0 and self.config.swa_cache == "window"
+        self._window: WindowKV | None = None
+        if n_swa > 0 and not self._chunks:
+            # llama.cpp's window cache: n_swa + n_ubatch cells, padded to 256
+            cells = min(self.config.num_ctx, -(-(n_swa + self._ubatch()) // 256) * 256) if self._ring else None
+            every = self.config.swa_checkpoint_tokens
+            self._window = WindowKV(n_swa, every, cells, lambda: self._ctx, lambda: self._mem)
 
     # -- model facts -------------------------------------------------------
 
@@ -160,13 +176,17 @@ class LlamaCppBackend:
 
     def numerics(self) -> dict[str, object]:
         c = self.config
-        return {
-            "kv_cache_type": c.kv_cache_type,
-            "flash_attn": c.flash_attn,
-            "n_gpu_layers": c.n_gpu_layers,
-            "num_ubatch": c.num_ubatch,
-            "llama_cpp": lc.__version__,
-        } | ({"kv_unified": True} if self._chunks else {})
+        return (
+            {
+                "kv_cache_type": c.kv_cache_type,
+                "flash_attn": c.flash_attn,
+                "n_gpu_layers": c.n_gpu_layers,
+                "num_ubatch": self._ubatch(),
+                "llama_cpp": lc.__version__,
+            }
+            | ({"kv_unified": True} if self._chunks else {})
+            | ({"swa_cache": c.swa_cache} if self._window else {})
+        )
 
     def _read_metadata(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -234,28 +254,62 @@ class LlamaCppBackend:
     def is_eog(self, token: int) -> bool:
         return bool(lc.llama_vocab_is_eog(self._vocab, token))
 
+    def _ubatch(self) -> int:
+        c = self.config
+        return min(c.num_ubatch, WINDOW_UBATCH) if self._ring else c.num_ubatch
+
+    def window_cells(self) -> int | None:
+        """Cells per sequence of the window layers (None: no sliding window, or a full-size one)."""
+        return None if self._window is None else self._window.cells
+
+    def window_layers(self) -> int:
+        if self._window is None:
+            return 0
+        period = SWA_PERIOD.get(self.info.architecture)
+        return self.info.n_layer - self.info.n_layer // period if period else self.info.n_layer
+
     def kv_memory(self) -> KVMemory:
-        # One KV stream of num_ctx cells per sequence (kv_unified off), K and V in every layer.
+        # One KV stream of num_ctx cells per sequence (kv_unified off), K and V in every layer;
+        # with swa_cache="window" the window layers hold window_cells() cells instead.
         arch = self.info.architecture
         n_head_kv = lc.llama_model_n_head_kv(self._model) if self._model else 0
         head = self.info.n_embd // max(1, lc.llama_model_n_head(self._model)) if self._model else 0
         k_dim = int(self.info.metadata.get(f"{arch}.attention.key_length", head) or head)
         v_dim = int(self.info.metadata.get(f"{arch}.attention.value_length", head) or head)
         num, den = KV_TYPE_BYTES[self.config.kv_cache_type]
-        per_token = self.info.n_layer * n_head_kv * (k_dim + v_dim) * num // den
+        per_layer = n_head_kv * (k_dim + v_dim) * num // den
+        per_token = self.info.n_layer * per_layer
         seqs = self._slots.total
         if self._chunks:  # one unified stream: the sequences share it
             cells, pool = self.config.num_ctx, self._n_ctx()
         else:
             cells = lc.llama_n_ctx_seq(self._ctx) if self._ctx is not None else self.config.num_ctx
             pool = cells * seqs
+        total, detail = per_token * pool, None
+        if self._window is not None:
+            swa, win = self.window_layers(), self.window_cells()
+            if win is not None:
+                total = (per_token - swa * per_layer) * pool + swa * per_layer * win * seqs
+            detail = (
+                f"swa_cache={self.config.swa_cache}: {swa} of {self.info.n_layer} layers attend a "
+                f"{self._window.n_swa}-token window"
+                + (f" and keep {win:,} cells" if win is not None else " and keep every position")
+                + (
+                    f"; checkpoints every {self._window.every} tokens from {self._window.n_swa}"
+                    if win is not None
+                    else f"; checkpoints every {self._window.every} tokens and at prompt ends"
+                )
+                + ", "
+                f"{swa * per_layer * self._window.n_swa / 2**20:,.1f} MiB each"
+            )
         return KVMemory(
-            bytes=per_token * pool,
+            bytes=total,
             bytes_per_token=per_token,
             tokens_per_seq=cells,
             sequences=seqs,
             pool_tokens=pool,
             allocated=self._ctx is not None,
+            detail=detail,
         )
 
     # -- context and sequences ----------------------------------------------
@@ -273,7 +327,8 @@ class LlamaCppBackend:
         p = lc.llama_context_default_params()
         p.n_ctx = self._n_ctx()
         p.n_batch = c.num_batch
-        p.n_ubatch = c.num_ubatch
+        p.n_ubatch = self._ubatch()
+        p.swa_full = c.swa_cache == "full"
         p.n_seq_max = KVMover.sequences(self._slots.total) if self._chunks else self._slots.total
         p.n_threads = c.num_threads
         p.n_threads_batch = c.num_threads
@@ -312,6 +367,8 @@ class LlamaCppBackend:
     def release_seq(self, seq: int) -> None:
         if self._mover is not None and self._mem is not None:
             self._mover.clear_stash(seq)
+        if self._window is not None:
+            self._window.forget(seq)
         if self._mem is not None and not lc.llama_memory_seq_rm(self._mem, seq, -1, -1):
             # Its cells are still held: a session given this slot would find them, so keep it out of use.
             log.warning("llama.cpp could not clear sequence %d; its slot stays reserved", seq)
@@ -323,8 +380,26 @@ class LlamaCppBackend:
             raise InvalidInput(f"truncate length must be an integer >= 0, got {n!r}")
         if self._mem is None:
             return
+        if self._window is not None:  # InvalidInput, seq unchanged, where n is not an exact point
+            self._window.truncate(seq, n)
+            return
         if not lc.llama_memory_seq_rm(self._mem, seq, n, -1):
             raise SessionFatal(f"llama.cpp could not drop positions >= {n} of sequence {seq}")
+
+    def exact_cut(self, seq: int, n: int) -> int:
+        """The longest m <= n that truncate(seq, m) keeps exact: n, except where window layers forgot."""
+        if self._window is None or self._mem is None:
+            return n
+        return self._window.exact_cut(seq, n)
+
+    def blob_cut(self, blob: Blob, n: int) -> int:
+        """exact_cut for export_seq bytes, before they are loaded."""
+        if self._window is None:
+            return n
+        try:
+            return self._window.blob_cut(blob, n)
+        except InvalidInput:  # not ours: import_seq will refuse it, and the load falls back to cold
+            return 0
 
     def copy_seq(self, src: int, dst: int, n: int) -> None:
         self._activate()
@@ -345,6 +420,9 @@ class LlamaCppBackend:
         lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # returns nothing: the length check below tells
         ok = lc.llama_memory_seq_rm(self._mem, dst, n, -1)
         got = self._length(dst)
+        if self._window is not None:
+            self._window.copy(src, dst, n)
+            ok = ok and self._window.window_ok(dst, got)  # cut below its window: not exact
         if not ok or got != want:
             if not lc.llama_memory_seq_rm(self._mem, dst, -1, -1):
                 raise SessionFatal(f"llama.cpp left sequence {dst} half copied from {src} and could not clear it")
@@ -359,17 +437,28 @@ class LlamaCppBackend:
         n = lc.llama_state_seq_get_data(self._ctx, buf, size, seq)
         if n != size:
             raise EngineError(f"llama.cpp wrote {n} of the {size} bytes of sequence {seq}'s state")
-        return ctypes.string_at(buf, n)
+        state = ctypes.string_at(buf, n)
+        if self._window is None:
+            return state
+        # llama.cpp's bytes keep only the last window: the checkpoints let an importer cut back
+        return self._window.pack(seq, state, self._length(seq))
 
     def import_seq(self, seq: int, blob: bytes) -> None:
         """Replace the sequence's KV with state bytes from export_seq (same manifest)."""
         self._activate()
         self._slots.check(seq)
+        checkpoints: dict[int, bytes] = {}
+        if self._window is not None:
+            length, checkpoints, blob = unpack(blob)  # InvalidInput before seq is touched
         if not lc.llama_memory_seq_rm(self._mem, seq, -1, -1):
             raise SessionFatal(f"llama.cpp could not clear sequence {seq} to import its state")
+        if self._window is not None:
+            self._window.set_from(seq, checkpoints, length)
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         n = lc.llama_state_seq_set_data(self._ctx, buf, len(blob), seq)
         if n != len(blob):
+            if self._window is not None:
+                self._window.forget(seq)
             # 0: rejected; fewer: the blob holds more than one state. Either way seq ends empty.
             if not lc.llama_memory_seq_rm(self._mem, seq, -1, -1):
                 raise SessionFatal(f"llama.cpp could not clear sequence {seq} after a failed import")
@@ -433,6 +522,14 @@ class LlamaCppBackend:
         check_rows(
             rows, n_vocab=self._n_vocab, num_ctx=self.config.num_ctx, check_seq=self._slots.check, length=self._length
         )
+        if self._window is not None:
+            for row in rows:  # never attend a window with a hole in it (answers would be fluent and wrong)
+                if not self._window.window_ok(row.seq, row.start):
+                    lo = lc.llama_memory_seq_pos_min(self._mem, row.seq)
+                    raise InvalidInput(
+                        f"sequence {row.seq} holds window positions from {lo} only; a row at {row.start} "
+                        f"needs them from {row.start - self._window.n_swa} (window {self._window.n_swa})"
+                    )
         out: list[np.ndarray | None] = [
             np.empty((len(r.tokens), self._n_vocab), dtype=np.float32) if r.all_logits else None for r in rows
         ]
@@ -455,6 +552,10 @@ class LlamaCppBackend:
                 self._decode(fill, pending, rows, out)
         except _DecodeFailed as e:
             self._roll_back(rows, str(e))
+        if self._window is not None:
+            for row in rows:
+                if not row.decode:
+                    self._window.after_row(row.seq, row.start, row.start + len(row.tokens), row.want_logits)
         return out
 
     def _roll_back(self, rows: Sequence[ForwardRow], reason: str) -> None:

@@ -45,6 +45,16 @@ def _stream(session: Any, cfg: DecodeConfig, t0: float) -> tuple[float | None, A
     return ttft, last
 
 
+def sliding_window_rows(rt: Runtime) -> list[tuple[str, str]]:
+    """The cache choice of a sliding-window model (it changes the numbers, and the KV size)."""
+    numerics = rt.backend.numerics()
+    if "swa_cache" not in numerics:
+        return []
+    c = rt.config
+    # the spacing as used: on a window-sized ring it is rounded up to the ring (the KV memory line)
+    return [("sliding-window cache", f"{c.swa_cache} (--swa-checkpoint-tokens {c.swa_checkpoint_tokens})")]
+
+
 @runtime_options()
 def info(opts: RuntimeOptions) -> None:
     """Show the model's metadata, its KV memory and the backends installed here."""
@@ -68,6 +78,7 @@ def info(opts: RuntimeOptions) -> None:
             ("chat template", _template(rt)),
             ("file sha256", i.file_digest),
             ("manifest", rt.manifest().digest),
+            *sliding_window_rows(rt),
             ("state", rt.state.value),
         ]:
             t.add_row(k, str(v))
