@@ -112,6 +112,9 @@ def test_signatures_find_their_text_and_only_this_servers() -> None:
     store.sign("b")
     store.sign("c")
     assert store.text(sig) is None  # bounded: the oldest went first
+    store.remember_answer("4", "2 + 2")
+    assert store.answer_reasoning(" 4\n") == "2 + 2" and store.answer_reasoning("5") is None
+    assert store.answer_reasoning("") is None
 
 
 def test_thinking_grammars_compile() -> None:

@@ -90,6 +90,12 @@ def test_chat_reasoning_separated_streamed_and_not(oai: openai.OpenAI) -> None:
         reasoning += getattr(delta, "reasoning_content", None) or ""
         content += delta.content or ""
     assert (reasoning, content) == (m.reasoning_content, m.content)
+    # Sent back without its reasoning_content, the answer gets it back: the prompt is the same either way.
+    prompts = []
+    for answer in ({"content": m.content}, {"content": m.content, "reasoning_content": m.reasoning_content}):
+        again = [*msgs, {"role": "assistant", **answer}, {"role": "user", "content": "And 3 + 3?"}]
+        prompts.append(oai.chat.completions.create(messages=again, **{**kw, "max_tokens": 1}).usage.prompt_tokens)
+    assert prompts[0] == prompts[1]
 
 
 def test_json_schema_after_reasoning_is_separated(open_base: str) -> None:

@@ -122,6 +122,8 @@ class ChatTurn:
                 end = self._end(chunk)
                 if end.error is None and end.finish_reason != "cancelled":
                     await run_in_threadpool(self.st.runtime.remember_turn, self.gen.prompt_ids, generated, end.calls)
+                    if end.reasoning and not end.calls:
+                        self.st.reasoning.remember_answer(end.content, end.reasoning)
                 yield TurnStep(events, chunk, end)
                 return
         except BaseException:
@@ -212,6 +214,8 @@ def _prepare(st: ServerState, inp: ChatInput) -> _Prompt:
     """Check the history, strip known volatile blocks, shape it for the template, render it."""
     rt = st.runtime
     history = check_history(inp.messages, inp.messages_param)
+    if st.thinks:
+        history = [_with_reasoning(st, m) for m in history]
     fired: tuple[str, ...] = ()
     if not st.settings.keep_volatile:
         history, fired = strip_volatile(history)
@@ -220,6 +224,14 @@ def _prepare(st: ServerState, inp: ChatInput) -> _Prompt:
         messages, add_generation_prompt=True, tools=template_tools, template_kwargs=inp.template_kwargs
     )
     return _Prompt(text, messages, template_tools, fired)
+
+
+def _with_reasoning(st: ServerState, m: dict[str, Any]) -> dict[str, Any]:
+    """A text answer sent back without its reasoning gets the reasoning this server generated before it."""
+    if m["role"] != "assistant" or m.get("tool_calls") or m.get("reasoning_content"):
+        return m
+    reasoning = st.reasoning.answer_reasoning(m["content"])
+    return m if reasoning is None else {**m, "reasoning_content": reasoning}
 
 
 def render_prompt(st: ServerState, inp: ChatInput) -> str:

@@ -1,4 +1,4 @@
-"""Reasoning the server produced, by the signature it gave it.
+"""Reasoning the server produced, by the signature it gave it, and by the answer it preceded.
 
 Anthropic's thinking blocks carry a `signature`, and the Responses API's reasoning items an
 `encrypted_content`, that clients keep and send back with the conversation. warmkv signs
@@ -6,6 +6,10 @@ each reply's reasoning with a key of its own (HMAC-SHA256) and keeps the text by
 signature, so a client that sends the signature back without the text (a redacted block,
 an item without content) still gets the turn rendered as the model wrote it, and warm.
 A signature this server did not make is not an error: the block is not ours to read.
+
+Chat Completions clients often send an answer back without its reasoning_content. A text
+answer (no tool calls; those come back through the turn memory) is kept by its text, so the
+reasoning that preceded it can be put back where the client left it out.
 
 Bounded (least recently used first) and thread-safe; its lock is a leaf.
 """
@@ -26,6 +30,7 @@ class ReasoningStore:
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
         self._key = secrets.token_bytes(32)
         self._texts: OrderedDict[str, str] = OrderedDict()
+        self._answers: OrderedDict[str, str] = OrderedDict()  # sha256 of an answer's text -> its reasoning
         self._lock = threading.Lock()
         self.max_entries = max_entries
 
@@ -55,3 +60,19 @@ class ReasoningStore:
             if found is not None:
                 self._texts.move_to_end(signature)
             return found
+
+    def remember_answer(self, answer: str, reasoning: str) -> None:
+        """Keep the reasoning that preceded a text answer."""
+        key = hashlib.sha256(answer.strip().encode()).hexdigest()
+        with self._lock:
+            self._answers[key] = reasoning
+            self._answers.move_to_end(key)
+            while len(self._answers) > self.max_entries:
+                self._answers.popitem(last=False)
+
+    def answer_reasoning(self, answer: str) -> str | None:
+        """The reasoning this server generated before exactly this answer, if it still holds it."""
+        if not answer.strip():
+            return None
+        with self._lock:
+            return self._answers.get(hashlib.sha256(answer.strip().encode()).hexdigest())
