@@ -91,6 +91,28 @@ def test_kept_rendering_only_grows_where_the_template_drops_reasoning() -> None:
     assert kept.render(later, add_generation_prompt=True).startswith(as_kept)
 
 
+def test_kept_rendering_of_long_and_odd_conversations() -> None:
+    t = ChatTemplate(QWEN3, adds_bos=False)
+    # A user message whose text also ends the previous turn and starts the generation prompt.
+    odd = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "assistant", "reasoning_content": "r"},
+        {"role": "user", "content": "assistant"},
+    ]
+    kept = KeptRenderer(t.render).render(odd, add_generation_prompt=True)
+    assert kept.endswith("assistant<|im_end|>\n<|im_start|>user\nassistant<|im_end|>\n<|im_start|>assistant\n")
+    # Hundreds of exchanges, cold: no recursion, and the same prompt as built turn by turn.
+    pairs: list[dict[str, object]] = []
+    for k in range(600):
+        pairs += [
+            {"role": "user", "content": f"q{k}"},
+            {"role": "assistant", "content": f"a{k}", "reasoning_content": f"t{k}"},
+        ]
+    pairs.append({"role": "user", "content": "last"})
+    cold = KeptRenderer(t.render, max_entries=4).render(pairs, add_generation_prompt=True)
+    assert "<think>\nt0\n</think>\n\na0" in cold and "<think>\nt599\n</think>\n\na599" in cold
+
+
 def test_a_template_that_keeps_everything_renders_as_it_says() -> None:
     t = ChatTemplate(CHATML, adds_bos=False)
     msgs = [*_loop(0), {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]

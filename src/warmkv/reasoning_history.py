@@ -30,6 +30,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .errors import InvalidInput
+
 Render = Callable[..., str]  # ChatTemplate.render: (messages, add_generation_prompt=, tools=, template_kwargs=)
 MEMO_ENTRIES = 256
 JOIN_CHARS = 64  # the tail of the history's last message that finds the join
@@ -66,24 +68,47 @@ class KeptRenderer:
         users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
         if not users or not _has_earlier_assistant(messages, users[-1]):
             return full
+        try:
+            head = self._history(messages, users, kw)
+            # The join lies before the generation prompt: search the conversation's own text only.
+            body = self._render(messages, add_generation_prompt=False, **kw) if add_generation_prompt else full
+        except InvalidInput:
+            return full  # a template that refuses a history prefix (say, no user message yet)
+        if not full.startswith(body):
+            return full
         u = users[-1]
-        head = self._history(messages[:u], kw)
-        joined = _join(head, full, messages[u - 1], messages[u])
+        joined = _join(head, full, len(body), messages[u - 1], messages[u])
         return full if joined is None else joined
 
-    def _history(self, history: Sequence[Mapping[str, Any]], kw: dict[str, Any]) -> str:
-        key = _key(history, [kw["tools"], dict(kw["template_kwargs"] or {})])
+    def _history(self, messages: Sequence[Mapping[str, Any]], users: list[int], kw: dict[str, Any]) -> str:
+        """kept(messages[:users[-1]]), built upwards from the deepest history the memo holds.
+
+        kept(M[:u_j]) is the plain render while no assistant turn precedes u_(j-1), else
+        kept(M[:u_(j-1)]) joined to render(M[:u_j]) at the end of M[u_(j-1) - 1].
+        """
+        extra = [kw["tools"], dict(kw["template_kwargs"] or {})]
+        keys = [_key(messages[:u], extra) for u in users]
+        start, head = 0, None
         with self._lock:
-            text = self._memo.get(key)
-            if text is not None:
-                self._memo.move_to_end(key)
-                return text
-        text = self.render(history, add_generation_prompt=False, **kw)
-        with self._lock:
-            self._memo[key] = text
-            while len(self._memo) > self.max_entries:
-                self._memo.popitem(last=False)
-        return text
+            for j in range(len(users) - 1, 0, -1):
+                if (hit := self._memo.get(keys[j - 1])) is not None:
+                    self._memo.move_to_end(keys[j - 1])
+                    start, head = j, hit
+                    break
+        for j in range(max(start, 1), len(users)):
+            prev = users[j - 1]
+            text = self._render(messages[: users[j]], add_generation_prompt=False, **kw)
+            if head is not None and _has_earlier_assistant(messages, prev):
+                joined = _join(head, text, len(text), messages[prev - 1], messages[prev])
+                text = text if joined is None else joined
+            head = text
+            with self._lock:
+                self._memo[keys[j]] = text
+                while len(self._memo) > self.max_entries:
+                    self._memo.popitem(last=False)
+        if head is None:  # one user message: nothing before it was ever dropped
+            head = self._render(messages[: users[-1]], add_generation_prompt=False, **kw)
+        return head
 
 
 def _text(message: Mapping[str, Any]) -> str:
@@ -91,11 +116,12 @@ def _text(message: Mapping[str, Any]) -> str:
     return content.strip() if isinstance(content, str) else ""
 
 
-def _join(head: str, full: str, last: Mapping[str, Any], user: Mapping[str, Any]) -> str | None:
+def _join(head: str, full: str, body: int, last: Mapping[str, Any], user: Mapping[str, Any]) -> str | None:
     """head up to the end of `last`'s text, then full from the end of that same text on.
 
-    `user` is the message after `last`: the join lies before its text. The text after `last`'s in
-    head (its closing markers) must follow it in full too, or the two do not line up.
+    `user` is the message after `last`: the join lies before its text, which lies in full[:body]
+    (the conversation without the generation prompt). The text after `last`'s in head (its
+    closing markers) must follow it in full too, or the two do not line up.
     """
     text = _text(last)
     if not text:
@@ -106,8 +132,8 @@ def _join(head: str, full: str, last: Mapping[str, Any], user: Mapping[str, Any]
         return None
     after_head = in_head + len(tail)
     user_text = _text(user)
-    limit = full.rfind(user_text) if user_text else -1
-    at = full.rfind(tail + head[after_head:], 0, limit if limit >= 0 else len(full))
+    limit = full.rfind(user_text, 0, body) if user_text else -1
+    at = full.rfind(tail + head[after_head:], 0, limit if limit >= 0 else body)
     if at < 0:
         return None
     return head[:after_head] + full[at + len(tail) :]
