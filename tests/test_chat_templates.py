@@ -104,6 +104,10 @@ def test_template_kwargs_are_checked() -> None:
         check_template_kwargs({"messages": []})
     with pytest.raises(InvalidInput, match="must be an object"):
         check_template_kwargs(["enable_thinking"])  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="namespace"):  # a helper the template calls
+        check_template_kwargs({"namespace": 1})
+    with pytest.raises(InvalidConfig, match="tools"):
+        warmkv.RuntimeConfig(chat_template_kwargs={"tools": 1})
     t = ChatTemplate(QWEN3.read_text(), adds_bos=False)
     off = t.render([{"role": "user", "content": "hi"}], template_kwargs={"enable_thinking": False})
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")

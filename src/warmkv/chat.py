@@ -42,7 +42,11 @@ GEMMA = (
 FAMILY_TEMPLATES = {"gemma": GEMMA, "gemma2": GEMMA, "gemma3": GEMMA}
 ROLES = ("system", "user", "assistant", "tool", "developer")
 # Names the template's own variables; a request's chat_template_kwargs may not set them.
-RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+# With the helpers every template may call (warmkv's and Jinja's own globals).
+RESERVED_KWARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"}
+    | set(jinja2.Environment().globals)
+)
 
 
 def _raise(message: str) -> None:
@@ -134,7 +138,7 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError, ValueError) as e:  # a variable of the wrong type, too
             raise InvalidInput(f"chat template failed to render: {e}") from e
         # The runtime adds BOS by policy; a template that also writes it would double it.
         if self.adds_bos and self.bos_token and text.startswith(self.bos_token):

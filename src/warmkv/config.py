@@ -6,15 +6,15 @@ sees the config; nothing mutates a config after construction.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from .chat import check_template_kwargs
 from .constraint import Constraint
-from .errors import InvalidConfig
+from .errors import InvalidConfig, InvalidInput
 
 # llama.cpp names; the native engine also takes f32 and bf16 (each backend rejects what it can't store).
 KV_CACHE_TYPES = ("f16", "q8_0", "q4_0", "f32", "bf16")
@@ -130,9 +130,9 @@ class RuntimeConfig:
         if not isinstance(self.chat_template_kwargs, Mapping):
             raise InvalidConfig(f"chat_template_kwargs must be a mapping, got {self.chat_template_kwargs!r}")
         try:
-            json.dumps(dict(self.chat_template_kwargs))
-        except (TypeError, ValueError) as e:
-            raise InvalidConfig(f"chat_template_kwargs must hold JSON values only: {e}") from None
+            check_template_kwargs(self.chat_template_kwargs)
+        except InvalidInput as e:
+            raise InvalidConfig(str(e)) from None
         object.__setattr__(self, "chat_template_kwargs", MappingProxyType(dict(self.chat_template_kwargs)))
         _choice("thinking_history", self.thinking_history, THINKING_HISTORY)
         _int("prefix_cache_mb", self.prefix_cache_mb, minimum=0)
