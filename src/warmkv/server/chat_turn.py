@@ -10,6 +10,8 @@ request that sends it back reuses the KV the model computed for it.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -101,6 +103,7 @@ class ChatTurn:
     st: ServerState
     headers: dict[str, str]  # how the prompt was made and reused (tool format, normalization, x-warmkv-*)
     splitter: ReasoningSplitter | None = None  # parses the think block out, when the template thinks
+    context: str = ""  # a digest of the conversation the reply answers (reasoning_store.py)
     _text: list[str] = field(default_factory=list)  # the reply's content (the think block left out)
     _reasoning_tokens: int = 0
 
@@ -123,7 +126,7 @@ class ChatTurn:
                 if end.error is None and end.finish_reason != "cancelled":
                     await run_in_threadpool(self.st.runtime.remember_turn, self.gen.prompt_ids, generated, end.calls)
                     if end.reasoning and not end.calls:
-                        self.st.reasoning.remember_answer(end.content, end.reasoning)
+                        self.st.reasoning.remember_answer(self.context, end.content, end.reasoning)
                 yield TurnStep(events, chunk, end)
                 return
         except BaseException:
@@ -208,14 +211,13 @@ class _Prompt:
     messages: list[dict[str, Any]]  # as rendered
     template_tools: list[dict[str, Any]] | None
     normalized: tuple[str, ...]  # volatile-block rules that fired
+    context: str  # a digest of the conversation (reasoning_store.py)
 
 
 def _prepare(st: ServerState, inp: ChatInput) -> _Prompt:
     """Check the history, strip known volatile blocks, shape it for the template, render it."""
     rt = st.runtime
-    history = check_history(inp.messages, inp.messages_param)
-    if st.thinks:
-        history = [_with_reasoning(st, m) for m in history]
+    history, context = _with_reasoning(st, check_history(inp.messages, inp.messages_param))
     fired: tuple[str, ...] = ()
     if not st.settings.keep_volatile:
         history, fired = strip_volatile(history)
@@ -223,15 +225,23 @@ def _prepare(st: ServerState, inp: ChatInput) -> _Prompt:
     text = rt.render_chat(
         messages, add_generation_prompt=True, tools=template_tools, template_kwargs=inp.template_kwargs
     )
-    return _Prompt(text, messages, template_tools, fired)
+    return _Prompt(text, messages, template_tools, fired, context)
 
 
-def _with_reasoning(st: ServerState, m: dict[str, Any]) -> dict[str, Any]:
-    """A text answer sent back without its reasoning gets the reasoning this server generated before it."""
-    if m["role"] != "assistant" or m.get("tool_calls") or m.get("reasoning_content"):
-        return m
-    reasoning = st.reasoning.answer_reasoning(m["content"])
-    return m if reasoning is None else {**m, "reasoning_content": reasoning}
+def _with_reasoning(st: ServerState, history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """The history with the reasoning this server generated put back on text answers sent back
+    without it (when the template thinks), and a digest of the whole conversation."""
+    if not st.thinks:
+        return history, ""
+    out: list[dict[str, Any]] = []
+    digest = hashlib.sha256()
+    for m in history:
+        if m["role"] == "assistant" and not m.get("tool_calls") and not m.get("reasoning_content"):
+            reasoning = st.reasoning.answer_reasoning(digest.hexdigest(), m["content"])
+            m = m if reasoning is None else {**m, "reasoning_content": reasoning}
+        out.append(m)
+        digest.update(json.dumps(m, sort_keys=True, ensure_ascii=False, default=str).encode())
+    return out, digest.hexdigest()
 
 
 def render_prompt(st: ServerState, inp: ChatInput) -> str:
@@ -278,9 +288,12 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
     render = functools.partial(rt.render_chat, template_kwargs=inp.template_kwargs)
     ends = message_ends(render, prompt.messages, prompt.text, tools=prompt.template_tools)
     roles = [m["role"] for m in prompt.messages]
-    cause = await run_in_threadpool(_dropped_reasoning, st, inp, prompt, gen.status)
+    try:
+        cause = await run_in_threadpool(_dropped_reasoning, st, inp, prompt, gen.status)
+    except WarmkvError:  # only a header: the turn is already running
+        cause = None
     headers.update(report(st, gen.status, gen.prompt_tokens, roles, ends, cause))
-    return ChatTurn(gen, fmt, parser, st, headers, splitter)
+    return ChatTurn(gen, fmt, parser, st, headers, splitter, prompt.context)
 
 
 def _thinking(st: ServerState, inp: ChatInput, prompt: str) -> str:

@@ -9,7 +9,8 @@ A signature this server did not make is not an error: the block is not ours to r
 
 Chat Completions clients often send an answer back without its reasoning_content. A text
 answer (no tool calls; those come back through the turn memory) is kept by its text, so the
-reasoning that preceded it can be put back where the client left it out.
+reasoning that preceded it can be put back where the client left it out; the key holds a
+digest of the conversation before the answer, so one conversation never gets another's.
 
 Bounded (least recently used first) and thread-safe; its lock is a leaf.
 """
@@ -30,7 +31,7 @@ class ReasoningStore:
     def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
         self._key = secrets.token_bytes(32)
         self._texts: OrderedDict[str, str] = OrderedDict()
-        self._answers: OrderedDict[str, str] = OrderedDict()  # sha256 of an answer's text -> its reasoning
+        self._answers: OrderedDict[str, str] = OrderedDict()  # (conversation, answer) digest -> reasoning
         self._lock = threading.Lock()
         self.max_entries = max_entries
 
@@ -61,18 +62,22 @@ class ReasoningStore:
                 self._texts.move_to_end(signature)
             return found
 
-    def remember_answer(self, answer: str, reasoning: str) -> None:
-        """Keep the reasoning that preceded a text answer."""
-        key = hashlib.sha256(answer.strip().encode()).hexdigest()
+    def remember_answer(self, context: str, answer: str, reasoning: str) -> None:
+        """Keep the reasoning that preceded a text answer, in the conversation `context` (a digest)."""
+        key = _answer_key(context, answer)
         with self._lock:
             self._answers[key] = reasoning
             self._answers.move_to_end(key)
             while len(self._answers) > self.max_entries:
                 self._answers.popitem(last=False)
 
-    def answer_reasoning(self, answer: str) -> str | None:
-        """The reasoning this server generated before exactly this answer, if it still holds it."""
+    def answer_reasoning(self, context: str, answer: str) -> str | None:
+        """The reasoning this server generated before exactly this answer in this conversation, if held."""
         if not answer.strip():
             return None
         with self._lock:
-            return self._answers.get(hashlib.sha256(answer.strip().encode()).hexdigest())
+            return self._answers.get(_answer_key(context, answer))
+
+
+def _answer_key(context: str, answer: str) -> str:
+    return hashlib.sha256(f"{context}\0{answer.strip()}".encode()).hexdigest()
