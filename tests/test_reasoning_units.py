@@ -134,9 +134,10 @@ def test_signatures_find_their_text_and_only_this_servers() -> None:
     store.sign("b")
     store.sign("c")
     assert store.text(sig) is None  # bounded: the oldest went first
-    store.remember_answer("4", "2 + 2")
-    assert store.answer_reasoning(" 4\n") == "2 + 2" and store.answer_reasoning("5") is None
-    assert store.answer_reasoning("") is None
+    store.remember_answer("conv-a", "4", "2 + 2")
+    assert store.answer_reasoning("conv-a", " 4\n") == "2 + 2" and store.answer_reasoning("conv-a", "5") is None
+    assert store.answer_reasoning("conv-b", "4") is None  # another conversation's answer is not ours
+    assert store.answer_reasoning("conv-a", "") is None
 
 
 def test_thinking_grammars_compile() -> None:
@@ -148,3 +149,8 @@ def test_thinking_grammars_compile() -> None:
         g = tool_grammar(detect(QWEN3), tools, ToolChoice("required"), True, lambda _: None, thinking)
         assert g is not None and llguidance.LLMatcher.validate_grammar(g.grammar(), None) == ""
     assert with_thinking(Constraint.regex("a+"), "optional") == Constraint.regex("a+")
+    anchored = detect("{{ tools }}[TOOL_CALLS]")  # calls only at the start: a think block goes first
+    for choice in ("auto", "required"):
+        g = tool_grammar(anchored, tools, ToolChoice(choice), True, lambda _: None, "optional")
+        assert g is not None and "think?" in g.spec
+        assert llguidance.LLMatcher.validate_grammar(g.grammar(), None) == ""

@@ -80,7 +80,7 @@ def _messages(req: ResponsesRequest, store: ReasoningStore | None = None) -> lis
         starts_turn = isinstance(item, FunctionCallItem) or getattr(item, "role", None) == "assistant"
         if thought and starts_turn:
             out.append({"role": "assistant", "content": None, "reasoning_content": thought})
-            thought = ""
+        thought = ""  # reasoning not followed by its turn (a user message, a tool output) is not rendered
         if isinstance(item, FunctionCallItem):
             name = item.name if item.namespace is None else f"{item.namespace}{NAMESPACE_SEP}{item.name}"
             call = {

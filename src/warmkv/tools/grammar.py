@@ -101,7 +101,8 @@ def tool_grammar(
     special_token(text) is the id of a control token spelled `text`, if the vocabulary has one
     (Mistral's [TOOL_CALLS] is one in its newer tokenizers, plain text in older ones).
     thinking: "", "optional" (a think block may come first) or "inside" (the prompt opened one,
-    which the reply must close first); a free-text reply allows any text before calls anyway.
+    which the reply must close first). Formats that allow text before calls take a think block
+    as such text; anchored ones (calls only at the start) take it before the calls.
     """
     if not tools:
         return None
@@ -121,7 +122,10 @@ def tool_grammar(
             return Constraint.lark(
                 f"%llguidance {{}}\nstart: {_think_ref(thinking)} calls\n{calls}\n{body}\n{_think(thinking)}"
             )
-        return Constraint.lark(f"%llguidance {{}}\nstart: TEXT | calls\n{_no_call_text(fmt)}\n{calls}\n{body}\n")
+        think = f"{_think_ref(thinking)} " if thinking else ""
+        return Constraint.lark(
+            f"%llguidance {{}}\nstart: TEXT | {think}calls\n{_no_call_text(fmt)}\n{calls}\n{body}\n{_think(thinking)}"
+        )
     one = f"body {_lit(fmt.call_close)}"
     more = f"({_lit(fmt.call_sep + fmt.call_open)} {one})*" if many else ""
     after_trigger = fmt.call_open[len(fmt.trigger) :]
