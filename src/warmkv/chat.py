@@ -156,7 +156,7 @@ def check_template_kwargs(kwargs: Mapping[str, Any] | None, param: str = "chat_t
     if clash:
         raise InvalidInput(f"{param} may not set {', '.join(clash)}: warmkv passes them itself", param=param)
     try:
-        json.dumps(kwargs)
+        json.dumps(dict(kwargs))
     except (TypeError, ValueError) as e:
         raise InvalidInput(f"{param} must hold JSON values only: {e}", param=param) from None
     return dict(kwargs)
