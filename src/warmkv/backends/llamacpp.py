@@ -40,9 +40,9 @@ from ..manifest import file_digest
 from ..sampling import Sampler
 from .base import BlobKV, ForwardRow, KVMemory, ModelInfo, ModelState, check_embed_tokens, check_rows
 from .compute_thread import ComputeThread, on_compute_thread
+from .llamacpp_checkpoints import StateCheckpoints, unpack
 from .llamacpp_embed import EmbeddingContext
 from .llamacpp_moves import KVMover, LlamaMovedKV, chunk_support, require
-from .llamacpp_window import WindowKV, unpack
 from .options import LlamaCppOptions
 from .slots import SeqSlots
 
@@ -161,12 +161,12 @@ class LlamaCppBackend:
         self._compute = ComputeThread.shared("warmkv-compute")  # every llama_decode runs there
         n_swa = lc.llama_model_n_swa(model)
         self._ring = n_swa > 0 and self.config.swa_cache == "window"
-        self._window: WindowKV | None = None
+        self._ckpt: StateCheckpoints | None = None
         if n_swa > 0 and not self._chunks:
             # llama.cpp's window cache: n_swa + n_ubatch cells, padded to 256
             cells = min(self.config.num_ctx, -(-(n_swa + self._ubatch()) // 256) * 256) if self._ring else None
             every = self.config.swa_checkpoint_tokens
-            self._window = WindowKV(n_swa, every, cells, lambda: self._ctx, lambda: self._mem)
+            self._ckpt = StateCheckpoints(n_swa, every, cells, lambda: self._ctx, lambda: self._mem)
 
     # -- model facts -------------------------------------------------------
 
@@ -185,7 +185,7 @@ class LlamaCppBackend:
                 "llama_cpp": lc.__version__,
             }
             | ({"kv_unified": True} if self._chunks else {})
-            | ({"swa_cache": c.swa_cache} if self._window else {})
+            | ({"swa_cache": c.swa_cache} if self._ckpt else {})
         )
 
     def _read_metadata(self) -> dict[str, str]:
@@ -260,10 +260,10 @@ class LlamaCppBackend:
 
     def window_cells(self) -> int | None:
         """Cells per sequence of the window layers (None: no sliding window, or a full-size one)."""
-        return None if self._window is None else self._window.cells
+        return None if self._ckpt is None else self._ckpt.cells
 
     def window_layers(self) -> int:
-        if self._window is None:
+        if self._ckpt is None:
             return 0
         period = SWA_PERIOD.get(self.info.architecture)
         return self.info.n_layer - self.info.n_layer // period if period else self.info.n_layer
@@ -286,21 +286,21 @@ class LlamaCppBackend:
             cells = lc.llama_n_ctx_seq(self._ctx) if self._ctx is not None else self.config.num_ctx
             pool = cells * seqs
         total, detail = per_token * pool, None
-        if self._window is not None:
+        if self._ckpt is not None:
             swa, win = self.window_layers(), self.window_cells()
             if win is not None:
                 total = (per_token - swa * per_layer) * pool + swa * per_layer * win * seqs
             detail = (
                 f"swa_cache={self.config.swa_cache}: {swa} of {self.info.n_layer} layers attend a "
-                f"{self._window.n_swa}-token window"
+                f"{self._ckpt.n_swa}-token window"
                 + (f" and keep {win:,} cells" if win is not None else " and keep every position")
                 + (
-                    f"; checkpoints every {self._window.every} tokens from {self._window.n_swa}"
+                    f"; checkpoints every {self._ckpt.every} tokens from {self._ckpt.n_swa}"
                     if win is not None
-                    else f"; checkpoints every {self._window.every} tokens and at prompt ends"
+                    else f"; checkpoints every {self._ckpt.every} tokens and at prompt ends"
                 )
                 + ", "
-                f"{swa * per_layer * self._window.n_swa / 2**20:,.1f} MiB each"
+                f"{swa * per_layer * self._ckpt.n_swa / 2**20:,.1f} MiB each"
             )
         return KVMemory(
             bytes=total,
@@ -367,8 +367,8 @@ class LlamaCppBackend:
     def release_seq(self, seq: int) -> None:
         if self._mover is not None and self._mem is not None:
             self._mover.clear_stash(seq)
-        if self._window is not None:
-            self._window.forget(seq)
+        if self._ckpt is not None:
+            self._ckpt.forget(seq)
         if self._mem is not None and not lc.llama_memory_seq_rm(self._mem, seq, -1, -1):
             # Its cells are still held: a session given this slot would find them, so keep it out of use.
             log.warning("llama.cpp could not clear sequence %d; its slot stays reserved", seq)
@@ -380,24 +380,24 @@ class LlamaCppBackend:
             raise InvalidInput(f"truncate length must be an integer >= 0, got {n!r}")
         if self._mem is None:
             return
-        if self._window is not None:  # InvalidInput, seq unchanged, where n is not an exact point
-            self._window.truncate(seq, n)
+        if self._ckpt is not None:  # InvalidInput, seq unchanged, where n is not an exact point
+            self._ckpt.truncate(seq, n)
             return
         if not lc.llama_memory_seq_rm(self._mem, seq, n, -1):
             raise SessionFatal(f"llama.cpp could not drop positions >= {n} of sequence {seq}")
 
     def exact_cut(self, seq: int, n: int) -> int:
         """The longest m <= n that truncate(seq, m) keeps exact: n, except where window layers forgot."""
-        if self._window is None or self._mem is None:
+        if self._ckpt is None or self._mem is None:
             return n
-        return self._window.exact_cut(seq, n)
+        return self._ckpt.exact_cut(seq, n)
 
     def blob_cut(self, blob: Blob, n: int) -> int:
         """exact_cut for export_seq bytes, before they are loaded."""
-        if self._window is None:
+        if self._ckpt is None:
             return n
         try:
-            return self._window.blob_cut(blob, n)
+            return self._ckpt.blob_cut(blob, n)
         except InvalidInput:  # not ours: import_seq will refuse it, and the load falls back to cold
             return 0
 
@@ -420,9 +420,9 @@ class LlamaCppBackend:
         lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # returns nothing: the length check below tells
         ok = lc.llama_memory_seq_rm(self._mem, dst, n, -1)
         got = self._length(dst)
-        if self._window is not None:
-            self._window.copy(src, dst, n)
-            ok = ok and self._window.window_ok(dst, got)  # cut below its window: not exact
+        if self._ckpt is not None:
+            self._ckpt.copy(src, dst, n)
+            ok = ok and self._ckpt.window_ok(dst, got)  # cut below its window: not exact
         if not ok or got != want:
             if not lc.llama_memory_seq_rm(self._mem, dst, -1, -1):
                 raise SessionFatal(f"llama.cpp left sequence {dst} half copied from {src} and could not clear it")
@@ -438,27 +438,27 @@ class LlamaCppBackend:
         if n != size:
             raise EngineError(f"llama.cpp wrote {n} of the {size} bytes of sequence {seq}'s state")
         state = ctypes.string_at(buf, n)
-        if self._window is None:
+        if self._ckpt is None:
             return state
         # llama.cpp's bytes keep only the last window: the checkpoints let an importer cut back
-        return self._window.pack(seq, state, self._length(seq))
+        return self._ckpt.pack(seq, state, self._length(seq))
 
     def import_seq(self, seq: int, blob: bytes) -> None:
         """Replace the sequence's KV with state bytes from export_seq (same manifest)."""
         self._activate()
         self._slots.check(seq)
         checkpoints: dict[int, bytes] = {}
-        if self._window is not None:
+        if self._ckpt is not None:
             length, checkpoints, blob = unpack(blob)  # InvalidInput before seq is touched
         if not lc.llama_memory_seq_rm(self._mem, seq, -1, -1):
             raise SessionFatal(f"llama.cpp could not clear sequence {seq} to import its state")
-        if self._window is not None:
-            self._window.set_from(seq, checkpoints, length)
+        if self._ckpt is not None:
+            self._ckpt.set_from(seq, checkpoints, length)
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         n = lc.llama_state_seq_set_data(self._ctx, buf, len(blob), seq)
         if n != len(blob):
-            if self._window is not None:
-                self._window.forget(seq)
+            if self._ckpt is not None:
+                self._ckpt.forget(seq)
             # 0: rejected; fewer: the blob holds more than one state. Either way seq ends empty.
             if not lc.llama_memory_seq_rm(self._mem, seq, -1, -1):
                 raise SessionFatal(f"llama.cpp could not clear sequence {seq} after a failed import")
@@ -522,13 +522,13 @@ class LlamaCppBackend:
         check_rows(
             rows, n_vocab=self._n_vocab, num_ctx=self.config.num_ctx, check_seq=self._slots.check, length=self._length
         )
-        if self._window is not None:
+        if self._ckpt is not None:
             for row in rows:  # never attend a window with a hole in it (answers would be fluent and wrong)
-                if not self._window.window_ok(row.seq, row.start):
+                if not self._ckpt.window_ok(row.seq, row.start):
                     lo = lc.llama_memory_seq_pos_min(self._mem, row.seq)
                     raise InvalidInput(
                         f"sequence {row.seq} holds window positions from {lo} only; a row at {row.start} "
-                        f"needs them from {row.start - self._window.n_swa} (window {self._window.n_swa})"
+                        f"needs them from {row.start - self._ckpt.n_swa} (window {self._ckpt.n_swa})"
                     )
         out: list[np.ndarray | None] = [
             np.empty((len(r.tokens), self._n_vocab), dtype=np.float32) if r.all_logits else None for r in rows
@@ -552,10 +552,10 @@ class LlamaCppBackend:
                 self._decode(fill, pending, rows, out)
         except _DecodeFailed as e:
             self._roll_back(rows, str(e))
-        if self._window is not None:
+        if self._ckpt is not None:
             for row in rows:
                 if not row.decode:
-                    self._window.after_row(row.seq, row.start, row.start + len(row.tokens), row.want_logits)
+                    self._ckpt.after_row(row.seq, row.start, row.start + len(row.tokens), row.want_logits)
         return out
 
     def _roll_back(self, rows: Sequence[ForwardRow], reason: str) -> None:

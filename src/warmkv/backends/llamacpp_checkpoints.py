@@ -63,7 +63,7 @@ class _Seq:
         return sum(len(b) for b in self.blobs.values())
 
 
-class WindowKV:
+class StateCheckpoints:
     """The per-sequence window checkpoints of one llama.cpp context (model lock held)."""
 
     def __init__(
