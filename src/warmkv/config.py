@@ -100,11 +100,13 @@ class RuntimeConfig:
     reuse_mode: str = "exact"
     chunk_min_tokens: int = 64  # shortest moved run
     chunk_recompute: int = 8  # tokens recomputed at the start of each moved run
-    # Sliding-window models only (see SWA_CACHES). A checkpoint of the window layers is taken
-    # where a prompt ends and each time a prefill passes a multiple of swa_checkpoint_tokens
-    # (0: at prompt ends only); a partial hit restores the nearest one at or before it.
+    # Sliding-window models only (see SWA_CACHES).
     swa_cache: str = "window"
-    swa_checkpoint_tokens: int = 512
+    # Layers that cannot be cut back (sliding-window layers on a window cache, recurrent layers of
+    # hybrid models): a checkpoint of their state is taken where a prompt ends and each time a
+    # prefill passes a multiple of checkpoint_tokens (0: at prompt ends only); a partial hit
+    # restores the nearest one at or before it.
+    checkpoint_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.num_ctx is not None:
@@ -143,7 +145,7 @@ class RuntimeConfig:
         _int("chunk_min_tokens", self.chunk_min_tokens, minimum=MIN_CHUNK_TOKENS, maximum=self.num_ctx)
         _int("chunk_recompute", self.chunk_recompute, minimum=0, maximum=self.chunk_min_tokens - 1)
         _choice("swa_cache", self.swa_cache, SWA_CACHES)
-        _int("swa_checkpoint_tokens", self.swa_checkpoint_tokens, minimum=0, maximum=1 << 20)
+        _int("checkpoint_tokens", self.checkpoint_tokens, minimum=0, maximum=1 << 20)
         if self.kv_store_dir is not None and not isinstance(self.kv_store_dir, str):
             raise InvalidConfig(f"kv_store_dir must be a path string, got {self.kv_store_dir!r}")
         if not isinstance(self.disable_bos, bool):

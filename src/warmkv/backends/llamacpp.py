@@ -165,7 +165,7 @@ class LlamaCppBackend:
         if n_swa > 0 and not self._chunks:
             # llama.cpp's window cache: n_swa + n_ubatch cells, padded to 256
             cells = min(self.config.num_ctx, -(-(n_swa + self._ubatch()) // 256) * 256) if self._ring else None
-            every = self.config.swa_checkpoint_tokens
+            every = self.config.checkpoint_tokens
             self._ckpt = StateCheckpoints(n_swa, every, cells, lambda: self._ctx, lambda: self._mem)
 
     # -- model facts -------------------------------------------------------

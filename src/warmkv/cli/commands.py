@@ -52,7 +52,7 @@ def sliding_window_rows(rt: Runtime) -> list[tuple[str, str]]:
         return []
     c = rt.config
     # the spacing as used: on a window-sized ring it is rounded up to the ring (the KV memory line)
-    return [("sliding-window cache", f"{c.swa_cache} (--swa-checkpoint-tokens {c.swa_checkpoint_tokens})")]
+    return [("sliding-window cache", f"{c.swa_cache} (--checkpoint-tokens {c.checkpoint_tokens})")]
 
 
 @runtime_options()

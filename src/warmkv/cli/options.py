@@ -106,10 +106,10 @@ SPECS = (
         "runtime",
     ),
     Spec(
-        "swa_checkpoint_tokens",
-        ("--swa-checkpoint-tokens",),
+        "checkpoint_tokens",
+        ("--checkpoint-tokens", "--swa-checkpoint-tokens"),
         int,
-        "sliding-window models: tokens between checkpoints of the window layers (0: prompt ends only)",
+        "sliding-window and hybrid models: tokens between state checkpoints (0: prompt ends only)",
         "runtime",
     ),
     Spec("prefix_cache_mb", ("--prefix-cache-mb",), int, "shared prefix cache in RAM, MiB (0: off)", "runtime"),
