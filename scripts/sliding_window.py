@@ -14,22 +14,10 @@ from __future__ import annotations
 import argparse
 
 import warmkv
+from warmkv.bench.changed_lines import divergence, prompt
 from warmkv.models import gemma3_path
 
 GREEDY = warmkv.DecodeConfig(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def prompt(changed: int | None = None, lines: int = 72) -> str:
-    out = []
-    for i in range(lines):
-        if i == changed:
-            out.append(f"def handler_{i}(request, retries=99):  # moved to /legacy/{i}\n    return legacy(request)\n")
-        else:
-            out.append(
-                f"def handler_{i}(request, retries={i % 7}):  # route /api/v{i % 3}/item/{i * 13 % 97}\n"
-                f"    return dispatch(request, 'item', {i}, timeout={i * 0.5})\n"
-            )
-    return "".join(out) + "\nSummarize what the handlers above do:\n"
 
 
 def greedy(s: warmkv.Session) -> list[int]:
@@ -51,11 +39,6 @@ def load(mode: str, num_ctx: int, tiers: bool) -> warmkv.Runtime:
         prefix_cache_mb=1024 if tiers else 0,
         kv_store_mb=0,
     )
-
-
-def divergence(rt: warmkv.Runtime, line: int) -> int:
-    a, b = rt.tokenize(prompt()), rt.tokenize(prompt(line))
-    return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
 
 
 def main() -> None:
@@ -84,7 +67,7 @@ def main() -> None:
                 for line in sorted(lines, reverse=True):
                     st = s.ensure_prefix(prompt(line))
                     warm = greedy(s)
-                    ck = rt.backend._window.nbytes(s._seq) / 2**20  # type: ignore[attr-defined]
+                    ck = rt.backend._ckpt.nbytes(s._seq) / 2**20  # type: ignore[attr-defined]
                     same = "-" if not cold else str(warm == cold[line])
                     d = st.divergence.token if st.divergence else "-"
                     print(
@@ -98,7 +81,7 @@ def main() -> None:
                     st = s.ensure_prefix(prompt(line))
                     warm = greedy(s)
                     same = "-" if not cold else str(warm == cold[line])
-                    d = divergence(rt, line)
+                    d = divergence(rt.tokenize, line)
                     row = (mode, "memory tier", d, st.reused_tokens, st.prefilled_tokens, "-", same)
                     print("| " + " | ".join(map(str, row)) + " |")
     for mode, mem in kv.items():

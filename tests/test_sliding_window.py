@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 import warmkv
+from warmkv.bench.changed_lines import divergence, prompt
 from warmkv.errors import ModelNotFound
 from warmkv.models import gemma3_path
 
@@ -28,26 +29,10 @@ pytestmark = [
     pytest.mark.skipif(GEMMA is None, reason="Gemma 3 270M is not assembled (scripts/setup.sh)"),
 ]
 
-LINES = 72
 CHANGED = (24, 35, 48, 61, 70)  # the changed line: divergences at about 1,150 / 1,650 / 2,270 / 2,900 / 3,330 tokens
 N = 8
 GREEDY = warmkv.DecodeConfig(max_tokens=N, temperature=0.0, ignore_eos=True)
 MODES = ("window", "full")
-
-
-def prompt(changed: int | None = None) -> str:
-    lines = []
-    for i in range(LINES):
-        if i == changed:
-            lines.append(
-                f"def handler_{i}(request, retries=99):  # moved to /legacy/{i}\n    return legacy(request, {i})\n"
-            )
-        else:
-            lines.append(
-                f"def handler_{i}(request, retries={i % 7}):  # route /api/v{i % 3}/item/{i * 13 % 97}\n"
-                f"    return dispatch(request, 'item', {i}, timeout={i * 0.5})\n"
-            )
-    return "".join(lines) + "\nSummarize what the handlers above do:\n"
 
 
 def greedy(s: warmkv.Session) -> list[int]:
@@ -115,12 +100,6 @@ def test_memory_tier_partial_hits_equal_cold(cold: tuple[str, warmkv.Runtime, di
                 st = s.ensure_prefix(prompt(line))
                 assert st.reuse_source == "memory", st.reason
                 warm = greedy(s)
-                d = divergence(rt, line)
+                d = divergence(rt.tokenize, line)
                 assert warm == want[line], f"line {line}: warm {warm} != cold {want[line]} ({st.reason})"
                 assert 0 < st.reused_tokens <= d, st.reason
-
-
-def divergence(rt: warmkv.Runtime, line: int) -> int:
-    """The first token where the prompt with `line` changed differs from the unchanged one."""
-    base, mine = rt.tokenize(prompt()), rt.tokenize(prompt(line))
-    return next(i for i, (a, b) in enumerate(zip(base, mine, strict=False)) if a != b)
