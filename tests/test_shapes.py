@@ -21,6 +21,10 @@ def test_known_shapes_are_the_published_ones() -> None:
     assert "smollm2-360m" in SHAPES
     with pytest.raises(warmkv.InvalidConfig, match="unknown shape"):
         shape_gguf("no-such-shape")
+    h = SHAPES["lfm2-350m"]
+    assert (h.arch, h.dim, h.n_layers, h.hidden_dim, h.attn_layers) == ("lfm2", 1024, 16, 4608, (2, 5, 8, 10, 12, 14))
+    with pytest.raises(warmkv.InvalidConfig, match="attn_layers"):
+        Shape("bad", 128, 2, 4, 2, 256, 1e4, arch="lfm2")  # a hybrid names its attention layers
 
 
 @pytest.mark.parametrize("quant", ["q4_0", "q8_0"])

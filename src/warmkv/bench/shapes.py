@@ -26,9 +26,16 @@ from ..models import default_model_path
 log = logging.getLogger(__name__)
 
 
+ARCHS = ("llama", "lfm2")
+
+
 @dataclass(frozen=True)
 class Shape:
-    """A llama-architecture model's hyperparameters; the vocabulary is the default model's."""
+    """A model's hyperparameters; the vocabulary is the default model's.
+
+    arch "lfm2" is a hybrid: the layers in attn_layers attend, the others are gated short
+    convolutions over the last conv_l_cache positions, whose state cannot be cut back.
+    """
 
     name: str
     dim: int
@@ -38,10 +45,20 @@ class Shape:
     hidden_dim: int
     rope_theta: float
     context_length: int = 8192
+    arch: str = "llama"
+    attn_layers: tuple[int, ...] = ()  # lfm2: the attention layers
+    conv_l_cache: int = 3  # lfm2: the short convolution's width
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads or self.dim % 32 or self.hidden_dim % 32:
             raise InvalidConfig(f"shape {self.name}: heads must divide dim and kv heads the heads; dims by 32")
+        if self.arch not in ARCHS:
+            raise InvalidConfig(f"shape {self.name}: arch must be one of {', '.join(ARCHS)}; got {self.arch!r}")
+        if (self.arch == "lfm2") != bool(self.attn_layers) or not all(0 <= i < self.n_layers for i in self.attn_layers):
+            raise InvalidConfig(f"shape {self.name}: attn_layers names lfm2's attention layers in [0, {self.n_layers})")
+
+    def attends(self, layer: int) -> bool:
+        return self.arch == "llama" or layer in self.attn_layers
 
     @property
     def head_dim(self) -> int:
@@ -54,7 +71,9 @@ class Shape:
 
 # SmolLM2's published configs; the 3B and 8B are Llama-3.2-3B's and Llama-3.1-8B's layer shapes
 # (grouped-query attention, head_dim 128) on SmolLM2's 49,152-token vocabulary, so their output
-# heads are smaller than the real ones.
+# heads are smaller than the real ones. The LFM2 hybrids are LiquidAI's published configs (10
+# short-convolution and 6 attention layers; feed-forward widths after their auto-adjustment).
+LFM2_ATTN = (2, 5, 8, 10, 12, 14)
 SHAPES = {
     s.name: s
     for s in (
@@ -63,6 +82,8 @@ SHAPES = {
         Shape("smollm2-1.7b", 2048, 24, 32, 32, 8192, 130000.0),
         Shape("llama-3.2-3b", 3072, 28, 24, 8, 8192, 500000.0),
         Shape("llama-3.1-8b", 4096, 32, 32, 8, 14336, 500000.0),
+        Shape("lfm2-350m", 1024, 16, 16, 8, 4608, 1000000.0, arch="lfm2", attn_layers=LFM2_ATTN),
+        Shape("lfm2-1.2b", 2048, 16, 32, 8, 8192, 1000000.0, arch="lfm2", attn_layers=LFM2_ATTN),
     )
 }
 # warmkv name -> llama.cpp's llama_ftype
@@ -130,19 +151,34 @@ def _tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     out: list[tuple[str, tuple[int, ...]]] = [("token_embd.weight", (vocab, d))]
     for i in range(shape.n_layers):
         p = f"blk.{i}."
+        out.append((p + "attn_norm.weight", (d,)))
+        if shape.attends(i):
+            if shape.arch == "lfm2":
+                out += [(p + "attn_q_norm.weight", (shape.head_dim,)), (p + "attn_k_norm.weight", (shape.head_dim,))]
+            out += [
+                (p + "attn_q.weight", (d, d)),
+                (p + "attn_k.weight", (kv, d)),
+                (p + "attn_v.weight", (kv, d)),
+                (p + "attn_output.weight", (d, d)),
+            ]
+        else:  # lfm2's gated short convolution; llama.cpp keeps its taps unquantized
+            out += [
+                (p + "shortconv.conv.weight", (d, shape.conv_l_cache)),
+                (p + "shortconv.in_proj.weight", (3 * d, d)),
+                (p + "shortconv.out_proj.weight", (d, d)),
+            ]
         out += [
-            (p + "attn_norm.weight", (d,)),
-            (p + "attn_q.weight", (d, d)),
-            (p + "attn_k.weight", (kv, d)),
-            (p + "attn_v.weight", (kv, d)),
-            (p + "attn_output.weight", (d, d)),
             (p + "ffn_norm.weight", (d,)),
             (p + "ffn_gate.weight", (shape.hidden_dim, d)),
             (p + "ffn_up.weight", (shape.hidden_dim, d)),
             (p + "ffn_down.weight", (d, shape.hidden_dim)),
         ]
-    out.append(("output_norm.weight", (d,)))
+    out.append(("token_embd_norm.weight" if shape.arch == "lfm2" else "output_norm.weight", (d,)))
     return out
+
+
+def _f32(name: str, shp: tuple[int, ...]) -> bool:
+    return len(shp) == 1 or name.endswith("shortconv.conv.weight")
 
 
 def write_f16(shape: Shape, path: Path, seed: int = 0, extra_control: tuple[str, ...] = ()) -> None:
@@ -153,14 +189,18 @@ def write_f16(shape: Shape, path: Path, seed: int = 0, extra_control: tuple[str,
     import gguf
 
     vocab = len(gguf.GGUFReader(str(default_model_path())).fields["tokenizer.ggml.tokens"].data) + len(extra_control)
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), shape.arch)
     w.add_name(f"random {shape.name}")
     w.add_context_length(shape.context_length)
     w.add_embedding_length(shape.dim)
     w.add_block_count(shape.n_layers)
     w.add_feed_forward_length(shape.hidden_dim)
     w.add_head_count(shape.n_heads)
-    w.add_head_count_kv(shape.n_kv_heads)
+    if shape.arch == "lfm2":  # per layer: 0 marks a convolution layer
+        w.add_head_count_kv([shape.n_kv_heads if shape.attends(i) else 0 for i in range(shape.n_layers)])
+        w.add_shortconv_l_cache(shape.conv_l_cache)
+    else:
+        w.add_head_count_kv(shape.n_kv_heads)
     w.add_rope_dimension_count(shape.head_dim)
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(1e-5)
@@ -169,19 +209,19 @@ def write_f16(shape: Shape, path: Path, seed: int = 0, extra_control: tuple[str,
     _copy_tokenizer(w, extra_control)
     tensors = _tensors(shape, vocab)
     for name, shp in tensors:
-        dtype = np.float32 if len(shp) == 1 else np.float16
+        dtype = np.float32 if _f32(name, shp) else np.float16
         w.add_tensor_info(name, shp, np.dtype(dtype), int(np.prod(shp)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for _, shp in tensors:
+    for name, shp in tensors:
         if len(shp) == 1:
             w.write_tensor_data(np.ones(shp, dtype=np.float32))
         else:
             x = rng.standard_normal(shp, dtype=np.float32)
             x *= 0.02
-            w.write_tensor_data(x.astype(np.float16))
+            w.write_tensor_data(x if _f32(name, shp) else x.astype(np.float16))
     w.close()
 
 
