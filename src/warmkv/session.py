@@ -180,11 +180,12 @@ class Session:
             runs = (cfg.chunk_min_tokens, cfg.chunk_recompute) if chunks else None
             moves = plan_moves(tokens, ctx.tokens, reused, *runs) if runs is not None and same else ()
             common = reused
-            if reused < len(ctx.tokens):  # sliding-window layers: back to the nearest exact point
+            if reused < len(ctx.tokens):  # window or recurrent layers: back to the nearest exact point
                 reused = exact_cut(self._backend, self._seq, reused)
             reason = self._prefix_reason(same, manifest, reused, len(tokens))
             if reused < common:
-                reason += f" (diverged at token {common}; the nearest exact point of the window layers is {reused})"
+                layers = getattr(self._backend, "cut_layers", "window")
+                reason += f" (diverged at token {common}; the nearest exact point of the {layers} layers is {reused})"
             return PrefixPlan(
                 tokens=tuple(tokens),
                 raw=raw,
@@ -324,6 +325,12 @@ class Session:
         for t in cfg.stop_token_ids:
             if t >= n_vocab:
                 raise InvalidInput(f"stop token id {t} out of range [0, {n_vocab})")
+        if cfg.speculative and getattr(self._backend, "cut_layers", None) == "recurrent":
+            raise Unsupported(
+                "speculative decoding",
+                f"{self._backend.info.architecture} keeps recurrent state: a rejected draft could only be "
+                "undone by prefilling again from a checkpoint",
+            )
         with self._lock():
             self._check_usable()
             ctx = self.ctx

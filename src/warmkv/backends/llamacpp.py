@@ -30,6 +30,7 @@ from ..config import DecodeConfig, RuntimeConfig
 from ..errors import (
     EngineError,
     ForwardFailed,
+    InvalidConfig,
     InvalidInput,
     InvalidModelFile,
     ModelNotFound,
@@ -160,13 +161,22 @@ class LlamaCppBackend:
         self._mover = KVMover(self, self._slots.total) if self._chunks else None
         self._compute = ComputeThread.shared("warmkv-compute")  # every llama_decode runs there
         n_swa = lc.llama_model_n_swa(model)
-        self._ring = n_swa > 0 and self.config.swa_cache == "window"
+        recurrent = bool(lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
+        self._ring = n_swa > 0 and self.config.swa_cache == "window" and not recurrent
         self._ckpt: StateCheckpoints | None = None
-        if n_swa > 0 and not self._chunks:
+        self._heads: list[int] | None = None
+        if (n_swa > 0 or recurrent) and self._chunks:
+            lc.llama_model_free(model)
+            self._model, self._state = None, ModelState.UNLOADED
+            why = "keeps recurrent state" if recurrent else "uses sliding-window attention"
+            raise InvalidConfig(f"reuse_mode='chunks' moves KV runs; {self.info.architecture} {why}, which cannot move")
+        if n_swa > 0 or recurrent:
             # llama.cpp's window cache: n_swa + n_ubatch cells, padded to 256
             cells = min(self.config.num_ctx, -(-(n_swa + self._ubatch()) // 256) * 256) if self._ring else None
             every = self.config.checkpoint_tokens
-            self._ckpt = StateCheckpoints(n_swa, every, cells, lambda: self._ctx, lambda: self._mem)
+            self._ckpt = StateCheckpoints(
+                n_swa, every, cells, lambda: self._ctx, lambda: self._mem, recurrent=recurrent
+            )
 
     # -- model facts -------------------------------------------------------
 
@@ -258,6 +268,13 @@ class LlamaCppBackend:
         c = self.config
         return min(c.num_ubatch, WINDOW_UBATCH) if self._ring else c.num_ubatch
 
+    @property
+    def cut_layers(self) -> str | None:
+        """Which layers make a cut land on a checkpoint: "recurrent", "window", or None."""
+        if self._ckpt is None:
+            return None
+        return "recurrent" if self._ckpt.recurrent else "window"
+
     def window_cells(self) -> int | None:
         """Cells per sequence of the window layers (None: no sliding window, or a full-size one)."""
         return None if self._ckpt is None else self._ckpt.cells
@@ -268,17 +285,33 @@ class LlamaCppBackend:
         period = SWA_PERIOD.get(self.info.architecture)
         return self.info.n_layer - self.info.n_layer // period if period else self.info.n_layer
 
+    def _kv_heads(self) -> list[int]:
+        """KV heads per layer (0: a recurrent layer). llama.cpp's API gives layer 0's only."""
+        if self._heads is None:
+            n = lc.llama_model_n_head_kv(self._model) if self._model else 0
+            self._heads = [n] * self.info.n_layer
+            if self._ckpt is not None and self._ckpt.recurrent:
+                import gguf
+
+                field = gguf.GGUFReader(str(self._path)).fields.get(f"{self.info.architecture}.attention.head_count_kv")
+                if field is not None:
+                    got = [int(v) for v in field.contents()] if len(field.data) > 1 else [int(field.contents())]
+                    self._heads = got if len(got) == self.info.n_layer else [got[0]] * self.info.n_layer
+        return self._heads
+
     def kv_memory(self) -> KVMemory:
         # One KV stream of num_ctx cells per sequence (kv_unified off), K and V in every layer;
         # with swa_cache="window" the window layers hold window_cells() cells instead.
+        # Hybrid models: only the attention layers keep KV (their state is in the checkpoints' line).
         arch = self.info.architecture
-        n_head_kv = lc.llama_model_n_head_kv(self._model) if self._model else 0
+        heads = self._kv_heads()
+        n_head_kv = max(heads, default=0)
         head = self.info.n_embd // max(1, lc.llama_model_n_head(self._model)) if self._model else 0
         k_dim = int(self.info.metadata.get(f"{arch}.attention.key_length", head) or head)
         v_dim = int(self.info.metadata.get(f"{arch}.attention.value_length", head) or head)
         num, den = KV_TYPE_BYTES[self.config.kv_cache_type]
         per_layer = n_head_kv * (k_dim + v_dim) * num // den
-        per_token = self.info.n_layer * per_layer
+        per_token = sum(1 for h in heads if h) * per_layer
         seqs = self._slots.total
         if self._chunks:  # one unified stream: the sequences share it
             cells, pool = self.config.num_ctx, self._n_ctx()
@@ -286,7 +319,14 @@ class LlamaCppBackend:
             cells = lc.llama_n_ctx_seq(self._ctx) if self._ctx is not None else self.config.num_ctx
             pool = cells * seqs
         total, detail = per_token * pool, None
-        if self._ckpt is not None:
+        if self._ckpt is not None and self._ckpt.recurrent:
+            attn = sum(1 for h in heads if h)
+            detail = (
+                f"recurrent: {self.info.n_layer - attn} of {self.info.n_layer} layers keep a state instead of KV; "
+                f"checkpoints every {self._ckpt.every} tokens and at prompt ends "
+                f"({self._ckpt.nbytes() / 2**20:,.1f} MiB held)"
+            )
+        elif self._ckpt is not None:
             swa, win = self.window_layers(), self.window_cells()
             if win is not None:
                 total = (per_token - swa * per_layer) * pool + swa * per_layer * win * seqs
@@ -418,9 +458,18 @@ class LlamaCppBackend:
         # Each sequence has its own KV stream, and llama.cpp copies across streams
         # only whole buffers: copy everything, then drop what lies past n.
         lc.llama_memory_seq_cp(self._mem, src, dst, -1, -1)  # returns nothing: the length check below tells
-        ok = lc.llama_memory_seq_rm(self._mem, dst, n, -1)
+        if self._ckpt is not None and self._ckpt.recurrent:
+            # A recurrent state is cut back only through a checkpoint (none at n: not copied)
+            self._ckpt.copy(src, dst, self._length(src))
+            try:
+                self._ckpt.truncate(dst, n)
+                ok = True
+            except InvalidInput:
+                ok = False
+        else:
+            ok = lc.llama_memory_seq_rm(self._mem, dst, n, -1)
         got = self._length(dst)
-        if self._ckpt is not None:
+        if self._ckpt is not None and not self._ckpt.recurrent:
             self._ckpt.copy(src, dst, n)
             ok = ok and self._ckpt.window_ok(dst, got)  # cut below its window: not exact
         if not ok or got != want:
@@ -522,7 +571,7 @@ class LlamaCppBackend:
         check_rows(
             rows, n_vocab=self._n_vocab, num_ctx=self.config.num_ctx, check_seq=self._slots.check, length=self._length
         )
-        if self._ckpt is not None:
+        if self._ckpt is not None and not self._ckpt.recurrent:
             for row in rows:  # never attend a window with a hole in it (answers would be fluent and wrong)
                 if not self._ckpt.window_ok(row.seq, row.start):
                     lo = lc.llama_memory_seq_pos_min(self._mem, row.seq)

@@ -1,4 +1,14 @@
-"""Sliding-window layers on llama.cpp: when a sequence can be cut back exactly, and checkpoints.
+"""Layers that forget on llama.cpp: when a sequence can be cut back exactly, and checkpoints.
+
+Two kinds of layer keep less than every position, so a sequence cut back to n does not
+simply hold the KV of its first n tokens.
+
+Recurrent layers (hybrid models such as LFM2, Granite 4 and Nemotron-H; pure Mamba) keep one
+state, that of the sequence's last position. A cut is exact only at the sequence's end or at a
+checkpoint: a copy of the recurrent state (llama.cpp's partial sequence state) taken after a
+prefill row. Restoring one loads that state, then drops the attention layers' KV past it.
+
+Sliding-window layers:
 
 A window layer's token at position p attends to positions (p - n_swa, p]. llama.cpp keeps
 for those layers either every position (swa_cache="full") or a ring of about n_swa +
@@ -19,8 +29,10 @@ and a restored window lands in cells [0, n_swa). The same KV in other cells gave
 state's end is used, only where the two layouts agree, at n_swa + k * cells; and a cut without
 a restore must keep the freed cells in one lap of the ring (llama.cpp then refills from them).
 
-Checkpoints travel with the sequence's state bytes (export/import, the memory and disk
-tiers), in a small container around llama.cpp's own state.
+Checkpoints are taken where a prompt ends and where a prefill passes a multiple of `every`
+tokens (pieces are cold-aligned, so with `every` a multiple of the piece size they sit on the
+grid). They travel with the sequence's state bytes (export/import, the memory and disk tiers),
+in a small container around llama.cpp's own state.
 """
 
 from __future__ import annotations
@@ -64,11 +76,23 @@ class _Seq:
 
 
 class StateCheckpoints:
-    """The per-sequence window checkpoints of one llama.cpp context (model lock held)."""
+    """The per-sequence state checkpoints of one llama.cpp context (model lock held).
+
+    recurrent: the model has recurrent layers (exact only at the end or a checkpoint); else
+    it has sliding-window layers of n_swa tokens.
+    """
 
     def __init__(
-        self, n_swa: int, every: int, cells: int | None, ctx: Callable[[], object], mem: Callable[[], object]
+        self,
+        n_swa: int,
+        every: int,
+        cells: int | None,
+        ctx: Callable[[], object],
+        mem: Callable[[], object],
+        *,
+        recurrent: bool = False,
     ) -> None:
+        self.recurrent = recurrent
         self.n_swa = n_swa
         self.cells = cells  # the window ring's size; None: a full-size cache (no ring)
         # 0: checkpoints only where a prompt ends; on a ring, a multiple of its size
@@ -95,9 +119,11 @@ class StateCheckpoints:
     # -- where a cut is exact --------------------------------------------------------------------
 
     def window_ok(self, seq: int, n: int) -> bool:
-        """The window layers still hold what the token at position n attends to (one token of margin)."""
+        """The layers still hold what the token at position n needs: its window, or (recurrent) the state at n."""
         if n <= 0:
             return True
+        if self.recurrent:
+            return n > lc.llama_memory_seq_pos_max(self._mem(), seq)
         lo = lc.llama_memory_seq_pos_min(self._mem(), seq)
         return lo == 0 or 0 <= lo <= n - self.n_swa
 
@@ -108,7 +134,7 @@ class StateCheckpoints:
         return self._seq(seq).nearest(n)
 
     def truncate(self, seq: int, n: int) -> None:
-        """Keep [0, n): the window must still reach back far enough, or a checkpoint sit at n."""
+        """Keep [0, n): n must be exact already (window_ok), or a checkpoint sit at n."""
         s = self._seq(seq)
         mem = self._mem()
         if n <= 0 or (self.window_ok(seq, n) and self._lap_ok(seq, n)):
@@ -119,11 +145,24 @@ class StateCheckpoints:
             return
         blob = s.blobs.get(n)
         if blob is None:
-            lo = lc.llama_memory_seq_pos_min(mem, seq)
-            raise InvalidInput(
-                f"sequence {seq} cannot be cut back to {n} exactly: its window layers hold positions from {lo} "
-                f"(window {self.n_swa}) and no checkpoint sits there (nearest {s.nearest(n)})"
+            held = (
+                f"its recurrent layers hold the state at {lc.llama_memory_seq_pos_max(mem, seq) + 1}"
+                if self.recurrent
+                else f"its window layers hold positions from {lc.llama_memory_seq_pos_min(mem, seq)} "
+                f"(window {self.n_swa})"
             )
+            raise InvalidInput(
+                f"sequence {seq} cannot be cut back to {n} exactly: {held} and no checkpoint sits there "
+                f"(nearest {s.nearest(n)})"
+            )
+        if self.recurrent:
+            # llama.cpp cannot drop a recurrent state's tail: load the state at n first, after
+            # which dropping positions >= n touches only the attention layers.
+            self._load(seq, blob, n)
+            if not lc.llama_memory_seq_rm(mem, seq, n, -1):
+                raise SessionFatal(f"llama.cpp could not drop positions >= {n} of sequence {seq}")
+            s.drop_after(n)
+            return
         if not lc.llama_memory_seq_rm(mem, seq, n, -1):
             raise SessionFatal(f"llama.cpp could not drop positions >= {n} of sequence {seq}")
         self._load(seq, blob, n)
@@ -134,7 +173,7 @@ class StateCheckpoints:
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         got = lc.llama_state_seq_set_data_ext(self._ctx(), buf, len(blob), seq, PARTIAL)
         if got != len(blob):
-            # The full-attention layers still end at n but the window layers are unknown.
+            # The attention layers are intact but the state of the others is unknown.
             raise SessionFatal(f"llama.cpp read {got} of {len(blob)} bytes of sequence {seq}'s checkpoint at {n}")
 
     # -- taking checkpoints -------------------------------------------------------------------
@@ -171,7 +210,7 @@ class StateCheckpoints:
         buf = (ctypes.c_uint8 * size)()
         n = lc.llama_state_seq_get_data_ext(ctx, buf, size, seq, PARTIAL)
         if n != size:
-            raise EngineError(f"llama.cpp wrote {n} of the {size} bytes of sequence {seq}'s window state")
+            raise EngineError(f"llama.cpp wrote {n} of the {size} bytes of sequence {seq}'s partial state")
         return ctypes.string_at(buf, n)
 
     # -- sequences ---------------------------------------------------------------------------
