@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -213,3 +215,25 @@ def test_random_operations_keep_integrity(ops: list[tuple]) -> None:
         c.check_integrity()
         for s, values in (ref | pins).items():
             assert read(c, s) == values, (op, s)
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/status")
+def test_the_pool_commits_memory_only_where_sequences_grow() -> None:
+    layout = KVLayout(n_layers=8, n_kv_heads=4, head_dim=64, num_blocks=16384, block_size=16, dtype="float16")
+    size = layout.bytes_per_token() * 16384 * 16  # 2 GiB of K and V
+    before = _rss()
+    cache = PagedKVCache(layout)
+    made = _rss() - before
+    assert made < size // 20, f"a {size >> 20} MiB pool committed {made >> 20} MiB at creation"
+    slots = cache.append(0, 4096)  # 256 blocks: 1/64 of the pool
+    x = torch.ones(4096, 4, 64)
+    for layer in range(8):
+        cache.write(layer, slots, x, x)
+    grown = _rss() - before
+    assert grown < size // 8, f"4,096 of {16384 * 16} tokens committed {grown >> 20} MiB"
+    assert cache.gather(3, slots[:2], torch.float32)[0].sum().item() == 2 * 4 * 64

@@ -1,4 +1,4 @@
-"""Paged KV cache: a preallocated pool of fixed-size blocks shared by sequences.
+"""Paged KV cache: a pool of fixed-size blocks shared by sequences, committed as it fills.
 
 Each sequence owns a block table (block ids in position order) and a length;
 blocks are refcounted so copy_prefix shares them, and a shared block is copied
@@ -17,6 +17,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ...errors import InvalidInput, KVCacheFull
@@ -51,6 +52,18 @@ def _blocks(n: int, bs: int) -> int:
     return -(-n // bs)
 
 
+# numpy dtypes of the same width: np.zeros is calloc, whose large blocks are zero pages the
+# kernel commits on first write, so a pool costs RAM only where sequences have grown into it.
+_NP_TWIN = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16, torch.int8: np.int8}
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeroed storage; on the CPU committed only as it is written (torch.zeros writes every page)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(shape, dtype=_NP_TWIN[dtype])).view(dtype)
+
+
 class PagedKVCache:
     """Block pool + per-sequence block tables + the K/V storage tensors."""
 
@@ -60,12 +73,12 @@ class PagedKVCache:
         bs, n = layout.block_size, layout.num_blocks
         shape = (layout.n_layers, n * bs, layout.n_kv_heads, layout.head_dim)
         dtype = KV_DTYPES[layout.dtype]
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k = _zeros(shape, dtype, self.device)
+        self.v = _zeros(shape, dtype, self.device)
         self.quantized = layout.dtype == "int8"
         if self.quantized:
-            self.k_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
-            self.v_scale = torch.zeros(shape[:3], dtype=torch.float32, device=self.device)
+            self.k_scale = _zeros(shape[:3], torch.float32, self.device)
+            self.v_scale = _zeros(shape[:3], torch.float32, self.device)
         self._ref = [0] * n
         # Free blocks: a set, plus a min-heap with lazy deletion for "lowest free id".
         self._free = set(range(n))
