@@ -86,6 +86,21 @@ def _available_ram() -> int | None:
     return None
 
 
+# The KV pool's default budget: this share of the RAM available (CPU) or of the free device
+# memory (CUDA) when the pool is made. The CPU pool commits pages only as sequences grow into
+# them, so the share bounds what it may take, not what it takes at start.
+POOL_SHARE = {"cpu": 0.5, "cuda": 0.8}
+
+
+def pool_budget(device: torch.device) -> int | None:
+    """Bytes the KV pool may use by default; None when the free memory cannot be read."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * POOL_SHARE["cuda"])
+    ram = _available_ram()
+    return None if ram is None else int(ram * POOL_SHARE["cpu"])
+
+
 def _prefill_weights(option: str, quant: str, module: ModuleType | None, layer_params: int) -> str:
     """The prefill weights of int4 on the C++ kernels, "bf16" or "int4"; elsewhere the option as given.
 
@@ -165,6 +180,7 @@ class NativeBackend:
         self._load(Path(path), config, opts)
         self._reclaim: Callable[[], bool] | None = None
         self._cache: PagedKVCache | None = None
+        self._layout: KVLayout | None = None  # the pool's, chosen on first use
         self._planner: BatchPlanner | None = None
         # One slot beyond n_seq_max is the runtime's own (complete/chat helpers).
         self._slots = SeqSlots(self.config.n_seq_max)
@@ -296,16 +312,28 @@ class NativeBackend:
         return self._cache
 
     def _pool_layout(self) -> KVLayout:
-        """The KV pool: room for num_ctx tokens in every sequence, or kv_cache_mb's worth of blocks."""
+        """The KV pool: kv_cache_mb's worth of blocks, else a share of the free memory (see pool_budget).
+
+        Never more than num_ctx tokens in every sequence, nor less than one sequence's num_ctx.
+        Chosen once, on first use (after the weights are loaded), so info and the pool agree.
+        """
+        if self._layout is not None:
+            return self._layout
         a, c = self._model.args, self.config
         bs = 16
         layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, 1, bs, KV_STORAGE[c.kv_cache_type])
+        per_seq = -(-c.num_ctx // bs)
+        worst = self._slots.total * per_seq
         kv_mb = self.options.kv_cache_mb
-        if kv_mb is None:
-            blocks = self._slots.total * -(-c.num_ctx // bs)
+        budget = kv_mb * 2**20 if kv_mb is not None else pool_budget(self.device)
+        if budget is None:
+            blocks = worst
         else:
-            blocks = max(1, kv_mb * 2**20 // (layout.bytes_per_token() * bs))
-        return KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, blocks, bs, layout.dtype)
+            blocks = max(1, budget // (layout.bytes_per_token() * bs))
+            if kv_mb is None:
+                blocks = max(per_seq, min(worst, blocks))
+        self._layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, blocks, bs, layout.dtype)
+        return self._layout
 
     def kv_memory(self) -> KVMemory:
         layout = self._cache.layout if self._cache is not None else self._pool_layout()
