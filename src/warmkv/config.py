@@ -42,8 +42,8 @@ SERVE_N_SEQ_MAX = 20
 # less (236 vs 729 ms, native int4, 2 cores) and prefills 1.09x slower alone.
 SERVE_PREFILL_CHUNK = 64
 # A server's step budget: decode rows, then prefill. Native int4 cuts pieces to it (depth-weighted)
-# inside the decode forward. A 3,000-token prompt beside 3 streams (README's concurrent-streams
-# section): 13 held their gaps to 2.3-2.9x their own pace at p99 and took 2.0-2.5x its time alone
+# inside the decode forward. A 3,000-token prompt beside 3 streams (docs/benchmarks.md, concurrent
+# streams): 13 held their gaps to 2.3-2.9x their own pace at p99 and took 2.0-2.5x its time alone
 # on a 2-thread Zen 3 EPYC (5 runs), where 12 took 2.35-2.71x (3 of 4 runs over 2.5x) and 14
 # stalled or took more in 1 of 5; on Zen 1, 12 gave 2.5-3.0x / 2.4-2.5x and 14 3.0-3.1x / 2.1x.
 # 64 stalled them 8.6x and took 1.27x. Where pieces cannot be cut (llama.cpp), one whole piece

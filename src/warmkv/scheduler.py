@@ -64,7 +64,7 @@ class SchedulerConfig:
     """max_streams bounds turns (waiting and running); max_step_tokens is a step's token budget
     (decode rows first, prefill in what is left but at least a quarter of it: where pieces can
     be cut, a prefill token at position p counts 1 + p / Backend.attention_depth(); `warmkv
-    serve` uses 13, see the README's concurrent-streams section); rate_window_s is the window
+    serve` uses 13, see docs/benchmarks.md, concurrent streams); rate_window_s is the window
     of the tokens/s figure."""
 
     max_streams: int = 256
