@@ -1,6 +1,7 @@
 """A fault stays with its own stream: 8 turns step together through the scheduler on the real model
 and engine, one of them fails, and the other 7 finish with the greedy tokens of a run without it.
-A short native KV pool ends only the rows left without a block.
+A short native KV pool ends only the rows left without a block, and a bug inside a step leaves no
+prompt load pinned and no session in a state nobody knows.
 
 Faults are injected where the engine fails on its own (as in test_forward_failures.py): llama.cpp's
 llama_decode returns 2 (aborted) and the native model's step raises, for every engine call that
@@ -19,6 +20,7 @@ import pytest
 
 import warmkv
 from conftest import BACKENDS, NO_TIERS, SYSTEM
+from warmkv.prefix_plan import PrefixLoad
 from warmkv.scheduler import Scheduler
 from warmkv.types import PrefixInput
 
@@ -212,3 +214,47 @@ def test_a_short_kv_pool_ends_the_youngest_rows_and_the_oldest_go_on() -> None:
                 assert s.session.ctx.seq in err.seqs and oldest.session.ctx.seq not in err.seqs
                 assert s.tokens == alone[: bs * (c + 1) - prompt_len + 1]  # up to the row that found no block
                 assert s.session.usable_error() is None  # nothing changed: it may go on later
+
+
+@pytest.mark.skipif("llamacpp" not in BACKENDS, reason="needs llama.cpp's chunks mode")
+def test_a_bug_in_a_step_rolls_back_the_load_and_marks_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The catch-all: a prefilling turn whose load holds a stash of moved runs ends with SessionFatal,
+    the stash is let go, and the session says why it cannot be used."""
+    source = (SYSTEM + "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(60)))[:1000]
+    files = f"<|im_start|>user\nHere are the files:\n```\n{source}\n```<|im_end|>\n"
+    ask = "<|im_start|>user\nWhat does f7 do?<|im_end|>\n<|im_start|>assistant\n"
+    with warmkv.Runtime.load(num_ctx=1024, n_seq_max=1, reuse_mode="chunks", **NO_TIERS) as rt, rt.session() as s:
+        s.ensure_prefix(SYSTEM + files + ask)
+        released: list[object] = []
+        stash_runs = rt.backend.stash_runs
+
+        def spied(seq: int, runs: Any) -> Any:
+            stash = stash_runs(seq, runs)
+            release = stash.release
+
+            def counted() -> None:
+                released.append(stash)
+                release()
+
+            monkeypatch.setattr(stash, "release", counted)
+            return stash
+
+        monkeypatch.setattr(rt.backend, "stash_runs", spied)
+
+        def bug(self: PrefixLoad, row: Any, logits: Any) -> None:
+            raise RuntimeError("a bug (forced)")
+
+        monkeypatch.setattr(PrefixLoad, "accept", bug)
+        moved = SYSTEM + "<|im_start|>user\nhi<|im_end|>\n" + files + ask  # the files' run moves on
+        scheduler = Scheduler(rt)
+        try:
+            end = Stream(s, 0)
+            scheduler.submit(s.turn(moved, CFG), end.sink)
+            assert end.done.wait(300)
+        finally:
+            scheduler.close()
+        assert end.last is not None and isinstance(end.last.error, warmkv.SessionFatal)
+        assert "a bug (forced)" in str(end.last.error)
+        assert len(released) == 1  # the stash was let go, not left pinned
+        with pytest.raises(warmkv.SessionFatal, match="scheduler step failed"):
+            s.ensure_prefix(moved)

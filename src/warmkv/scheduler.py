@@ -38,6 +38,10 @@ there. A SessionFatal marks only the named sequences' KV unknown. A KV pool too 
 the order their turns came: decode rows, then prefill pieces); the others go on. Nothing is
 preempted, and a short pool's row does not wait: its session's KV stays resident after its turn,
 so waiting would free no block.
+
+A bug in a step (the catch-all in _run) ends every turn of that step: a prefilling turn's load is
+rolled back (a stash of moved runs let go) and each session is marked unusable (SessionFatal,
+with the reason) rather than left in a state nobody knows.
 """
 
 from __future__ import annotations
@@ -235,8 +239,7 @@ class Scheduler:
                 out = self._step(jobs)
             except Exception as e:  # a bug must not kill the worker: end every turn of this step
                 log.exception("scheduler step failed")
-                err = SessionFatal(f"scheduler step failed: {e!r}")
-                out = [(j, _error_chunk(err)) for j in jobs if not j.done]
+                out = self._abandon(jobs, f"scheduler step failed: {e!r}")
             n = 0
             for job, chunk in out:
                 n += self._deliver(job, chunk)
@@ -274,6 +277,25 @@ class Scheduler:
                 got = results.get(id(job))
                 if not isinstance(got, _Retry):  # a retried row has no chunk this step
                     out.append((job, job.state.take(got)))
+        return out
+
+    def _abandon(self, jobs: list[Job], reason: str) -> list[tuple[Job, StreamChunk]]:
+        """End every unfinished turn of a step that hit a bug: its load rolled back (a stash of moved
+        runs let go, not left pinned) and its session marked unusable, since its state is unknown."""
+        err = SessionFatal(reason)
+        out: list[tuple[Job, StreamChunk]] = []
+        with self._rt.lock:
+            for job in jobs:
+                if job.done:
+                    continue
+                load, job.load = job.load, None
+                if load is not None:
+                    try:
+                        load.fail()
+                    except Exception:
+                        log.exception("rolling back a turn's load failed")
+                job.session.ctx.fatal = reason
+                out.append((job, _error_chunk(err)))
         return out
 
     def _forward(
