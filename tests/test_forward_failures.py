@@ -1,4 +1,5 @@
-"""A forward that fails inside the engine is rolled back: ForwardFailed, and the session keeps working."""
+"""A forward that fails inside the engine is rolled back: ForwardFailed, and the session keeps working;
+the error names the sequences of the engine call that failed."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 import warmkv
 from conftest import BACKENDS, NO_TIERS, SYSTEM, USER_A, greedy_tokens
+from warmkv.backends.base import ForwardRow
 
 
 @contextmanager
@@ -80,3 +82,54 @@ def test_failed_decode_step_is_an_error_chunk_and_the_session_goes_on(backend: s
         s.ensure_prefix(SYSTEM)
         s.prefill_suffix(USER_A)
         assert greedy_tokens(s, 6) == expected
+
+
+@contextmanager
+def lose_rollback_of(rt: warmkv.Runtime, seq: int) -> Iterator[None]:
+    """Rolling `seq` back after a failed forward fails too (its KV is then unknown)."""
+    mp = pytest.MonkeyPatch()
+    if rt.backend.name == "native":
+        cache = rt.backend.cache  # type: ignore[attr-defined]
+        real_truncate = cache.truncate
+
+        def truncate(s: int, n: int) -> None:
+            if s == seq:
+                raise RuntimeError("device lost (forced)")
+            real_truncate(s, n)
+
+        mp.setattr(cache, "truncate", truncate)
+    else:
+        from warmkv.backends import llamacpp
+
+        real_rm = llamacpp.lc.llama_memory_seq_rm
+        mp.setattr(llamacpp.lc, "llama_memory_seq_rm", lambda mem, s, p0, p1: s != seq and real_rm(mem, s, p0, p1))
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failed_forward_names_the_sequences_of_its_failed_engine_call(backend: str) -> None:
+    # 16-token engine calls: two rows of 20 tokens run as [a:16], [a:4 b:12], [b:8].
+    load = {"num_ctx": 512, "num_batch": 16, "num_ubatch": 16, "n_seq_max": 2, **NO_TIERS}
+    with warmkv.Runtime.load(backend=backend, **load) as rt, rt.session() as a, rt.session() as b:
+        for s in (a, b):
+            s.ensure_prefix(SYSTEM)
+        start = len(a.token_ids())
+        tokens = tuple(rt.tokenize(USER_A, add_bos=False)[:20])
+        assert len(tokens) == 20
+        rows = [ForwardRow(s.ctx.seq, tokens, start) for s in (a, b)]
+        for after, named in ((0, [a]), (1, [a, b]), (2, [b])):
+            with rt.lock, fail_once(rt, after=after), pytest.raises(warmkv.ForwardFailed) as e:
+                rt.backend.forward(rows)  # the next one starts where these did: every row was rolled back
+            assert e.value.seqs == tuple(s.ctx.seq for s in named)
+            assert (e.value.rows, e.value.tokens) == (2, 40)
+            assert f"sequence(s) {list(e.value.seqs)} in the failed engine call" in str(e.value)
+        lost = lose_rollback_of(rt, a.ctx.seq)
+        with rt.lock, fail_once(rt, after=2), lost, pytest.raises(warmkv.SessionFatal) as fatal:
+            rt.backend.forward(rows)
+        assert fatal.value.seqs == (a.ctx.seq,)  # only the row that could not be rolled back is lost
+        with rt.lock:  # b was rolled back: a row at its old end is taken
+            (logits,) = rt.backend.forward([ForwardRow(b.ctx.seq, tokens, start)])
+        assert logits is not None

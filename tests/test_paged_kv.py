@@ -109,6 +109,26 @@ def test_cache_full_is_typed_and_changes_nothing() -> None:
     c.check_integrity()
 
 
+def test_a_short_pool_names_the_sequences_that_do_not_fit() -> None:
+    """A forward's rows take what is free in their order; the error names the ones left without."""
+    c = make(num_blocks=6)
+    for seq in (0, 1, 2):
+        put(c, seq, [1.0] * BS)  # a full block each: 3 of 6 free
+    cases = [
+        ({0: BS, 1: 2 * BS, 2: 1}, (2,)),  # 1 + 2 blocks fit, the third row's one does not
+        ({0: 4 * BS, 1: BS, 2: BS}, (0,)),  # the first asks for more than is free; the others fit after it
+        ({0: 3 * BS, 1: 1, 2: 1}, (1, 2)),
+    ]
+    for grow, short in cases:
+        with pytest.raises(warmkv.KVCacheFull) as e:
+            c.can_append(grow)
+        assert e.value.seqs == short and e.value.free == 3
+        assert f"sequence(s) {list(short)} did not get theirs" in str(e.value)
+        assert c.free_blocks == 3 and all(c.length(s) == BS for s in (0, 1, 2))  # nothing changed
+    assert c.can_append({0: BS, 1: BS, 2: BS}) == 3
+    c.check_integrity()
+
+
 def test_pin_shares_blocks_and_reclaim_gives_them_back() -> None:
     c = make(num_blocks=4)
     put(c, 0, list(range(6)))

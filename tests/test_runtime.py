@@ -80,6 +80,45 @@ def test_complete_and_stream_agree(rt: warmkv.Runtime) -> None:
     assert streamed[-1].usage is not None and streamed[-1].usage.cached_tokens > 0  # second call was warm
 
 
+def test_interleaved_streams_from_one_thread_both_finish(rt: warmkv.Runtime) -> None:
+    """A partly read stream holds the warm helper session; the next one gets a session of its own."""
+    prompts = ("The capital of France is", "def fibonacci(n):")
+    cfg = warmkv.DecodeConfig(max_tokens=8, temperature=0.0, ignore_eos=True)
+    alone = [rt.complete(p, cfg) for p in prompts]
+    streams = [rt.complete(p, cfg, stream=True) for p in prompts]
+    texts, ends = ["", ""], [False, False]
+    while not all(ends):  # one chunk of each in turn, from this thread
+        for i, stream in enumerate(streams):
+            if not ends[i]:
+                chunk = next(stream)
+                assert chunk.error is None
+                texts[i] += chunk.text
+                ends[i] = chunk.done
+    assert texts == [c.text for c in alone]  # greedy: the same as each alone
+    assert not rt._spares  # the second stream's session was closed with it
+    assert rt.complete(prompts[0], cfg).text == alone[0].text
+
+
+def test_a_second_stream_without_a_free_slot_is_refused(rt: warmkv.Runtime) -> None:
+    cfg = warmkv.DecodeConfig(max_tokens=4, temperature=0.0, ignore_eos=True)
+    sessions = []
+    try:
+        while True:
+            try:
+                sessions.append(rt.session())
+            except warmkv.SessionLimit:
+                break
+        first = rt.complete("The capital of France is", cfg, stream=True)
+        next(first)
+        with pytest.raises(warmkv.SessionLimit):  # typed, never a wait on `first`
+            next(rt.complete("def fibonacci(n):", cfg, stream=True))
+        assert list(first)[-1].finish_reason == "length"
+    finally:
+        for s in sessions:
+            s.close()
+    assert isinstance(rt.complete("def fibonacci(n):", cfg), warmkv.Completion)
+
+
 def test_chat_reuses_prefix_across_turns(rt: warmkv.Runtime) -> None:
     msgs = [
         {"role": "system", "content": "You answer in one short sentence. " * 10},

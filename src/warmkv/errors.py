@@ -6,6 +6,8 @@ them as attributes and in the message, so a caller can both read and act on them
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class WarmkvError(Exception):
     """Base class of every error warmkv raises on purpose."""
@@ -102,7 +104,15 @@ class ManifestMismatch(WarmkvError):
 
 
 class SessionFatal(WarmkvError):
-    """The backend failed in a way that leaves the session's KV unknown; evict the session."""
+    """The backend failed in a way that leaves the session's KV unknown; evict the session.
+
+    seqs: the sequences whose KV is unknown where the engine could tell (a failed forward rolls
+    back each row on its own: the others are as they were); () when it could not: all of them.
+    """
+
+    def __init__(self, message: str, *, seqs: Sequence[int] = ()) -> None:
+        self.seqs = tuple(seqs)
+        super().__init__(message)
 
 
 class EngineError(WarmkvError):
@@ -110,16 +120,22 @@ class EngineError(WarmkvError):
 
 
 class ForwardFailed(EngineError):
-    """A forward failed inside the engine and was rolled back: the sessions are as they were before it."""
+    """A forward failed inside the engine and was rolled back: the sessions are as they were before it.
 
-    def __init__(self, backend: str, rows: int, tokens: int, reason: str) -> None:
+    seqs: the sequences whose tokens were in the engine call that failed (a forward of many rows
+    runs in several calls); () when the engine cannot tell: every row of the forward.
+    """
+
+    def __init__(self, backend: str, rows: int, tokens: int, reason: str, *, seqs: Sequence[int] = ()) -> None:
         self.backend = backend
         self.rows = rows
         self.tokens = tokens
         self.reason = reason
+        self.seqs = tuple(seqs)
+        where = f" (sequence(s) {list(self.seqs)} in the failed engine call)" if self.seqs else ""
         super().__init__(
             f"{backend} forward of {tokens} tokens in {rows} row(s) failed and was rolled back "
-            f"(the session is unchanged): {reason}"
+            f"(the session is unchanged){where}: {reason}"
         )
 
 
@@ -196,14 +212,20 @@ class SnapshotNotFound(StoreError):
 
 
 class KVCacheFull(WarmkvError):
-    """The native engine's KV block pool has no free block for the tokens asked for; nothing changed."""
+    """The native engine's KV block pool has no free block for the tokens asked for; nothing changed.
 
-    def __init__(self, needed: int, free: int, total: int, block_size: int) -> None:
+    seqs: in a forward of several rows, the sequences that did not get their blocks (the rows
+    before them, in the forward's order, fit in what is free); () : every row.
+    """
+
+    def __init__(self, needed: int, free: int, total: int, block_size: int, *, seqs: Sequence[int] = ()) -> None:
         self.needed = needed
         self.free = free
         self.total = total
         self.block_size = block_size
+        self.seqs = tuple(seqs)
+        short = f"; sequence(s) {list(self.seqs)} did not get theirs" if self.seqs else ""
         super().__init__(
-            f"KV cache full: need {needed} more blocks of {block_size} tokens, {free} of {total} blocks free; "
+            f"KV cache full: need {needed} more blocks of {block_size} tokens, {free} of {total} blocks free{short}; "
             "close a session, shorten the context or raise the KV budget"
         )

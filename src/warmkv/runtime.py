@@ -31,7 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -95,6 +95,7 @@ class Runtime:
         self._lock_handoff = threading.Condition(self.lock)
         self._sessions: dict[str, Session] = {}
         self._helper: Session | None = None
+        self._spares: set[Session] = set()  # helper streams' sessions while the warm helper is busy
         self._llg_tokenizer: Any = None  # llguidance's vocabulary, built on the first constrained decode
         self._turns: TurnMemory | None = None  # generated turns' tokens, built on the first one remembered
         self._fim: FimTokens | None = None
@@ -474,21 +475,45 @@ class Runtime:
                 self._helper = Session(self, acquire())
         return self._helper
 
-    def _stream(self, prompt: str | bytes | PrefixInput, cfg: DecodeConfig) -> Iterator[StreamChunk]:
-        """The helper session's stream; input types are checked now, the prompt at the first chunk.
+    def _spare_session(self) -> Session:
+        """A session for one helper stream while another holds the warm helper (SessionLimit when
+        every sequence slot is taken); closed when its stream ends."""
+        with self.lock:
+            self._check_loaded()
+            s = Session(self, self.backend.acquire_seq())
+            self._spares.add(s)
+            return s
 
-        No lock is taken until the stream is iterated: an unstarted stream blocks nobody. The
-        helper lock is let go when the stream ends, is closed or is garbage-collected.
+    def _stream(self, prompt: str | bytes | PrefixInput, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+        """A helper stream; input types are checked now, the prompt at the first chunk.
+
+        Nothing is taken until the stream is iterated: an unstarted stream blocks nobody. A started
+        one holds the runtime's warm helper session, or, while another stream holds that, a session
+        of its own (a slot of n_seq_max, prefilled cold): a partly read stream never blocks a later
+        complete, chat or infill, from this thread or another. What it holds is let go when the
+        stream ends, is closed or is garbage-collected.
         """
         if not isinstance(cfg, DecodeConfig):
             raise InvalidInput(f"decode config must be DecodeConfig, got {type(cfg).__name__}")
         return self._helper_stream(PrefixInput.coerce(prompt), cfg)
 
     def _helper_stream(self, prompt: PrefixInput, cfg: DecodeConfig) -> Iterator[StreamChunk]:
-        with self._helper_lock:  # a generator: taken at the first next(), released by close() or GC
-            s = self._helper_session()
+        with ExitStack() as hold:
+            if self._helper_lock.acquire(blocking=False):  # never waits: the holder may be this thread
+                hold.callback(self._helper_lock.release)
+                s = self._helper_session()
+            else:
+                s = self._spare_session()
+                hold.callback(self._close_spare, s)
             s.ensure_prefix(prompt)
-            yield from s.decode(cfg)
+            for chunk in s.decode(cfg):
+                if chunk.done:
+                    hold.close()  # let go before the last chunk: a caller seldom asks past it
+                yield chunk
+
+    def _close_spare(self, s: Session) -> None:
+        s.close()
+        self._spares.discard(s)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -525,6 +550,8 @@ class Runtime:
     def close(self) -> None:
         # Sessions first, without the model lock: closing one waits for its running call.
         for s in list(self._sessions.values()):
+            s.close()
+        for s in list(self._spares):
             s.close()
         if self._helper is not None:
             self._helper.close()

@@ -27,6 +27,21 @@ other streams keep stepping meanwhile. The turn's load begins once the read is b
 
 The model lock is let go between steps, so Python-API calls on other sessions get in.
 With one KV stream per sequence the decode rows do not interact.
+
+Faults stay with their stream. A failed forward leaves every row as it was before it, and its
+error names the sequences it concerns (Backend.forward): the turns of those rows end, the others
+run their rows again in the next step, with the output a run without the fault gives. When an
+engine call held several rows and failed (ForwardFailed naming them all), the fault is not yet
+pinned on one: each of those rows runs again in a forward of its own, and ends only if it fails
+there. A SessionFatal marks only the named sequences' KV unknown. A KV pool too short for a step
+(KVCacheFull) ends the turns of the rows that did not get blocks (rows take the free blocks in
+the order their turns came: decode rows, then prefill pieces); the others go on. Nothing is
+preempted, and a short pool's row does not wait: its session's KV stays resident after its turn,
+so waiting would free no block.
+
+A bug in a step (the catch-all in _run) ends every turn of that step: a prefilling turn's load is
+rolled back (a stash of moved runs let go) and each session is marked unusable (SessionFatal,
+with the reason) rather than left in a state nobody knows.
 """
 
 from __future__ import annotations
@@ -43,7 +58,15 @@ import numpy as np
 
 from .backends.base import ForwardRow
 from .decode_state import DecodeState
-from .errors import InvalidInput, SchedulerClosed, SessionFatal, StreamLimit, WarmkvError
+from .errors import (
+    ForwardFailed,
+    InvalidInput,
+    KVCacheFull,
+    SchedulerClosed,
+    SessionFatal,
+    StreamLimit,
+    WarmkvError,
+)
 from .prefix_plan import DiskRead, PrefixLoad
 from .runtime import Runtime
 from .session import Session, Turn
@@ -51,7 +74,18 @@ from .types import PrefixStatus, StreamChunk
 
 Sink = Callable[[StreamChunk], None]
 Prefilled = Callable[[PrefixStatus | WarmkvError | None], None]
-Results = dict[int, np.ndarray | WarmkvError | None]  # a step's decode outcome per turn (id of its Job)
+
+
+class _Retry:
+    """A row rolled back with a failed forward that did not end its turn: it runs again next step."""
+
+    def __repr__(self) -> str:
+        return "RETRY"
+
+
+RETRY = _Retry()
+Outcome = np.ndarray | WarmkvError | _Retry | None  # a row's logits (None: none wanted), or why it has none
+Results = dict[int, Outcome]  # a step's decode outcome per turn (id of its Job)
 # Prefill gets at least max_step_tokens // PREFILL_FLOOR of a step's budget however many streams
 # decode: with the decode rows alone filling a budget of 16, a new prompt advanced one token a
 # step and waited seconds for its first token at 16 streams.
@@ -92,6 +126,7 @@ class Job:
     load: PrefixLoad | None = None  # while prefilling
     disk: Future[DiskRead] | None = None  # its disk-tier read, before the load begins
     decoding: bool = False
+    solo: bool = False  # a failed forward named it with other rows: its next row runs alone
     tokens: int = 0
     done: bool = False
     started: float = field(default_factory=time.perf_counter)
@@ -204,8 +239,7 @@ class Scheduler:
                 out = self._step(jobs)
             except Exception as e:  # a bug must not kill the worker: end every turn of this step
                 log.exception("scheduler step failed")
-                err = SessionFatal(f"scheduler step failed: {e!r}")
-                out = [(j, _error_chunk(err)) for j in jobs if not j.done]
+                out = self._abandon(jobs, f"scheduler step failed: {e!r}")
             n = 0
             for job, chunk in out:
                 n += self._deliver(job, chunk)
@@ -237,27 +271,66 @@ class Scheduler:
             if self._rt.backend.rows_invariant():
                 self._forward_together(jobs, rows, results, budget, out)
             else:
-                self._forward_decode(rows, results)
+                self._forward(rows, [], results, out)
                 self._prefill_apart(jobs, budget, out)
             for job in decoding:
-                out.append((job, job.state.take(results.get(id(job)))))
+                got = results.get(id(job))
+                if not isinstance(got, _Retry):  # a retried row has no chunk this step
+                    out.append((job, job.state.take(got)))
         return out
 
-    def _forward_decode(self, rows: list[tuple[Job, ForwardRow]], results: Results) -> None:
-        if not rows:
-            return
-        try:
-            logits = self._rt.backend.forward([row for _, row in rows])
-        except WarmkvError as e:  # fatal, or nothing was evaluated (KVCacheFull...): each turn ends with it
-            _fail(rows, e, results)
-            return
-        self._give(rows, logits, results)
+    def _abandon(self, jobs: list[Job], reason: str) -> list[tuple[Job, StreamChunk]]:
+        """End every unfinished turn of a step that hit a bug: its load rolled back (a stash of moved
+        runs let go, not left pinned) and its session marked unusable, since its state is unknown."""
+        err = SessionFatal(reason)
+        out: list[tuple[Job, StreamChunk]] = []
+        with self._rt.lock:
+            for job in jobs:
+                if job.done:
+                    continue
+                load, job.load = job.load, None
+                if load is not None:
+                    try:
+                        load.fail()
+                    except Exception:
+                        log.exception("rolling back a turn's load failed")
+                job.session.ctx.fatal = reason
+                out.append((job, _error_chunk(err)))
+        return out
 
-    def _give(self, rows: list[tuple[Job, ForwardRow]], logits: list[np.ndarray | None], results: Results) -> None:
-        """Each decode row's logits (the first len(rows) of a forward's) to its turn."""
-        for (job, _), x in zip(rows, logits, strict=False):
-            results[id(job)] = x
-        self.batched_rows += len(rows)
+    def _forward(
+        self,
+        rows: list[tuple[Job, ForwardRow]],
+        pieces: list[tuple[Job, ForwardRow]],
+        results: Results,
+        out: list[tuple[Job, StreamChunk]],
+    ) -> None:
+        """Decode rows and prefill pieces in one forward (a turn marked solo in one of its own): each
+        decode row's outcome goes to results, each piece is recorded or its turn ended."""
+        parts = rows + pieces
+        together = [p for p in parts if not p[0].solo]
+        groups = ([together] if together else []) + [[p] for p in parts if p[0].solo]
+        decoding = {id(job) for job, _ in rows}
+        for group in groups:
+            for (job, row), got in zip(group, self._evaluate(group), strict=True):
+                if id(job) in decoding:
+                    results[id(job)] = got
+                    if not isinstance(got, WarmkvError | _Retry):
+                        self.batched_rows += 1
+                elif isinstance(got, WarmkvError):
+                    self._end(job, got, out)
+                elif not isinstance(got, _Retry):  # a retried piece: its load did not move, the same piece comes next
+                    self._accept(job, row, got, out)
+
+    def _evaluate(self, group: list[tuple[Job, ForwardRow]]) -> list[Outcome]:
+        """One forward of the group's rows; on a failure, each row's outcome (see _outcomes)."""
+        try:
+            logits = self._rt.backend.forward([row for _, row in group])
+        except WarmkvError as e:
+            return _outcomes(group, e)
+        for job, _ in group:
+            job.solo = False
+        return list(logits)
 
     def _prefill_apart(self, jobs: list[Job], budget: int, out: list[tuple[Job, StreamChunk]]) -> None:
         """Cold-aligned pieces, each its own forward, oldest turn first, under the budget."""
@@ -307,30 +380,7 @@ class Scheduler:
             if row is not None:
                 pieces.append((job, row))
                 budget -= _cost(row, depth)
-        if not pieces:
-            self._forward_decode(rows, results)
-            return
-        try:
-            logits = self._rt.backend.forward([row for _, row in rows] + [row for _, row in pieces])
-        except SessionFatal as e:
-            _fail(rows, e, results)
-            for job, _ in pieces:
-                job.session.ctx.fatal = str(e)
-                self._end(job, e, out)
-            return
-        except WarmkvError:  # nothing was evaluated (KVCacheFull...): each part alone, to end only whose it is
-            self._forward_decode(rows, results)
-            for job, row in pieces:
-                try:
-                    alone = job.session.ctx.forward(row)
-                except WarmkvError as e:
-                    self._end(job, e, out)
-                else:
-                    self._accept(job, row, alone, out)
-            return
-        self._give(rows, logits, results)
-        for (job, row), x in zip(pieces, logits[len(rows) :], strict=True):
-            self._accept(job, row, x, out)
+        self._forward(rows, pieces, results, out)
 
     def _accept(self, job: Job, row: ForwardRow, logits: np.ndarray | None, out: list[tuple[Job, StreamChunk]]) -> None:
         """_record, ending the turn on an error."""
@@ -433,12 +483,28 @@ def _disk_result(read: Future[DiskRead] | None) -> DiskRead:
         return DiskRead(None)
 
 
-def _fail(rows: list[tuple[Job, ForwardRow]], err: WarmkvError, results: Results) -> None:
-    """Each decode row's turn ends with err; a fatal one marks its KV unknown."""
-    for job, _ in rows:
+def _outcomes(group: list[tuple[Job, ForwardRow]], err: WarmkvError) -> list[Outcome]:
+    """What a failed forward (every row rolled back) means for each of its rows.
+
+    The rows err names (all of them when it names none) end with it; a SessionFatal marks their
+    KV unknown. Where it names several and is about neither their KV nor their blocks (an engine
+    call that held them all failed), each of them runs again alone next step instead, and ends
+    only if it fails there. The rows it does not name run again next step.
+    """
+    seqs = [row.seq for _, row in group]
+    named = set(err.seqs if isinstance(err, ForwardFailed | SessionFatal | KVCacheFull) else ()) & set(seqs)
+    named = named or set(seqs)
+    isolate = len(named) > 1 and not isinstance(err, SessionFatal | KVCacheFull)
+    out: list[Outcome] = []
+    for job, row in group:
+        if row.seq not in named or isolate:
+            job.solo = job.solo or row.seq in named
+            out.append(RETRY)
+            continue
         if isinstance(err, SessionFatal):
             job.session.ctx.fatal = str(err)
-        results[id(job)] = err
+        out.append(err)
+    return out
 
 
 def _cost(row: ForwardRow, depth: int | None) -> int:

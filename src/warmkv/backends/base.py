@@ -311,8 +311,11 @@ class Backend(Protocol):
         """Evaluate rows (one per sequence) in one step; last-token logits per row (float32 copy),
         or [len(tokens), vocab] for a row with all_logits.
 
-        Raises ContextOverflow when the KV memory has no room (nothing changed),
-        SessionFatal when the engine failed and the KV state is unknown.
+        Raises ContextOverflow when the KV memory has no room (nothing changed). A failed forward
+        rolls back every row on its own and names, in the error's `seqs`, the sequences it concerns:
+        ForwardFailed those of the engine call that failed (every row is as it was), KVCacheFull
+        those that did not get blocks (nothing changed), SessionFatal those whose KV could not be
+        rolled back (the other rows are as they were). Empty `seqs`: every row.
         """
         ...
 

@@ -584,6 +584,7 @@ class LlamaCppBackend:
         ]
         cap = self.config.num_batch
         pending: list[tuple[int, int, int]] = []  # (row index, token offset, batch index)
+        batch_seqs: dict[int, None] = {}  # the sequences in the batch being filled, in order
         fill = 0
         try:
             for r, row in enumerate(rows):
@@ -591,31 +592,33 @@ class LlamaCppBackend:
                 for i, tok in enumerate(toks):
                     if fill == cap:
                         self._decode(fill, pending, rows, out)
-                        pending, fill = [], 0
+                        pending, fill, batch_seqs = [], 0, {}
                     wanted = row.all_logits or (i == len(toks) - 1 and row.want_logits)
                     self._put(fill, tok, row.start + i, row.seq, wanted)
+                    batch_seqs[row.seq] = None
                     if wanted:
                         pending.append((r, i, fill))
                     fill += 1
             if fill:
                 self._decode(fill, pending, rows, out)
         except _DecodeFailed as e:
-            self._roll_back(rows, str(e))
+            self._roll_back(rows, str(e), failed=list(batch_seqs))
         if self._ckpt is not None:
             for row in rows:
                 if not row.decode:
                     self._ckpt.after_row(row.seq, row.start, row.start + len(row.tokens), row.want_logits)
         return out
 
-    def _roll_back(self, rows: Sequence[ForwardRow], reason: str) -> None:
-        """Drop what a failed forward wrote (earlier batches succeeded); ForwardFailed when that worked."""
+    def _roll_back(self, rows: Sequence[ForwardRow], reason: str, failed: list[int]) -> None:
+        """Drop what a failed forward wrote (earlier batches succeeded); ForwardFailed naming the failed
+        batch's sequences when that worked, SessionFatal naming those it did not work for."""
         lost = []
         for row in rows:
             if not lc.llama_memory_seq_rm(self._mem, row.seq, row.start, -1) or self._length(row.seq) != row.start:
                 lost.append(row.seq)
         if lost:
-            raise SessionFatal(f"{reason}; the KV of sequence(s) {lost} could not be rolled back")
-        raise ForwardFailed(self.name, len(rows), sum(len(r.tokens) for r in rows), reason)
+            raise SessionFatal(f"{reason}; the KV of sequence(s) {lost} could not be rolled back", seqs=lost)
+        raise ForwardFailed(self.name, len(rows), sum(len(r.tokens) for r in rows), reason, seqs=failed)
 
     def _put(self, i: int, token: int, pos: int, seq: int, logits: bool) -> None:
         b = self._batch

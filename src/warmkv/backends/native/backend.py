@@ -31,7 +31,7 @@ from ..compute_thread import ComputeThread, on_compute_thread
 from ..options import NativeOptions
 from ..slots import SeqSlots
 from . import decode_ext
-from .batch import BatchPlanner
+from .batch import BatchPlanner, Part
 from .checkpoint import Checkpoint
 from .gemma3 import CPP_LOOP_UNSUPPORTED, Gemma3
 from .gguf_loader import load_gguf
@@ -462,8 +462,10 @@ class NativeBackend:
             np.empty((len(r.tokens), n_vocab), dtype=np.float32) if r.all_logits else None for r in rows
         ]
         assert self._planner is not None
+        parts: list[Part] = []  # the step running: its rows are named if it fails
         try:
-            for step in self._planner.chunks(rows):
+            for parts in self._planner.split(rows):
+                step = self._planner.step(rows, parts)
                 logits = self._model.forward(
                     step.tokens, step.positions, step.plans, step.write_slots, step.logit_index, cache
                 ).cpu()
@@ -473,11 +475,12 @@ class NativeBackend:
                     else:
                         out[r] = logits[i].numpy().copy()
         except Exception as e:
-            self._roll_back(rows, cache, e)
+            self._roll_back(rows, cache, e, failed=list(dict.fromkeys(rows[r].seq for r, _, _ in parts)))
         return out
 
-    def _roll_back(self, rows: Sequence[ForwardRow], cache: PagedKVCache, e: Exception) -> None:
-        """Drop what a failed forward appended; raise ForwardFailed (or e itself, if typed) when that worked."""
+    def _roll_back(self, rows: Sequence[ForwardRow], cache: PagedKVCache, e: Exception, failed: list[int]) -> None:
+        """Drop what a failed forward appended; raise ForwardFailed naming the sequences of the failed
+        step (or e itself, if typed) when that worked, SessionFatal naming those it did not work for."""
         lost = []
         for r in rows:
             try:
@@ -491,11 +494,12 @@ class NativeBackend:
         if lost:
             raise SessionFatal(
                 f"native forward failed on {tokens} tokens ({e}) and the KV of sequence(s) {lost} "
-                "could not be rolled back"
+                "could not be rolled back",
+                seqs=lost,
             ) from None
         if isinstance(e, WarmkvError):
             raise e
-        raise ForwardFailed(self.name, len(rows), tokens, f"{type(e).__name__}: {e}") from None
+        raise ForwardFailed(self.name, len(rows), tokens, f"{type(e).__name__}: {e}", seqs=failed) from None
 
     @on_compute_thread
     def embed(self, tokens: Sequence[int]) -> np.ndarray:

@@ -15,6 +15,8 @@ from ..base import ForwardRow
 from .attention import RowPlan, plan_row
 from .paged_kv import PagedKVCache
 
+Part = tuple[int, int, int]  # (row index, token begin, token end) of one row's tokens in a step
+
 
 @dataclass(frozen=True)
 class Step:
@@ -33,7 +35,13 @@ class BatchPlanner:
         self._cap = num_batch
 
     def chunks(self, rows: Sequence[ForwardRow]) -> Iterator[Step]:
-        pending: list[tuple[int, int, int]] = []  # (row index, token begin, token end)
+        for parts in self.split(rows):
+            yield self.step(rows, parts)
+
+    def split(self, rows: Sequence[ForwardRow]) -> list[list[Part]]:
+        """The parts of each step, without touching the cache (a failed step's rows are named from it)."""
+        steps: list[list[Part]] = []
+        pending: list[Part] = []
         fill = 0
         for r, row in enumerate(rows):
             i, n = 0, len(row.tokens)
@@ -43,12 +51,14 @@ class BatchPlanner:
                 fill += take
                 i += take
                 if fill == self._cap:
-                    yield self._step(rows, pending)
+                    steps.append(pending)
                     pending, fill = [], 0
         if pending:
-            yield self._step(rows, pending)
+            steps.append(pending)
+        return steps
 
-    def _step(self, rows: Sequence[ForwardRow], parts: list[tuple[int, int, int]]) -> Step:
+    def step(self, rows: Sequence[ForwardRow], parts: list[Part]) -> Step:
+        """Append the parts' tokens to the cache; the model step that writes their K/V."""
         tokens: list[int] = []
         positions: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []

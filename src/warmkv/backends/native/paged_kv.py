@@ -161,9 +161,20 @@ class PagedKVCache:
             raise KVCacheFull(need, len(self._free), self.layout.num_blocks, self.layout.block_size)
 
     def can_append(self, grow: dict[int, int]) -> int:
-        """Blocks needed to append grow[seq] tokens to each seq; KVCacheFull when the pool is short."""
-        need = sum(self._need(s, self.length(s) + n) for s, n in grow.items())
-        self.ensure_free(need)
+        """Blocks needed to append grow[seq] tokens to each seq; KVCacheFull when the pool is short,
+        naming the sequences that do not fit once those before them (in grow's order) have theirs."""
+        needs = {s: self._need(s, self.length(s) + n) for s, n in grow.items()}
+        need = sum(needs.values())
+        try:
+            self.ensure_free(need)
+        except KVCacheFull as e:
+            left, short = len(self._free), []
+            for s, k in needs.items():
+                if k > left:
+                    short.append(s)
+                else:
+                    left -= k
+            raise KVCacheFull(e.needed, e.free, e.total, e.block_size, seqs=short) from None
         return need
 
     def append(self, seq: int, n: int) -> torch.Tensor:
