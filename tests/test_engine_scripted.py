@@ -1,0 +1,124 @@
+"""The engine on a scripted backend (tests/scripted_backend.py): sessions, the scheduler and
+faults, in seconds. The real-model suite checks the same contract on real engines."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+import warmkv
+from scripted_backend import ScriptedBackend
+from warmkv.scheduler import Scheduler
+
+GREEDY = warmkv.DecodeConfig(max_tokens=24, temperature=0.0)
+PROMPTS = [f"stream {i}: " + "the quick brown fox " * (3 + i) for i in range(8)]
+
+
+def runtime(**kw: object) -> warmkv.Runtime:
+    return warmkv.Runtime(ScriptedBackend(warmkv.RuntimeConfig(num_ctx=1024, n_seq_max=9, **kw)))
+
+
+def alone(rt: warmkv.Runtime, prompt: str) -> list[int]:
+    with rt.session() as s:
+        s.ensure_prefix(prompt)
+        return [t for c in s.decode(GREEDY) for t in c.token_ids]
+
+
+def run_all(
+    rt: warmkv.Runtime, prompts: list[str], before: Callable[[list[warmkv.Session]], None] | None = None
+) -> dict[int, list[warmkv.StreamChunk]]:
+    """Every prompt as a turn of its own session, all on one scheduler; chunks per prompt.
+
+    before(sessions) runs once the sessions are open, before any turn is submitted."""
+    scheduler = Scheduler(rt)
+    got: dict[int, list[warmkv.StreamChunk]] = {i: [] for i in range(len(prompts))}
+    done = threading.Semaphore(0)
+    sessions = [rt.session() for _ in prompts]
+    if before is not None:
+        before(sessions)
+    try:
+        for i, (s, p) in enumerate(zip(sessions, prompts, strict=True)):
+
+            def sink(c: warmkv.StreamChunk, i: int = i) -> None:
+                got[i].append(c)
+                if c.done:
+                    done.release()
+
+            scheduler.submit(s.turn(p, GREEDY), sink)
+        for _ in prompts:
+            assert done.acquire(timeout=60)
+    finally:
+        scheduler.close()
+        for s in sessions:
+            s.close()
+    return got
+
+
+def test_warm_equals_cold_and_turns_run_together() -> None:
+    rt = runtime()
+    want = {i: alone(rt, p) for i, p in enumerate(PROMPTS)}
+    got = run_all(rt, PROMPTS)
+    for i, chunks in got.items():
+        assert chunks[-1].error is None and chunks[-1].finish_reason == "length"
+        assert [t for c in chunks for t in c.token_ids] == want[i]
+    rows_per_forward = [len(f) for f in rt.backend.forwards]
+    assert max(rows_per_forward) >= 4  # the streams shared forwards
+
+
+def test_a_resent_prompt_is_warm_and_equal() -> None:
+    rt = runtime()
+    with rt.session() as s:
+        s.ensure_prefix(PROMPTS[0])
+        first = [t for c in s.decode(GREEDY) for t in c.token_ids]
+        st = s.ensure_prefix(PROMPTS[0] + "and then")
+        assert st.reused_tokens == len(rt.tokenize(PROMPTS[0]))
+        again = [t for c in s.decode(GREEDY) for t in c.token_ids]
+    assert again == alone(rt, PROMPTS[0] + "and then") and first == alone(rt, PROMPTS[0])
+
+
+@pytest.mark.parametrize("fault", ["forward_failed", "whole_call", "session_fatal"])
+def test_a_fault_in_one_stream_ends_that_stream_alone(fault: str) -> None:
+    rt = runtime()
+    want = {i: alone(rt, p) for i, p in enumerate(PROMPTS)}
+    backend: ScriptedBackend = rt.backend  # type: ignore[assignment]
+    victim = 3
+
+    def inject(sessions: list[warmkv.Session]) -> None:
+        seq = sessions[victim]._seq
+        errors = {
+            "forward_failed": None,
+            # the engine call held every row: the scheduler must find whose it is
+            "whole_call": lambda seqs: warmkv.ForwardFailed("scripted", len(seqs), len(seqs), "boom", seqs=seqs),
+            "session_fatal": lambda _: warmkv.SessionFatal(f"lost {seq}", seqs=(seq,)),
+        }
+        backend.fail(seq, after=12, times=2, error=errors[fault])  # it fails again when run alone
+
+    got = run_all(rt, PROMPTS, inject)
+    for i, chunks in got.items():
+        if i == victim:
+            assert chunks[-1].error is not None, "the faulted stream must end in an error"
+            tokens = [t for c in chunks for t in c.token_ids]
+            assert 0 < len(tokens) < len(want[i]) and tokens == want[i][: len(tokens)]
+            continue
+        assert chunks[-1].error is None, f"stream {i} ended by another's fault: {chunks[-1].error}"
+        assert [t for c in chunks for t in c.token_ids] == want[i]
+
+
+def test_a_short_pool_ends_only_the_rows_that_do_not_fit() -> None:
+    prompts = PROMPTS[:4]
+    need = max(len(ScriptedBackend().tokenize(p, add_bos=True, parse_special=False)) for p in prompts) + 24
+    cfg = warmkv.RuntimeConfig(num_ctx=1024, n_seq_max=9, prefix_cache_mb=0)  # every held token is a session's
+    rt = warmkv.Runtime(ScriptedBackend(cfg, pool_tokens=2 * need + need // 2))
+    want = {i: alone(rt, p) for i, p in enumerate(prompts)}
+    got = run_all(rt, prompts)
+    ended = [i for i, chunks in got.items() if chunks[-1].error is not None]
+    assert ended and len(ended) < len(prompts)
+    for i, chunks in got.items():
+        tokens = [t for c in chunks for t in c.token_ids]
+        if i in ended:
+            assert isinstance(chunks[-1].error, warmkv.KVCacheFull), chunks[-1].error
+            assert tokens == want[i][: len(tokens)]
+        else:
+            assert tokens == want[i]
