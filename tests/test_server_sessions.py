@@ -220,6 +220,10 @@ def test_session_decode_takes_constraints_logprobs_and_drafts(http: httpx.Client
     assert r.status_code == 400 and "one of" in r.json()["error"]["message"]
     r = http.post(f"/v1/sessions/{sid}/decode", json={"max_tokens": 4, "regex": "(", "stream": False})
     assert r.status_code == 400 and "regex" in r.json()["error"]["message"]
+    # Past llguidance's lexer limits only at the first token: that turn ends with a 400, the session stays.
+    r = http.post(f"/v1/sessions/{sid}/decode", json={"max_tokens": 4, "regex": "a{1000000}", "stream": False})
+    assert r.status_code == 400 and "too many expressions" in r.json()["error"]["message"]
+    assert len(r.json()["error"]["message"]) < 300  # without llguidance's parser state
     # Extreme but valid sampling values saturate instead of making NaN probabilities.
     extreme = {"max_tokens": 4, "repeat_penalty": 1e-300, "temperature": 1e-310, "stream": False}
     assert http.post(f"/v1/sessions/{sid}/decode", json=extreme).json()["finish_reason"] in ("stop", "length")
