@@ -148,6 +148,14 @@ def test_openapi_lists_every_route(http: httpx.Client) -> None:
         "/metrics",
     ):
         assert p in paths, p
+    # OpenAPI links chain a new session's id into the routes that take one (stateful clients, fuzzers).
+    ops = {op["operationId"] for path in paths.values() for op in path.values()}
+    for source in (paths["/v1/sessions"]["post"], paths["/v1/sessions/{sid}/prefix"]["post"]):
+        links = source["responses"]["200"]["links"]
+        assert len(links) == 7 and {link["operationId"] for link in links.values()} <= ops
+    assert paths["/v1/sessions"]["post"]["responses"]["200"]["links"]["decode"]["parameters"] == {
+        "sid": "$response.body#/id"
+    }
 
 
 def test_metrics_and_health(http: httpx.Client) -> None:
