@@ -383,6 +383,11 @@ def test_constrained_decoding_matches_schema_regex_and_grammar(rt: warmkv.Runtim
             with pytest.raises(warmkv.InvalidInput):
                 s.decode(warmkv.DecodeConfig(max_tokens=4, constraint=bad))
         assert s.explain().resident_tokens == before
+        # Parses, then exceeds llguidance's lexer limits at the first token: that turn ends, the session stays.
+        last = list(s.decode(warmkv.DecodeConfig(max_tokens=4, constraint=warmkv.Constraint.regex("a{1000000}"))))[-1]
+        assert last.finish_reason == "error" and isinstance(last.error, warmkv.InvalidInput), last
+        assert last.usage is not None and last.usage.completion_tokens == 0
+        assert "".join(c.text for c in s.decode(warmkv.DecodeConfig(max_tokens=8, constraint=yes_no))) in ("yes", "no")
     with pytest.raises(warmkv.InvalidInput):
         warmkv.Constraint("yaml", "x")  # type: ignore[arg-type]
     with pytest.raises(warmkv.InvalidConfig):

@@ -148,6 +148,14 @@ def test_openapi_lists_every_route(http: httpx.Client) -> None:
         "/metrics",
     ):
         assert p in paths, p
+    # OpenAPI links chain a new session's id into the routes that take one (stateful clients, fuzzers).
+    ops = {op["operationId"] for path in paths.values() for op in path.values()}
+    for source in (paths["/v1/sessions"]["post"], paths["/v1/sessions/{sid}/prefix"]["post"]):
+        links = source["responses"]["200"]["links"]
+        assert len(links) == 7 and {link["operationId"] for link in links.values()} <= ops
+    assert paths["/v1/sessions"]["post"]["responses"]["200"]["links"]["decode"]["parameters"] == {
+        "sid": "$response.body#/id"
+    }
 
 
 def test_metrics_and_health(http: httpx.Client) -> None:
@@ -220,4 +228,11 @@ def test_session_decode_takes_constraints_logprobs_and_drafts(http: httpx.Client
     assert r.status_code == 400 and "one of" in r.json()["error"]["message"]
     r = http.post(f"/v1/sessions/{sid}/decode", json={"max_tokens": 4, "regex": "(", "stream": False})
     assert r.status_code == 400 and "regex" in r.json()["error"]["message"]
+    # Past llguidance's lexer limits only at the first token: that turn ends with a 400, the session stays.
+    r = http.post(f"/v1/sessions/{sid}/decode", json={"max_tokens": 4, "regex": "a{1000000}", "stream": False})
+    assert r.status_code == 400 and "too many expressions" in r.json()["error"]["message"]
+    assert len(r.json()["error"]["message"]) < 300  # without llguidance's parser state
+    # Extreme but valid sampling values saturate instead of making NaN probabilities.
+    extreme = {"max_tokens": 4, "repeat_penalty": 1e-300, "temperature": 1e-310, "stream": False}
+    assert http.post(f"/v1/sessions/{sid}/decode", json=extreme).json()["finish_reason"] in ("stop", "length")
     http.delete(f"/v1/sessions/{sid}")

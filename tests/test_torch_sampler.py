@@ -212,6 +212,31 @@ def test_history_token_out_of_range(bad: int, penalty: float) -> None:
     assert 0 <= s.sample(logits, [0, 7]) < 8
 
 
+@pytest.mark.parametrize("make", [Sampler, TorchSampler], ids=["numpy", "torch"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        DecodeConfig(repeat_penalty=1e-300, seed=0),
+        DecodeConfig(repeat_penalty=5e-324, seed=0),
+        DecodeConfig(repeat_penalty=1e300, seed=0),
+        DecodeConfig(repeat_penalty=1e-300, temperature=0.0),
+        DecodeConfig(temperature=1e-310, top_k=0, min_p=0.0, seed=0),
+        DecodeConfig(temperature=5e-324, top_k=0, min_p=0.0, repeat_penalty=1e300, seed=0),
+    ],
+    ids=["tiny-penalty", "min-penalty", "huge-penalty", "tiny-penalty-greedy", "tiny-t", "min-t-huge-penalty"],
+)
+def test_extreme_values_still_draw_a_token(make: type[Sampler] | type[TorchSampler], cfg: DecodeConfig) -> None:
+    """Any value the config accepts gives a token (never NaN probabilities), and masked tokens stay out."""
+    logits = np.array([3.0, 0.0, -2.0, 5.0, -np.inf, 1.0], np.float32)
+    history = [0, 1, 2, 4]
+    for _ in range(20):
+        assert make(cfg).sample(logits, history) in (0, 1, 2, 3, 5)
+    if cfg.greedy:  # a tiny penalty lifts token 0 (3.0) to the top of the float32 range, not to inf
+        assert make(cfg).sample(logits, history) == 0
+    elif cfg.temperature < 1e-300:  # only the top token survives a tiny temperature
+        assert make(cfg).sample(logits, history) == 3
+
+
 def test_only_threadless_sampling_skips_the_compute_thread() -> None:
     """Greedy without a penalty samples in place; anything that runs torch ops goes to the compute thread."""
     from warmkv.backends.compute_thread import ComputeThread

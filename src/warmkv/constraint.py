@@ -103,7 +103,7 @@ class Guide:
     def __init__(self, tokenizer: llguidance.LLTokenizer, constraint: Constraint) -> None:
         self._matcher = llguidance.LLMatcher(tokenizer, constraint.grammar(), log_level=0)
         if self._matcher.is_error():
-            raise InvalidInput(f"invalid {constraint.kind} constraint: {self._matcher.get_error()}")
+            raise InvalidInput(f"invalid {constraint.kind} constraint: {self._reason()}")
         self._mask = llg_np.allocate_token_bitmask(1, tokenizer.vocab_size)
 
     def allowed(self, n_vocab: int) -> np.ndarray:
@@ -114,12 +114,16 @@ class Guide:
     def mask(self, logits: np.ndarray) -> np.ndarray:
         allowed = self.allowed(logits.shape[0])
         if not allowed.any():
-            raise InvalidInput(f"the constraint allows no next token: {self._matcher.get_error() or 'dead end'}")
+            raise InvalidInput(f"the constraint allows no next token: {self._reason() or 'dead end'}")
         return np.where(allowed, logits, np.float32(-np.inf)).astype(np.float32)
 
     def advance(self, token: int) -> None:
         if not self._matcher.consume_token(token):
-            raise InvalidInput(f"token {token} does not fit the constraint: {self._matcher.get_error()}")
+            raise InvalidInput(f"token {token} does not fit the constraint: {self._reason()}")
+
+    def _reason(self) -> str:
+        """llguidance's error without the parser state it appends (kilobytes of it)."""
+        return self._matcher.get_error().split("\n<state>", 1)[0].strip()
 
     @property
     def finished(self) -> bool:

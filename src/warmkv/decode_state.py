@@ -18,7 +18,7 @@ import numpy as np
 from .backends.base import Backend, ForwardRow, TokenSampler
 from .config import DecodeConfig
 from .context import ResidentContext
-from .errors import WarmkvError
+from .errors import InvalidInput, WarmkvError
 from .sampling import logprobs_of
 from .text import StopMatcher, Utf8Stream
 from .tokens import lookup_draft
@@ -91,9 +91,14 @@ class DecodeState:
             logits = self.ctx.logits
             assert logits is not None
             g = self.guide
-            token = self.sampler.sample(logits if g is None else g.mask(logits), self.ctx.tokens)  # type: ignore[union-attr]
-            if g is not None:
-                g.advance(token)
+            try:
+                token = self.sampler.sample(logits if g is None else g.mask(logits), self.ctx.tokens)  # type: ignore[union-attr]
+                if g is not None:
+                    g.advance(token)
+            except InvalidInput as e:
+                # The request's own fault (a constraint past llguidance's lexer limits, a dead end):
+                # this turn ends with it; the session keeps what is resident, with nothing pending.
+                return self._end("error", error=e)
             self.ctx.pending = [token]
             new = [token]
             if self.cfg.logprobs is not None:  # the model's distribution, before penalties and filters

@@ -26,8 +26,14 @@ class Sampler:
             return logits
         recent = np.unique(np.asarray(history[-cfg.repeat_last_n :], dtype=np.int64))
         out = logits.copy()
-        vals = out[recent]
-        out[recent] = np.where(vals > 0, vals / cfg.repeat_penalty, vals * cfg.repeat_penalty)
+        vals = out[recent].astype(np.float64)
+        p = cfg.repeat_penalty
+        # An extreme penalty (1e-300, 1e300) saturates a logit at the row's finite range rather
+        # than making it inf (and the softmax NaN); zeros stay zero, masked tokens (-inf) stay masked.
+        with np.errstate(over="ignore"):
+            new = np.where(vals > 0, vals / p, np.where(vals < 0, vals * p, vals))
+        hi = float(np.finfo(out.dtype).max)
+        out[recent] = np.where(np.isneginf(vals), vals, np.clip(new, -hi, hi))
         return out
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
@@ -48,8 +54,10 @@ class Sampler:
         if cfg.min_p > 0.0:
             keep = int(np.count_nonzero(probs >= cfg.min_p * probs[0]))
             idx, z = idx[: max(keep, 1)], z[: max(keep, 1)]
-        z = z / cfg.temperature
-        p = np.exp(z - z.max())
+        # Scaled relative to the top logit (z[0]): a tiny temperature sends the others to -inf, never NaN.
+        with np.errstate(over="ignore"):
+            z = (z - z[0]) / cfg.temperature
+        p = np.exp(z)
         p /= p.sum()
         return int(idx[self._rng.choice(len(idx), p=p)])
 

@@ -8,9 +8,11 @@ naming it, and the few accepted without effect (user, metadata, ...) say so here
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from ..session import SNAPSHOT_NAME
 
 MAX_STOP = 16
 Stop = str | list[str] | None
@@ -193,7 +195,7 @@ class DecodeRequest(_Request):
     repeat_last_n: int = Field(default=64, ge=0)
     seed: int | None = Field(default=None, ge=0, le=2**32 - 1)
     stop: Stop = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     json_schema: dict[str, Any] | None = None  # at most one of json_schema, regex, grammar
@@ -204,7 +206,7 @@ class DecodeRequest(_Request):
 
 
 class SnapshotRequest(_Request):
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(pattern=f"^{SNAPSHOT_NAME.pattern}$")  # the schema says which names the store takes
 
 
 # -- responses (for the OpenAPI schema; routes return plain dicts of this shape) ----------

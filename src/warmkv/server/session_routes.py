@@ -28,6 +28,25 @@ from .streams import SSE_DONE, ChunkStream, SSEResponse, sse, start_turn
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERRORS)
 
+# The routes that take a session id; their operationIds are what the links below point at.
+_SESSION_OPS = ("explain", "close", "prefix", "suffix", "decode", "snapshot", "fork")
+
+
+def _links(sid: str) -> dict[str, Any]:
+    """OpenAPI links from a 200 to every route that takes a session id, the id taken from `sid`.
+
+    They let a client or a stateful tester chain create -> prefix -> suffix -> decode -> close
+    on one session.
+    """
+    links = {op: {"operationId": f"session_{op}", "parameters": {"sid": sid}} for op in _SESSION_OPS}
+    return {"responses": {"200": {"links": links}}}
+
+
+_NEW_SESSION = _links("$response.body#/id")  # create and fork answer with a new session's id
+_SAME_SESSION = _links("$request.path.sid")  # the other routes but close: the session they were called on
+# stream=true (the default) answers with server-sent events, stream=false with one JSON body.
+_SSE = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+
 
 def _logprobs(items: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
     return [{"token": lp.token, "logprob": lp.logprob, "top": lp.top} for lp in items]
@@ -56,7 +75,7 @@ async def _call(st: ServerState, sid: str, fn: Any, *args: Any) -> Any:
         st.registry.unlock(entry)
 
 
-@router.post("", response_model=SessionCreated)
+@router.post("", response_model=SessionCreated, operation_id="session_create", openapi_extra=_NEW_SESSION)
 async def create_session(st: State, body: Annotated[dict[str, Any] | None, Body()] = None) -> dict[str, Any]:
     """Open a session; its id is the capability to use it. It expires after session_ttl_s idle."""
     if body and "model" in body:
@@ -72,7 +91,7 @@ async def create_session(st: State, body: Annotated[dict[str, Any] | None, Body(
     }
 
 
-@router.post("/{sid}/prefix")
+@router.post("/{sid}/prefix", operation_id="session_prefix", openapi_extra=_SAME_SESSION)
 async def ensure_prefix(sid: str, req: PrefixRequest, st: State) -> dict[str, Any]:
     """Make the resident KV equal this prefix, prefilling only the divergent tail (PrefixStatus)."""
     inp = PrefixInput(
@@ -87,7 +106,7 @@ async def ensure_prefix(sid: str, req: PrefixRequest, st: State) -> dict[str, An
     return status.to_dict()
 
 
-@router.post("/{sid}/suffix")
+@router.post("/{sid}/suffix", operation_id="session_suffix", openapi_extra=_SAME_SESSION)
 async def prefill_suffix(sid: str, req: SuffixRequest, st: State) -> dict[str, Any]:
     """Prefill the volatile part after the prefix (SuffixStatus); the prefix KV is untouched."""
     inp = SuffixInput(
@@ -98,7 +117,7 @@ async def prefill_suffix(sid: str, req: SuffixRequest, st: State) -> dict[str, A
     return status.to_dict()
 
 
-@router.post("/{sid}/decode")
+@router.post("/{sid}/decode", operation_id="session_decode", responses=_SSE, openapi_extra=_SAME_SESSION)
 async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
     """Generate: SSE of {text, token_ids} deltas, the last with finish_reason and usage; or one JSON."""
     cfg = DecodeConfig(
@@ -149,7 +168,7 @@ async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
     return SSEResponse(body(), on_close=stream.cancel)
 
 
-@router.get("/{sid}")
+@router.get("/{sid}", operation_id="session_explain", openapi_extra=_SAME_SESSION)
 async def explain(sid: str, st: State) -> dict[str, Any]:
     """What is resident in the session, under which manifest, and why its last turn was warm or cold."""
     entry: Entry = st.registry.get(sid)
@@ -158,14 +177,14 @@ async def explain(sid: str, st: State) -> dict[str, Any]:
     return {**report.to_dict(), "id": entry.id, "busy": entry.lock.locked(), "idle_s": idle, "ttl_s": st.registry.ttl_s}
 
 
-@router.delete("/{sid}")
+@router.delete("/{sid}", operation_id="session_close")
 async def close_session(sid: str, st: State) -> dict[str, Any]:
     """Close the session and free its KV; a running decode on it is cancelled."""
     st.registry.close(sid)
     return {"id": sid, "object": "session.deleted", "deleted": True}
 
 
-@router.post("/{sid}/snapshot")
+@router.post("/{sid}/snapshot", operation_id="session_snapshot", openapi_extra=_SAME_SESSION)
 async def snapshot(sid: str, req: SnapshotRequest, st: State) -> dict[str, Any]:
     """Write the session's resident context to the disk store under a name (when supported)."""
     if not hasattr(Session, "snapshot"):
@@ -176,7 +195,7 @@ async def snapshot(sid: str, req: SnapshotRequest, st: State) -> dict[str, Any]:
     return dataclasses.asdict(info) if dataclasses.is_dataclass(info) else {"name": req.name}
 
 
-@router.post("/{sid}/fork")
+@router.post("/{sid}/fork", operation_id="session_fork", openapi_extra=_NEW_SESSION)
 async def fork(sid: str, st: State) -> dict[str, Any]:
     """A new session sharing this one's resident KV (when the session type supports forks)."""
     if not hasattr(Session, "fork"):

@@ -90,7 +90,11 @@ class TorchSampler:
         # Clone: x may be a view of the caller's numpy array. Repeated ids write the same value, so no unique().
         out = x.clone()
         vals = out[recent]
-        out[recent] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        # As the numpy sampler: an extreme penalty saturates at the dtype's finite range (in float32
+        # a penalty of 1e-300 is 0), zeros stay zero and masked tokens (-inf) stay masked.
+        new = torch.where(vals > 0, vals / penalty, torch.where(vals < 0, vals * penalty, vals))
+        hi = torch.finfo(out.dtype).max
+        out[recent] = torch.where(torch.isneginf(vals), vals, new.clamp(-hi, hi))
         return out
 
     def sample(self, logits: np.ndarray | torch.Tensor, history: Sequence[int] | torch.Tensor = ()) -> int:
@@ -123,7 +127,10 @@ class TorchSampler:
         if cfg.min_p > 0.0:
             keep &= probs >= cfg.min_p * probs[0]
             keep[0] = True  # the most likely token always survives
-        z = torch.where(keep, z / cfg.temperature, torch.full_like(z, -torch.inf))
+        # Scaled relative to the top logit, which stays at 0 (in float32 a tiny temperature is 0, and 0/0 NaN).
+        z = (z - z[0]) / cfg.temperature
+        z[0] = 0.0
+        z = torch.where(keep, z, torch.full_like(z, -torch.inf))
         p = torch.softmax(z, dim=0)
         choice = torch.multinomial(p, 1, generator=self._gen)
         return int(idx[choice])  # one host sync: only the token id leaves the device
