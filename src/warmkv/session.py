@@ -120,9 +120,18 @@ class Session:
         return None
 
     @contextmanager
-    def _lock(self) -> Iterator[None]:
+    def _lock(self, *, publish: bool = False) -> Iterator[None]:
+        """The op lock, then the model lock; publish: the block may change what is resident."""
         with self._op, self._model_lock:
-            yield
+            try:
+                yield
+            finally:
+                if publish:
+                    self._publish()
+
+    def _publish(self) -> None:
+        """An operation changed the resident KV: readers see the runtime's stats."""
+        self._rt.publish_stats()
 
     # -- the contract ------------------------------------------------------------
 
@@ -133,7 +142,7 @@ class Session:
             return self._run_plan(plan)
 
     def _run_plan(self, plan: PrefixPlan) -> PrefixStatus:
-        with self._lock():
+        with self._lock(publish=True):
             self._check_usable()
             load = self.begin_load(plan)
             try:
@@ -262,7 +271,7 @@ class Session:
         """Prefill the volatile part after the prefix; the prefix KV is never touched."""
         inp = SuffixInput.coerce(suffix)
         text = as_text(inp.text, "suffix text")
-        with self._lock():
+        with self._lock(publish=True):
             self._check_usable()
             ctx = self.ctx
             if self._manifest is None or ctx.prefix_len == 0:
@@ -331,7 +340,7 @@ class Session:
                 f"{self._backend.info.architecture} keeps recurrent state: a rejected draft could only be "
                 "undone by prefilling again from a checkpoint",
             )
-        with self._lock():
+        with self._lock(publish=prompt_tokens is None):  # settle() may drop a detached suffix
             self._check_usable()
             ctx = self.ctx
             if prompt_tokens is None:
@@ -352,6 +361,8 @@ class Session:
         while True:
             with self._lock():
                 chunk = self._step(state)
+                if chunk.done:
+                    self._publish()
             yield chunk
             if chunk.done:
                 return
@@ -410,6 +421,7 @@ class Session:
                     self.ctx.settle()
                     self._backend.copy_seq(self._seq, child._seq, len(self.ctx.tokens))
                     child._adopt(self)
+                    self._publish()
             except BaseException:
                 child.close()
                 raise
@@ -434,6 +446,7 @@ class Session:
                 if self._manifest is None or not ctx.tokens:
                     raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
                 ctx.settle()
+                self._publish()
                 meta = {
                     "prefix_len": ctx.prefix_len,
                     "suffix_end": ctx.suffix_end,
@@ -446,7 +459,7 @@ class Session:
 
     def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
         """Load a snapshot's KV into this (fresh) session."""
-        with self._lock():
+        with self._lock(publish=True):
             self._backend.import_seq(self._seq, blob)
             ctx = self.ctx
             ctx.reset(tokens)
@@ -512,8 +525,8 @@ class Session:
             if self._closed:
                 return
             self._closed = True
-            self._rt._release(self, self._seq)
             self.ctx.reset()
+            self._rt._release(self, self._seq)  # publishes the runtime's stats
 
     def __enter__(self) -> Session:
         return self
