@@ -19,12 +19,14 @@ Lock order (the one place it is written; other modules refer here):
    waiting call from a thread that holds the model lock.
 4. Store reads (restore, disk-tier hits) run without the model lock: the blob is
    read and verified first, then the lock is taken to load it.
-5. Readers that must not wait for a forward take no lock at all: `Runtime.stats` and
-   `Scheduler.stats` are frozen records their owners replace (warmkv.stats), the
-   runtime's under the model lock. The server's /health and /metrics read those.
+5. Readers that must not wait for a forward take no lock at all: `Runtime.stats`,
+   `Scheduler.stats` and `Session.resident` are frozen records their owners replace
+   (warmkv.stats), the runtime's and the sessions' under the model lock. The server's
+   /health, /metrics and pool router read those.
 
 The decode Scheduler takes the model lock, and its own condition only outside it.
-Lock-free helpers: `Session.cancel`; `Session.token_ids` takes the model lock only.
+Lock-free helpers: `Session.cancel`, `Session.resident`; `Session.token_ids` takes
+the model lock only.
 """
 
 from __future__ import annotations

@@ -43,8 +43,9 @@ A bug in a step (the catch-all in _run) ends every turn of that step: a prefilli
 rolled back (a stash of moved runs let go) and each session is marked unusable (SessionFatal,
 with the reason) rather than left in a state nobody knows.
 
-After each step the runtime's stats and the scheduler's (`stats`) are published
-(warmkv.stats): the server reads them without waiting for the next step's forward.
+After each step the runtime's stats, the scheduler's (`stats`) and the resident tokens of
+every session whose turn ended are published (warmkv.stats): the server reads them
+without waiting for the next step's forward.
 """
 
 from __future__ import annotations
@@ -297,6 +298,9 @@ class Scheduler:
                 got = results.get(id(job))
                 if not isinstance(got, _Retry):  # a retried row has no chunk this step
                     out.append((job, job.state.take(got)))
+            for job, chunk in out:
+                if chunk.done:  # the session goes back to its owner: routers read what it holds
+                    job.session.publish_resident()
             self._rt.publish_stats()
         return out
 

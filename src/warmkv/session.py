@@ -99,6 +99,9 @@ class Session:
         self._cached_since_decode = 0
         self._cancel = threading.Event()
         self._closed = False
+        # The resident tokens as of the last operation that changed them, for readers that
+        # must not wait for the model lock (the server's router): replaced, never mutated.
+        self.resident: tuple[int, ...] = ()
 
     @property
     def _seq(self) -> int:
@@ -129,8 +132,13 @@ class Session:
                 if publish:
                     self._publish()
 
+    def publish_resident(self) -> None:
+        """Replace `resident` with the tokens resident now (call with the model lock held)."""
+        self.resident = tuple(self.ctx.tokens)
+
     def _publish(self) -> None:
-        """An operation changed the resident KV: readers see the runtime's stats."""
+        """An operation changed the resident KV: readers see this session's tokens and the runtime's stats."""
+        self.publish_resident()
         self._rt.publish_stats()
 
     # -- the contract ------------------------------------------------------------
@@ -361,7 +369,7 @@ class Session:
         while True:
             with self._lock():
                 chunk = self._step(state)
-                if chunk.done:
+                if chunk.done:  # not every step: a copy of the tokens for every token would add up
                     self._publish()
             yield chunk
             if chunk.done:
@@ -396,10 +404,8 @@ class Session:
         return status
 
     def token_ids(self) -> tuple[int, ...]:
-        """The resident token ids (evaluated KV), for routing requests by shared prefix.
-
-        Only the model lock: a router must not wait for this session's running prefill.
-        """
+        """The resident token ids now (evaluated KV). Only the model lock, never the op lock;
+        `resident` is the copy a router reads without any lock."""
         with self._model_lock:
             return tuple(self.ctx.tokens)
 
@@ -421,6 +427,7 @@ class Session:
                     self.ctx.settle()
                     self._backend.copy_seq(self._seq, child._seq, len(self.ctx.tokens))
                     child._adopt(self)
+                    child.publish_resident()
                     self._publish()
             except BaseException:
                 child.close()
@@ -526,6 +533,7 @@ class Session:
                 return
             self._closed = True
             self.ctx.reset()
+            self.publish_resident()
             self._rt._release(self, self._seq)  # publishes the runtime's stats
 
     def __enter__(self) -> Session:
