@@ -22,7 +22,8 @@ Lock order (the one place it is written; other modules refer here):
 5. Readers that must not wait for a forward take no lock at all: `Runtime.stats`,
    `Scheduler.stats` and `Session.resident` are frozen records their owners replace
    (warmkv.stats), the runtime's and the sessions' under the model lock. The server's
-   /health, /metrics and pool router read those.
+   event loop never takes the model lock: /health, /metrics and the pool's router read
+   those, and sessions are opened and closed in worker threads.
 
 The decode Scheduler takes the model lock, and its own condition only outside it.
 Lock-free helpers: `Session.cancel`, `Session.resident`; `Session.token_ids` takes

@@ -53,7 +53,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         admission = Admission(cfg.max_queue)
         pool = SessionPool(runtime, pool_size, admission, cfg.queue_timeout_s)
-        pool.open()
+        await pool.open()
         registry = SessionRegistry(runtime, n_seq - pool_size, cfg.session_ttl_s, admission, cfg.queue_timeout_s)
         step = {} if cfg.max_step_tokens is None else {"max_step_tokens": cfg.max_step_tokens}
         scheduler = Scheduler(runtime, SchedulerConfig(**step))

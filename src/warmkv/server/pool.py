@@ -9,7 +9,8 @@ other keys hold where taking one would cost its history more than it gains: conc
 agent sessions that share a system prompt do not take each other's warm history. Routing
 reads each idle session's published resident tokens (`Session.resident`), so it never
 waits for the model lock, however many sessions the pool holds. All methods run on the
-event loop; release() may be scheduled there from other threads.
+event loop; release() may be scheduled there from other threads. Sessions are opened and
+closed in worker threads: both wait for the model lock.
 
 A session whose KV is unknown (SessionFatal) or that was closed is replaced by a
 fresh one. When opening the fresh one fails (no free sequence, model unloaded) the
@@ -47,8 +48,9 @@ class SessionPool:
         self._opening = 0  # replacements being opened
         self._reason: str | None = None  # why the last replacement failed
 
-    def open(self) -> None:
-        self._idle = [self._rt.session() for _ in range(self.size)]
+    async def open(self) -> None:
+        """Open the pool's sessions (in a worker thread: each waits for the model lock)."""
+        self._idle = await asyncio.to_thread(lambda: [self._rt.session() for _ in range(self.size)])
 
     @property
     def missing(self) -> int:
