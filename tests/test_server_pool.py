@@ -65,13 +65,14 @@ def test_a_failed_replacement_degrades_the_pool_until_one_opens(rt: warmkv.Runti
 
 
 class _FakeSession:
-    """What the pool reads of a session: its id and its resident tokens."""
+    """What the pool reads of a session: its id and its published resident tokens."""
 
     def __init__(self, sid: str, tokens: list[int]) -> None:
         self.id, self.tokens, self.closed = sid, tokens, False
 
-    def token_ids(self) -> list[int]:
-        return list(self.tokens)
+    @property
+    def resident(self) -> tuple[int, ...]:
+        return tuple(self.tokens)
 
 
 def test_keyed_requests_keep_their_sessions() -> None:

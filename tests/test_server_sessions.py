@@ -103,6 +103,8 @@ def test_session_limit_is_429(http: httpx.Client) -> None:
             ids.append(r.json()["id"])
         r = http.post("/v1/sessions")
         assert r.status_code == 429 and r.json()["error"]["code"] == "session_limit"
+        r = http.post(f"/v1/sessions/{ids[0]}/fork")  # a fork opens a session too
+        assert r.status_code == 429 and r.json()["error"]["code"] == "session_limit"
     finally:
         for sid in ids:
             http.delete(f"/v1/sessions/{sid}")

@@ -19,9 +19,15 @@ Lock order (the one place it is written; other modules refer here):
    waiting call from a thread that holds the model lock.
 4. Store reads (restore, disk-tier hits) run without the model lock: the blob is
    read and verified first, then the lock is taken to load it.
+5. Readers that must not wait for a forward take no lock at all: `Runtime.stats`,
+   `Scheduler.stats` and `Session.resident` are frozen records their owners replace
+   (warmkv.stats), the runtime's and the sessions' under the model lock. The server's
+   event loop never takes the model lock: /health, /metrics and the pool's router read
+   those, and sessions are opened and closed in worker threads.
 
-The decode Scheduler takes only the model lock. Lock-free helpers: `Session.cancel`;
-`Session.token_ids` takes the model lock only.
+The decode Scheduler takes the model lock, and its own condition only outside it.
+Lock-free helpers: `Session.cancel`, `Session.resident`; `Session.token_ids` takes
+the model lock only.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from .models import resolve_model
 from .reasoning import template_thinks
 from .reasoning_history import KeptRenderer
 from .session import NO_STORE, Session
+from .stats import RuntimeStats
 from .text import as_text
 from .tiers import KVTiers
 from .tokens import SpelledLengths, spell
@@ -147,6 +154,16 @@ class Runtime:
             )
             for bos in (False, True)
         }
+        self.stats = RuntimeStats(backend.state, 0, backend.kv_memory())
+
+    def publish_stats(self) -> None:
+        """Replace `stats` with what the runtime holds now (call with the model lock held)."""
+        b = self.backend
+        if b.state is ModelState.UNLOADED:  # the backend cannot say any more: nothing is held
+            kv = replace(self.stats.kv_memory, allocated=False, held_tokens=0)
+        else:
+            kv = b.kv_memory()
+        self.stats = RuntimeStats(b.state, len(self._sessions), kv)
 
     @classmethod
     def load(
@@ -196,7 +213,7 @@ class Runtime:
         return self.backend.state
 
     def kv_memory(self) -> KVMemory:
-        """What the KV cache costs: bytes, and sequences x tokens per sequence."""
+        """What the KV cache costs: bytes, and sequences x tokens per sequence (`stats` without the lock)."""
         with self.lock:
             self._check_loaded()
             return self.backend.kv_memory()
@@ -228,6 +245,7 @@ class Runtime:
             self._check_loaded()
             s = Session(self, self.backend.acquire_seq())
             self._sessions[s.id] = s
+            self.publish_stats()
             return s
 
     def restore(self, name: str) -> Session:
@@ -268,6 +286,7 @@ class Runtime:
         self._sessions.pop(session.id, None)
         if self.backend.state is not ModelState.UNLOADED:
             self.backend.release_seq(seq)
+        self.publish_stats()
 
     # -- tokens ---------------------------------------------------------------
 
@@ -473,6 +492,7 @@ class Runtime:
                 self._check_loaded()
                 acquire = getattr(self.backend, "acquire_internal_seq", self.backend.acquire_seq)
                 self._helper = Session(self, acquire())
+                self.publish_stats()
         return self._helper
 
     def _spare_session(self) -> Session:
@@ -562,6 +582,7 @@ class Runtime:
                 self.tiers.spill_all()  # copies the memory tier's KV while the backend is alive
                 tiers, self.tiers = self.tiers, None
             self.backend.close()
+            self.publish_stats()
         if tiers is not None:
             tiers.close()  # writes to disk without the model lock
 

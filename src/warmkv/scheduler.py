@@ -42,6 +42,10 @@ so waiting would free no block.
 A bug in a step (the catch-all in _run) ends every turn of that step: a prefilling turn's load is
 rolled back (a stash of moved runs let go) and each session is marked unusable (SessionFatal,
 with the reason) rather than left in a state nobody knows.
+
+After each step the runtime's stats, the scheduler's (`stats`) and the resident tokens of
+every session whose turn ended are published (warmkv.stats): the server reads them
+without waiting for the next step's forward.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ from .errors import (
 from .prefix_plan import DiskRead, PrefixLoad
 from .runtime import Runtime
 from .session import Session, Turn
+from .stats import SchedulerStats
 from .types import PrefixStatus, StreamChunk
 
 Sink = Callable[[StreamChunk], None]
@@ -154,6 +159,7 @@ class Scheduler:
         self.batched_rows = 0
         self.decoded_tokens = 0
         self.prefilled_tokens = 0
+        self.stats = SchedulerStats()  # replaced under _cond after each step and submit
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warmkv-disk-read")
         self._thread = threading.Thread(target=self._run, name="warmkv-scheduler", daemon=True)
         self._thread.start()
@@ -180,6 +186,7 @@ class Scheduler:
             if len(self._jobs) >= self.config.max_streams:
                 raise StreamLimit(len(self._jobs), self.config.max_streams)
             self._jobs.append(job)
+            self._publish()
             self._cond.notify()
         return job
 
@@ -252,6 +259,20 @@ class Scheduler:
                 now = time.perf_counter()
                 self._rate.append((now, n))
                 self._trim(now)
+                self._publish()
+
+    def _publish(self) -> None:
+        """Replace `stats` (with _cond held)."""
+        jobs = self._jobs
+        self.stats = SchedulerStats(
+            steps=self.steps,
+            batched_rows=self.batched_rows,
+            decoded_tokens=self.decoded_tokens,
+            prefilled_tokens=self.prefilled_tokens,
+            active=len(jobs),
+            waiting=sum(1 for j in jobs if not j.decoding and not j.done),
+            running=sum(1 for j in jobs if j.decoding and not j.done),
+        )
 
     def _step(self, jobs: list[Job]) -> list[tuple[Job, StreamChunk]]:
         """One engine step (see the module docstring); the chunks to deliver."""
@@ -277,6 +298,10 @@ class Scheduler:
                 got = results.get(id(job))
                 if not isinstance(got, _Retry):  # a retried row has no chunk this step
                     out.append((job, job.state.take(got)))
+            for job, chunk in out:
+                if chunk.done:  # the session goes back to its owner: routers read what it holds
+                    job.session.publish_resident()
+            self._rt.publish_stats()
         return out
 
     def _abandon(self, jobs: list[Job], reason: str) -> list[tuple[Job, StreamChunk]]:

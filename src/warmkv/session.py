@@ -99,6 +99,9 @@ class Session:
         self._cached_since_decode = 0
         self._cancel = threading.Event()
         self._closed = False
+        # The resident tokens as of the last operation that changed them, for readers that
+        # must not wait for the model lock (the server's router): replaced, never mutated.
+        self.resident: tuple[int, ...] = ()
 
     @property
     def _seq(self) -> int:
@@ -120,9 +123,23 @@ class Session:
         return None
 
     @contextmanager
-    def _lock(self) -> Iterator[None]:
+    def _lock(self, *, publish: bool = False) -> Iterator[None]:
+        """The op lock, then the model lock; publish: the block may change what is resident."""
         with self._op, self._model_lock:
-            yield
+            try:
+                yield
+            finally:
+                if publish:
+                    self._publish()
+
+    def publish_resident(self) -> None:
+        """Replace `resident` with the tokens resident now (call with the model lock held)."""
+        self.resident = tuple(self.ctx.tokens)
+
+    def _publish(self) -> None:
+        """An operation changed the resident KV: readers see this session's tokens and the runtime's stats."""
+        self.publish_resident()
+        self._rt.publish_stats()
 
     # -- the contract ------------------------------------------------------------
 
@@ -133,7 +150,7 @@ class Session:
             return self._run_plan(plan)
 
     def _run_plan(self, plan: PrefixPlan) -> PrefixStatus:
-        with self._lock():
+        with self._lock(publish=True):
             self._check_usable()
             load = self.begin_load(plan)
             try:
@@ -262,7 +279,7 @@ class Session:
         """Prefill the volatile part after the prefix; the prefix KV is never touched."""
         inp = SuffixInput.coerce(suffix)
         text = as_text(inp.text, "suffix text")
-        with self._lock():
+        with self._lock(publish=True):
             self._check_usable()
             ctx = self.ctx
             if self._manifest is None or ctx.prefix_len == 0:
@@ -331,7 +348,7 @@ class Session:
                 f"{self._backend.info.architecture} keeps recurrent state: a rejected draft could only be "
                 "undone by prefilling again from a checkpoint",
             )
-        with self._lock():
+        with self._lock(publish=prompt_tokens is None):  # settle() may drop a detached suffix
             self._check_usable()
             ctx = self.ctx
             if prompt_tokens is None:
@@ -352,6 +369,8 @@ class Session:
         while True:
             with self._lock():
                 chunk = self._step(state)
+                if chunk.done:  # not every step: a copy of the tokens for every token would add up
+                    self._publish()
             yield chunk
             if chunk.done:
                 return
@@ -385,10 +404,8 @@ class Session:
         return status
 
     def token_ids(self) -> tuple[int, ...]:
-        """The resident token ids (evaluated KV), for routing requests by shared prefix.
-
-        Only the model lock: a router must not wait for this session's running prefill.
-        """
+        """The resident token ids now (evaluated KV). Only the model lock, never the op lock;
+        `resident` is the copy a router reads without any lock."""
         with self._model_lock:
             return tuple(self.ctx.tokens)
 
@@ -410,6 +427,8 @@ class Session:
                     self.ctx.settle()
                     self._backend.copy_seq(self._seq, child._seq, len(self.ctx.tokens))
                     child._adopt(self)
+                    child.publish_resident()
+                    self._publish()
             except BaseException:
                 child.close()
                 raise
@@ -434,6 +453,7 @@ class Session:
                 if self._manifest is None or not ctx.tokens:
                     raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
                 ctx.settle()
+                self._publish()
                 meta = {
                     "prefix_len": ctx.prefix_len,
                     "suffix_end": ctx.suffix_end,
@@ -446,7 +466,7 @@ class Session:
 
     def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
         """Load a snapshot's KV into this (fresh) session."""
-        with self._lock():
+        with self._lock(publish=True):
             self._backend.import_seq(self._seq, blob)
             ctx = self.ctx
             ctx.reset(tokens)
@@ -512,8 +532,9 @@ class Session:
             if self._closed:
                 return
             self._closed = True
-            self._rt._release(self, self._seq)
             self.ctx.reset()
+            self.publish_resident()
+            self._rt._release(self, self._seq)  # publishes the runtime's stats
 
     def __enter__(self) -> Session:
         return self

@@ -59,6 +59,8 @@ class KVMemory:
     llama.cpp reserves every sequence's whole stream (num_ctx cells) when the first session
     opens; the native engine allocates one paged pool that sequences take blocks from as they
     grow, so its pool_tokens may be below sequences x tokens_per_seq (kv_cache_mb).
+    held_tokens is what is in use now: the native pool counts whole blocks (the memory
+    tier's pinned ones too), llama.cpp the positions each sequence holds.
     """
 
     bytes: int  # the whole KV allocation
@@ -68,6 +70,7 @@ class KVMemory:
     pool_tokens: int  # tokens the allocation holds in all
     allocated: bool  # False until the first session opens
     detail: str | None = None  # how a sliding-window model's layers differ from the rest
+    held_tokens: int = 0  # tokens whose KV is held now
 
     def to_dict(self) -> dict[str, int | bool | str]:
         return {
@@ -76,6 +79,7 @@ class KVMemory:
             "tokens_per_seq": self.tokens_per_seq,
             "sequences": self.sequences,
             "pool_tokens": self.pool_tokens,
+            "held_tokens": self.held_tokens,
             "allocated": self.allocated,
         } | ({"detail": self.detail} if self.detail else {})
 

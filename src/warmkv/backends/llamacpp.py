@@ -350,7 +350,15 @@ class LlamaCppBackend:
             pool_tokens=pool,
             allocated=self._ctx is not None,
             detail=detail,
+            held_tokens=self._held_tokens(),
         )
+
+    def _held_tokens(self) -> int:
+        """Positions held by every sequence of the context (chunks mode's stashes too)."""
+        if self._mem is None:
+            return 0
+        n_seq = KVMover.sequences(self._slots.total) if self._chunks else self._slots.total
+        return sum(lc.llama_memory_seq_pos_max(self._mem, s) + 1 for s in range(n_seq))
 
     # -- context and sequences ----------------------------------------------
 

@@ -53,7 +53,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         admission = Admission(cfg.max_queue)
         pool = SessionPool(runtime, pool_size, admission, cfg.queue_timeout_s)
-        pool.open()
+        await pool.open()
         registry = SessionRegistry(runtime, n_seq - pool_size, cfg.session_ttl_s, admission, cfg.queue_timeout_s)
         step = {} if cfg.max_step_tokens is None else {"max_step_tokens": cfg.max_step_tokens}
         scheduler = Scheduler(runtime, SchedulerConfig(**step))
@@ -109,14 +109,16 @@ def _close_sessions(pool: SessionPool, registry: SessionRegistry) -> None:
 
 
 def _gauges(st: ServerState) -> None:
-    m = st.metrics
-    m.gauge("warmkv_resident_sessions", "Open sessions (server pool + /v1/sessions)", lambda: len(st.runtime.sessions))
+    """Gauges read the published stats (warmkv.stats) and the loop's own state: never the model lock."""
+    m, rt, sched = st.metrics, st.runtime, st.scheduler
+    m.gauge("warmkv_resident_sessions", "Open sessions (server pool + /v1/sessions)", lambda: rt.stats.sessions)
     m.gauge("warmkv_user_sessions", "Sessions opened through /v1/sessions", lambda: len(st.registry))
     m.gauge("warmkv_queue_depth", "Requests waiting for a session", lambda: st.queue_depth)
-    m.gauge("warmkv_active_streams", "Turns on the scheduler (waiting or running)", lambda: st.scheduler.active)
-    m.gauge("warmkv_scheduler_waiting_turns", "Turns whose prompt is not resident yet", lambda: st.scheduler.waiting)
-    m.gauge("warmkv_running_streams", "Turns decoding on the scheduler", lambda: st.scheduler.running)
-    m.gauge("warmkv_decode_tokens_per_second", "Aggregate decode rate over the last 5 s", st.scheduler.tokens_per_s)
+    m.gauge("warmkv_active_streams", "Turns on the scheduler (waiting or running)", lambda: sched.stats.active)
+    m.gauge("warmkv_scheduler_waiting_turns", "Turns whose prompt is not resident yet", lambda: sched.stats.waiting)
+    m.gauge("warmkv_running_streams", "Turns decoding on the scheduler", lambda: sched.stats.running)
+    m.gauge("warmkv_kv_held_tokens", "Tokens whose KV the pool holds now", lambda: rt.stats.kv_memory.held_tokens)
+    m.gauge("warmkv_decode_tokens_per_second", "Aggregate decode rate over the last 5 s", sched.tokens_per_s)
 
 
 async def _expire_loop(registry: SessionRegistry) -> None:
@@ -127,28 +129,33 @@ async def _expire_loop(registry: SessionRegistry) -> None:
 
 
 async def health(request: Request) -> dict[str, Any]:
-    """Liveness plus what is in use: sessions, streams, queue; `degraded` says what runs short, and why."""
+    """Liveness plus what is in use: sessions, streams, queue; `degraded` says what runs short, and why.
+
+    The engine's figures are the stats it published after its last step (warmkv.stats): a
+    probe never waits for the model lock, so it answers while a long prompt prefills.
+    """
     st = get_state(request)
     degraded = st.pool.degraded
+    engine, sched = st.runtime.stats, st.scheduler.stats
     return {
         "status": "ok",
         "degraded": degraded is not None,
         "degraded_reason": degraded,
         "model": st.model_id,
         "backend": st.runtime.backend.name,
-        "state": st.runtime.state.value,
+        "state": engine.state.value,
         "num_ctx": st.runtime.config.num_ctx,
-        "kv_memory": st.runtime.kv_memory().to_dict(),
+        "kv_memory": engine.kv_memory.to_dict(),
         "uptime_s": time.time() - st.started,
         "pool": {"size": st.pool.size, "idle": st.pool.idle, "waiting": st.pool.waiting, "missing": st.pool.missing},
         "sessions": {"open": len(st.registry), "capacity": st.registry.capacity, "expired": st.registry.expired},
-        "active_streams": st.scheduler.active,
+        "active_streams": sched.active,
         "scheduler": {
-            "steps": st.scheduler.steps,
-            "batched_rows": st.scheduler.batched_rows,
-            "waiting_turns": st.scheduler.waiting,
-            "running_streams": st.scheduler.running,
-            "prefilled_tokens": st.scheduler.prefilled_tokens,
+            "steps": sched.steps,
+            "batched_rows": sched.batched_rows,
+            "waiting_turns": sched.waiting,
+            "running_streams": sched.running,
+            "prefilled_tokens": sched.prefilled_tokens,
             "max_step_tokens": st.scheduler.config.max_step_tokens,
         },
         "queue_depth": st.queue_depth,

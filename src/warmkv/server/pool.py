@@ -6,8 +6,11 @@ the whole conversation so far) lands where that prefix is already warm. A reques
 names its conversation (a key: Claude Code's session id, a Responses or chat
 `prompt_cache_key`) goes back to the session its key last used, and avoids the sessions
 other keys hold where taking one would cost its history more than it gains: concurrent
-agent sessions that share a system prompt do not take each other's warm history. All
-methods run on the event loop; release() may be scheduled there from other threads.
+agent sessions that share a system prompt do not take each other's warm history. Routing
+reads each idle session's published resident tokens (`Session.resident`), so it never
+waits for the model lock, however many sessions the pool holds. All methods run on the
+event loop; release() may be scheduled there from other threads. Sessions are opened and
+closed in worker threads: both wait for the model lock.
 
 A session whose KV is unknown (SessionFatal) or that was closed is replaced by a
 fresh one. When opening the fresh one fails (no free sequence, model unloaded) the
@@ -21,8 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-
-from starlette.concurrency import run_in_threadpool
 
 from ..runtime import Runtime
 from ..session import Session
@@ -47,8 +48,9 @@ class SessionPool:
         self._opening = 0  # replacements being opened
         self._reason: str | None = None  # why the last replacement failed
 
-    def open(self) -> None:
-        self._idle = [self._rt.session() for _ in range(self.size)]
+    async def open(self) -> None:
+        """Open the pool's sessions (in a worker thread: each waits for the model lock)."""
+        self._idle = await asyncio.to_thread(lambda: [self._rt.session() for _ in range(self.size)])
 
     @property
     def missing(self) -> int:
@@ -74,7 +76,7 @@ class SessionPool:
         waits (bounded) when none is idle."""
         self._refill()
         if self._idle:
-            return await self._best(tokens, key)
+            return self._best(tokens, key)
         if self._missing == self.size and not self._opening:
             raise self._unavailable()
         with self._admission.wait():
@@ -97,11 +99,9 @@ class SessionPool:
                     ) from None
                 raise
 
-    async def _best(self, tokens: list[int], key: str | None) -> Session:
-        idle = list(self._idle)
-        resident = await run_in_threadpool(lambda: [s.token_ids() for s in idle])
-
-        def score(r: list[int], s: Session) -> tuple[bool, int, float]:
+    def _best(self, tokens: list[int], key: str | None) -> Session:
+        def score(s: Session) -> tuple[bool, int, float]:
+            r = s.resident  # what it held when its last turn ended: no lock, no wait
             owner = self._owner.get(s.id)
             mine = key is not None and owner == key
             common = common_prefix_len(r, tokens)
@@ -112,10 +112,7 @@ class SessionPool:
             lost = len(r) - common if key is not None and owner not in (None, key) else 0
             return (mine, common - lost, -self._last_used.get(s.id, 0.0))
 
-        scored = [(score(r, s), s) for r, s in zip(resident, idle, strict=True)]
-        best = max(scored, key=lambda x: x[0])[1]
-        if best not in self._idle:  # taken meanwhile: fall back to any idle or wait
-            return await self.acquire(tokens, key)
+        best = max(self._idle, key=score)
         self._idle.remove(best)
         self._own(best, key)
         return best

@@ -2,6 +2,7 @@
 
 All methods run on the event loop. A session's lock is held for the whole of a
 request on it, a streamed decode included (released when the decode finishes).
+Sessions are opened and closed in worker threads: both wait for the model lock.
 """
 
 from __future__ import annotations
@@ -41,21 +42,34 @@ class SessionRegistry:
         self._timeout_s = timeout_s
         self._entries: dict[str, Entry] = {}
         self._gone: OrderedDict[str, str] = OrderedDict()
+        self._opening = 0  # sessions being opened: they count against the capacity
         self.expired = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def create(self) -> Entry:
-        if len(self._entries) >= self.capacity:
+    def check_room(self) -> None:
+        """A 429 with the counts when no more sessions may open."""
+        n = len(self._entries) + self._opening
+        if n >= self.capacity:
             raise ApiError(
                 429,
-                f"{len(self._entries)} of {self.capacity} sessions are open; close one or wait for idle ones to expire",
+                f"{n} of {self.capacity} sessions are open; close one or wait for idle ones to expire",
                 code="session_limit",
             )
-        entry = Entry(secrets.token_urlsafe(24), self._rt.session())
-        self._entries[entry.id] = entry
-        return entry
+
+    async def create(self) -> Entry:
+        self.check_room()
+        self._opening += 1
+        opened = asyncio.get_running_loop().run_in_executor(None, self._rt.session)
+        try:
+            session = await asyncio.shield(opened)
+        except asyncio.CancelledError:
+            opened.add_done_callback(_close_opened)  # the client left: nobody will close it
+            raise
+        finally:
+            self._opening -= 1
+        return self.register(session)
 
     def get(self, sid: str) -> Entry:
         entry = self._entries.get(sid)
@@ -125,3 +139,9 @@ class SessionRegistry:
         for e in list(self._entries.values()):
             self._entries.pop(e.id, None)
             e.session.close()
+
+
+def _close_opened(opened: asyncio.Future[Session]) -> None:
+    """Close, off the loop, a session opened for a request that is gone."""
+    if not opened.cancelled() and opened.exception() is None:
+        asyncio.get_running_loop().run_in_executor(None, opened.result().close)

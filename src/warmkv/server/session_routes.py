@@ -80,7 +80,7 @@ async def create_session(st: State, body: Annotated[dict[str, Any] | None, Body(
     """Open a session; its id is the capability to use it. It expires after session_ttl_s idle."""
     if body and "model" in body:
         st.check_model(str(body["model"]))
-    entry = st.registry.create()
+    entry = await st.registry.create()
     return {
         "id": entry.id,
         "object": "session",
@@ -200,8 +200,7 @@ async def fork(sid: str, st: State) -> dict[str, Any]:
     """A new session sharing this one's resident KV (when the session type supports forks)."""
     if not hasattr(Session, "fork"):
         raise not_implemented("session fork")
-    if len(st.registry) >= st.registry.capacity:
-        st.registry.create()  # raises the 429 with the counts
+    st.registry.check_room()
     child = await _call(st, sid, lambda s: s.fork())
     entry = st.registry.register(child)
     return {"id": entry.id, "object": "session", "parent": sid, "created": int(entry.created)}

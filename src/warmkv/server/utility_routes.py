@@ -45,7 +45,7 @@ async def tokenize(req: TokenizeRequest, st: State) -> dict[str, Any]:
     ids = await run_in_threadpool(rt.tokenize, req.content, add_bos=bos, parse_special=req.parse_special)
     if not req.with_pieces:
         return {"tokens": ids}
-    pieces = [{"id": t, "piece": rt.detokenize([t])} for t in ids]
+    pieces = await run_in_threadpool(lambda: [{"id": t, "piece": rt.detokenize([t])} for t in ids])
     return {"tokens": pieces}
 
 

@@ -336,16 +336,19 @@ class NativeBackend:
         return self._layout
 
     def kv_memory(self) -> KVMemory:
-        layout = self._cache.layout if self._cache is not None else self._pool_layout()
+        cache = self._cache
+        layout = cache.layout if cache is not None else self._pool_layout()
         per_token = layout.bytes_per_token()
         tokens = layout.num_blocks * layout.block_size
+        held = 0 if cache is None else (layout.num_blocks - cache.free_blocks) * layout.block_size
         return KVMemory(
             bytes=per_token * tokens,
             bytes_per_token=per_token,
             tokens_per_seq=self.config.num_ctx,
             sequences=self._slots.total,
             pool_tokens=tokens,
-            allocated=self._cache is not None,
+            allocated=cache is not None,
+            held_tokens=held,
         )
 
     def acquire_seq(self) -> int:
