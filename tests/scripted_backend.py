@@ -94,7 +94,7 @@ class ScriptedBackend:
 
     def kv_memory(self) -> KVMemory:
         pool = self.pool_tokens or self._slots.total * self.config.num_ctx
-        return KVMemory(pool * 4, 4, self.config.num_ctx, self._slots.total, pool, True)
+        return KVMemory(pool * 4, 4, self.config.num_ctx, self._slots.total, pool, True, held_tokens=self.held_tokens())
 
     def held_tokens(self) -> int:
         return sum(len(t) for t in self._kv.values())
