@@ -3,6 +3,7 @@ faults, in seconds. The real-model suite checks the same contract on real engine
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 
@@ -27,11 +28,16 @@ def alone(rt: warmkv.Runtime, prompt: str) -> list[int]:
 
 
 def run_all(
-    rt: warmkv.Runtime, prompts: list[str], before: Callable[[list[warmkv.Session]], None] | None = None
+    rt: warmkv.Runtime,
+    prompts: list[str],
+    before: Callable[[list[warmkv.Session]], None] | None = None,
+    *,
+    hold: bool = False,
 ) -> dict[int, list[warmkv.StreamChunk]]:
     """Every prompt as a turn of its own session, all on one scheduler; chunks per prompt.
 
-    before(sessions) runs once the sessions are open, before any turn is submitted."""
+    before(sessions) runs once the sessions are open, before any turn is submitted; hold: every
+    turn is queued before the first step (the model lock held meanwhile), so batching is fixed."""
     scheduler = Scheduler(rt)
     got: dict[int, list[warmkv.StreamChunk]] = {i: [] for i in range(len(prompts))}
     done = threading.Semaphore(0)
@@ -39,14 +45,15 @@ def run_all(
     if before is not None:
         before(sessions)
     try:
-        for i, (s, p) in enumerate(zip(sessions, prompts, strict=True)):
+        with rt.lock if hold else contextlib.nullcontext():
+            for i, (s, p) in enumerate(zip(sessions, prompts, strict=True)):
 
-            def sink(c: warmkv.StreamChunk, i: int = i) -> None:
-                got[i].append(c)
-                if c.done:
-                    done.release()
+                def sink(c: warmkv.StreamChunk, i: int = i) -> None:
+                    got[i].append(c)
+                    if c.done:
+                        done.release()
 
-            scheduler.submit(s.turn(p, GREEDY), sink)
+                scheduler.submit(s.turn(p, GREEDY), sink)
         for _ in prompts:
             assert done.acquire(timeout=60)
     finally:
@@ -107,18 +114,16 @@ def test_a_fault_in_one_stream_ends_that_stream_alone(fault: str) -> None:
 
 
 def test_a_short_pool_ends_only_the_rows_that_do_not_fit() -> None:
-    prompts = PROMPTS[:4]
-    need = max(len(ScriptedBackend().tokenize(p, add_bos=True, parse_special=False)) for p in prompts) + 24
-    cfg = warmkv.RuntimeConfig(num_ctx=1024, n_seq_max=9, prefix_cache_mb=0)  # every held token is a session's
-    rt = warmkv.Runtime(ScriptedBackend(cfg, pool_tokens=2 * need + need // 2))
-    want = {i: alone(rt, p) for i, p in enumerate(prompts)}
-    got = run_all(rt, prompts)
-    ended = [i for i, chunks in got.items() if chunks[-1].error is not None]
-    assert ended and len(ended) < len(prompts)
-    for i, chunks in got.items():
-        tokens = [t for c in chunks for t in c.token_ids]
-        if i in ended:
-            assert isinstance(chunks[-1].error, warmkv.KVCacheFull), chunks[-1].error
-            assert tokens == want[i][: len(tokens)]
-        else:
-            assert tokens == want[i]
+    """An old short turn and a young long one; the pool holds the old one's whole turn and two
+    pieces of the young one's prompt: the young turn ends at its third piece, the old finishes."""
+    old, young = PROMPTS[0], PROMPTS[7] * 3
+    tokens = ScriptedBackend().tokenize(old, add_bos=True, parse_special=False)
+    chunk = 64  # the prefill piece
+    cfg = warmkv.RuntimeConfig(num_ctx=1024, n_seq_max=9, prefix_cache_mb=0, prefill_chunk=chunk)
+    pool = len(tokens) + GREEDY.max_tokens + 2 * chunk + chunk // 3
+    rt = warmkv.Runtime(ScriptedBackend(cfg, pool_tokens=pool))
+    want = alone(rt, old)
+    got = run_all(rt, [old, young], hold=True)
+    assert got[0][-1].error is None and [t for c in got[0] for t in c.token_ids] == want
+    assert isinstance(got[1][-1].error, warmkv.KVCacheFull), got[1][-1].error
+    assert not [t for c in got[1] for t in c.token_ids]  # it ended in its prefill
