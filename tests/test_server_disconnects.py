@@ -25,6 +25,7 @@ from server_harness import live_server  # noqa: E402
 
 CLIENTS = int(os.environ.get("WARMKV_DISCONNECT_CLIENTS", "200"))
 AT_ONCE = 12
+MAX_TOKENS = 10  # a reply is short: what is tested is where its client leaves, not its length
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 
@@ -39,16 +40,13 @@ def served() -> Iterator[tuple[str, warmkv.Runtime]]:
 
 def _request(kind: str, i: int) -> tuple[str, dict]:
     text = f"Client {i} asks: write a short poem about the number {i}."
-    if kind == "anthropic":
-        body = {"model": MODEL, "max_tokens": 24, "stream": True, "messages": [{"role": "user", "content": text}]}
-        return "/v1/messages", body
-    body = {"model": MODEL, "max_tokens": 24, "stream": True, "messages": [{"role": "user", "content": text}]}
-    return "/v1/chat/completions", body
+    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "stream": True, "messages": [{"role": "user", "content": text}]}
+    return ("/v1/messages" if kind == "anthropic" else "/v1/chat/completions"), body
 
 
 def _client(base: str, i: int, rng: random.Random, failures: list[str]) -> None:
     kind = ("openai", "anthropic", "session")[i % 3]
-    leave_after = rng.randint(0, 30)
+    leave_after = rng.randint(0, MAX_TOKENS + 2)
     try:
         with httpx.Client(base_url=base, timeout=60) as c:
             if kind == "session":
@@ -60,7 +58,7 @@ def _client(base: str, i: int, rng: random.Random, failures: list[str]) -> None:
                 sid = made.json()["id"]
                 try:
                     c.post(f"/v1/sessions/{sid}/prefix", json={"text": f"Session {i}: " + "tokens " * 40})
-                    with c.stream("POST", f"/v1/sessions/{sid}/decode", json={"max_tokens": 24}) as r:
+                    with c.stream("POST", f"/v1/sessions/{sid}/decode", json={"max_tokens": MAX_TOKENS}) as r:
                         _leave(r, leave_after)
                 finally:
                     c.delete(f"/v1/sessions/{sid}")
