@@ -311,7 +311,8 @@ class LlamaCppBackend:
         v_dim = int(self.info.metadata.get(f"{arch}.attention.value_length", head) or head)
         num, den = KV_TYPE_BYTES[self.config.kv_cache_type]
         per_layer = n_head_kv * (k_dim + v_dim) * num // den
-        per_token = sum(1 for h in heads if h) * per_layer
+        attn = sum(1 for h in heads if h)  # layers that keep KV
+        per_token = attn * per_layer
         seqs = self._slots.total
         if self._chunks:  # one unified stream: the sequences share it
             cells, pool = self.config.num_ctx, self._n_ctx()
@@ -320,7 +321,6 @@ class LlamaCppBackend:
             pool = cells * seqs
         total, detail = per_token * pool, None
         if self._ckpt is not None and self._ckpt.recurrent:
-            attn = sum(1 for h in heads if h)
             detail = (
                 f"recurrent: {self.info.n_layer - attn} of {self.info.n_layer} layers keep a state instead of KV; "
                 f"checkpoints every {self._ckpt.every} tokens and at prompt ends "
@@ -474,12 +474,13 @@ class LlamaCppBackend:
                 ok = True
             except InvalidInput:
                 ok = False
+            got = self._length(dst)
         else:
             ok = lc.llama_memory_seq_rm(self._mem, dst, n, -1)
-        got = self._length(dst)
-        if self._ckpt is not None and not self._ckpt.recurrent:
-            self._ckpt.copy(src, dst, n)
-            ok = ok and self._ckpt.window_ok(dst, got)  # cut below its window: not exact
+            got = self._length(dst)
+            if self._ckpt is not None:
+                self._ckpt.copy(src, dst, n)
+                ok = ok and self._ckpt.window_ok(dst, got)  # cut below its window: not exact
         if not ok or got != want:
             if not lc.llama_memory_seq_rm(self._mem, dst, -1, -1):
                 raise SessionFatal(f"llama.cpp left sequence {dst} half copied from {src} and could not clear it")

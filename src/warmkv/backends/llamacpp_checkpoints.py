@@ -155,17 +155,14 @@ class StateCheckpoints:
                 f"sequence {seq} cannot be cut back to {n} exactly: {held} and no checkpoint sits there "
                 f"(nearest {s.nearest(n)})"
             )
+        # llama.cpp cannot drop a recurrent state's tail: load the state at n first, after which
+        # dropping positions >= n touches only the attention layers. A window loads after the drop.
         if self.recurrent:
-            # llama.cpp cannot drop a recurrent state's tail: load the state at n first, after
-            # which dropping positions >= n touches only the attention layers.
             self._load(seq, blob, n)
-            if not lc.llama_memory_seq_rm(mem, seq, n, -1):
-                raise SessionFatal(f"llama.cpp could not drop positions >= {n} of sequence {seq}")
-            s.drop_after(n)
-            return
         if not lc.llama_memory_seq_rm(mem, seq, n, -1):
             raise SessionFatal(f"llama.cpp could not drop positions >= {n} of sequence {seq}")
-        self._load(seq, blob, n)
+        if not self.recurrent:
+            self._load(seq, blob, n)
         s.drop_after(n)
         s.ring_ok = True
 
