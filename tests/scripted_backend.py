@@ -7,8 +7,9 @@ its length): a warm turn equals a cold one exactly when the engine fed the model
 tokens, whatever else ran in the same forward. The end-of-text token is never the argmax.
 
 Scripted trouble:
-- `pool_tokens`: all sequences together hold at most this many tokens (KVCacheFull beyond,
-  naming the sequence, the rows changing nothing);
+- `pool_tokens`: all sequences together hold at most this many tokens; when short it asks the
+  reclaimer (the runtime: tiers, then idle evictable sessions) for room, as the native pool
+  does, then raises KVCacheFull naming the sequences that do not fit, the rows changing nothing;
 - `fail(seq, after=n, error=...)`: the n-th forward that includes a row of seq raises
   `error(seqs of the forward)` (default: ForwardFailed naming seq), every row of that forward
   left as it was, as the real backends roll back;
@@ -65,6 +66,7 @@ class ScriptedBackend:
         self._kv: dict[int, list[int]] = {}
         self._faults: dict[int, tuple[int, int, Callable[[list[int]], WarmkvError]]] = {}
         self.forwards: list[list[tuple[int, int, int]]] = []
+        self._reclaim: Callable[[], bool] | None = None
 
     # -- model facts ------------------------------------------------------------------------
 
@@ -125,12 +127,15 @@ class ScriptedBackend:
         """KVCacheFull naming the sequences (in order) whose tokens do not fit after the earlier ones'."""
         if self.pool_tokens is None:
             return
-        free, short = self.pool_tokens - self.held_tokens(), []
-        for seq, n in zip(seqs, more, strict=True):
-            if n > free:
-                short.append(seq)
-            else:
-                free -= n
+        while True:
+            free, short = self.pool_tokens - self.held_tokens(), []
+            for seq, n in zip(seqs, more, strict=True):
+                if n > free:
+                    short.append(seq)
+                else:
+                    free -= n
+            if not short or self._reclaim is None or not self._reclaim():
+                break
         if short:
             raise KVCacheFull(sum(more), self.pool_tokens - self.held_tokens(), self.pool_tokens, 1, seqs=short)
 
@@ -170,7 +175,7 @@ class ScriptedBackend:
         raise Unsupported("moving KV runs", "scripted backend")
 
     def set_reclaimer(self, reclaim: Callable[[], bool] | None) -> None:
-        pass
+        self._reclaim = reclaim
 
     def close(self) -> None:
         self._state = ModelState.UNLOADED

@@ -12,6 +12,7 @@ import pytest
 import warmkv
 from scripted_backend import ScriptedBackend
 from warmkv.scheduler import Scheduler
+from warmkv.stats import SchedulerStats
 
 GREEDY = warmkv.DecodeConfig(max_tokens=24, temperature=0.0)
 PROMPTS = [f"stream {i}: " + "the quick brown fox " * (3 + i) for i in range(8)]
@@ -21,10 +22,10 @@ def runtime(**kw: object) -> warmkv.Runtime:
     return warmkv.Runtime(ScriptedBackend(warmkv.RuntimeConfig(num_ctx=1024, n_seq_max=9, **kw)))
 
 
-def alone(rt: warmkv.Runtime, prompt: str) -> list[int]:
+def alone(rt: warmkv.Runtime, prompt: str, config: warmkv.DecodeConfig = GREEDY) -> list[int]:
     with rt.session() as s:
         s.ensure_prefix(prompt)
-        return [t for c in s.decode(GREEDY) for t in c.token_ids]
+        return [t for c in s.decode(config) for t in c.token_ids]
 
 
 def run_all(
@@ -33,11 +34,14 @@ def run_all(
     before: Callable[[list[warmkv.Session]], None] | None = None,
     *,
     hold: bool = False,
+    stats: list[SchedulerStats] | None = None,
+    config: warmkv.DecodeConfig = GREEDY,
 ) -> dict[int, list[warmkv.StreamChunk]]:
     """Every prompt as a turn of its own session, all on one scheduler; chunks per prompt.
 
     before(sessions) runs once the sessions are open, before any turn is submitted; hold: every
-    turn is queued before the first step (the model lock held meanwhile), so batching is fixed."""
+    turn is queued before the first step (the model lock held meanwhile), so batching is fixed;
+    stats: gets the scheduler's stats once every turn ended."""
     scheduler = Scheduler(rt)
     got: dict[int, list[warmkv.StreamChunk]] = {i: [] for i in range(len(prompts))}
     done = threading.Semaphore(0)
@@ -53,9 +57,11 @@ def run_all(
                     if c.done:
                         done.release()
 
-                scheduler.submit(s.turn(p, GREEDY), sink)
+                scheduler.submit(s.turn(p, config), sink)
         for _ in prompts:
             assert done.acquire(timeout=60)
+        if stats is not None:
+            stats.append(scheduler.stats)
     finally:
         scheduler.close()
         for s in sessions:
@@ -113,9 +119,11 @@ def test_a_fault_in_one_stream_ends_that_stream_alone(fault: str) -> None:
         assert [t for c in chunks for t in c.token_ids] == want[i]
 
 
-def test_a_short_pool_ends_only_the_rows_that_do_not_fit() -> None:
+def test_a_short_pool_ends_only_a_turn_it_cannot_hold_alone() -> None:
     """An old short turn and a young long one; the pool holds the old one's whole turn and two
-    pieces of the young one's prompt: the young turn ends at its third piece, the old finishes."""
+    pieces of the young one's prompt: the young turn waits at its third piece (preempted) while
+    the old one finishes, then ends with KVCacheFull, since the pool cannot hold it even alone
+    (the old session is not evictable: its KV stays)."""
     old, young = PROMPTS[0], PROMPTS[7] * 3
     tokens = ScriptedBackend().tokenize(old, add_bos=True, parse_special=False)
     chunk = 64  # the prefill piece
@@ -127,3 +135,29 @@ def test_a_short_pool_ends_only_the_rows_that_do_not_fit() -> None:
     assert got[0][-1].error is None and [t for c in got[0] for t in c.token_ids] == want
     assert isinstance(got[1][-1].error, warmkv.KVCacheFull), got[1][-1].error
     assert not [t for c in got[1] for t in c.token_ids]  # it ended in its prefill
+
+
+def test_a_short_pool_preempts_and_every_turn_finishes_as_alone() -> None:
+    """16 turns on a pool that holds the contexts of 4: when a step does not fit, idle sessions'
+    KV moves to the tiers, then the youngest running turn waits (decoding: its KV exported;
+    prefilling: rolled back) and resumes later. Every turn's output equals its prompt alone."""
+    prompts = [f"stream {i}: " + "the quick brown fox " * (3 + i % 5) for i in range(16)]
+    backend = ScriptedBackend(warmkv.RuntimeConfig(num_ctx=1024, n_seq_max=17, prefill_chunk=64))
+    longest = max(len(backend.tokenize(p, add_bos=True, parse_special=False)) for p in prompts)
+    long = warmkv.DecodeConfig(max_tokens=96, temperature=0.0)  # turns grow past the room kept for them
+    backend.pool_tokens = 4 * (longest + long.max_tokens)
+    rt = warmkv.Runtime(backend)
+    want = {i: alone(rt, p, long) for i, p in enumerate(prompts)}
+
+    def evictable(sessions: list[warmkv.Session]) -> None:
+        for s in sessions:
+            s.evictable = True
+
+    stats: list[SchedulerStats] = []
+    got = run_all(rt, prompts, evictable, hold=True, stats=stats, config=long)
+    for i, chunks in got.items():
+        assert chunks[-1].error is None, f"stream {i}: {chunks[-1].error}"
+        assert [t for c in chunks for t in c.token_ids] == want[i], f"stream {i} differs from its run alone"
+    assert stats[0].preemptions > 0 and stats[0].preempted == 0
+    assert rt.parked > 0  # finished turns' sessions gave their KV back
+    assert backend.held_tokens() <= backend.pool_tokens

@@ -79,6 +79,12 @@ class ResidentContext:
             self.truncate(self.detached)
             self.detached = None
 
+    def clear(self) -> None:
+        """Drop every token and its KV (the session's KV went to the tiers, or was given up)."""
+        self.backend.truncate(self.seq, 0)
+        self.reset()
+        self.prefix_len = self.suffix_end = 0
+
     def reset(self, tokens: Sequence[int] = ()) -> None:
         """Bookkeeping for KV that was replaced wholesale (a tier load, a snapshot, a copy)."""
         self.tokens, self.pending, self.logits, self.prefill_logits = list(tokens), [], None, None

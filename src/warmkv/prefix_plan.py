@@ -120,18 +120,20 @@ class PrefixLoad:
         """
         ctx, plan = self.ctx, self.plan
         self._t0 = time.perf_counter()
-        if tuple(ctx.tokens[: plan.reused]) != plan.tokens[: plan.reused]:
+        # Parked while its turn was queued (Session.park): the KV it planned to keep is in the tiers now.
+        parked = not ctx.tokens and plan.reused > 0
+        if not parked and tuple(ctx.tokens[: plan.reused]) != plan.tokens[: plan.reused]:
             raise WarmkvError("the session changed between planning and loading its prompt")
         # the runs still where they were planned (a turn waiting in the Scheduler is planned early)
         moves = [m for m in plan.moves if _still(ctx.tokens, plan.tokens, m)]
-        reused, tiers = plan.reused, self._tiers
+        reused, tiers = (0 if parked else plan.reused), self._tiers
         if plan.runs is not None and tiers is not None:
             reused, moves = self._runs_from_tier(tiers, reused, moves)
         if moves:
             # keep the moved runs' KV before the cut below drops it from the sequence
             self._stash = ctx.backend.stash_runs(ctx.seq, [m.stashed for m in moves])
             self._moves = list(enumerate(moves))
-        if plan.detach and not self._tier_runs:
+        if plan.detach and not parked and not self._tier_runs:
             # logits unknown until settle() drops the detached part (and restores the kept prefill logits)
             ctx.pending, ctx.logits, ctx.detached = [], None, plan.reused
         else:

@@ -141,8 +141,8 @@ class Runtime:
             if callable(getattr(backend, "keep_seq", None)) and (c.prefix_cache_mb or c.kv_store_mb)
             else None
         )
-        if self.tiers is not None:
-            backend.set_reclaimer(self.tiers.reclaim)
+        self.parked = 0  # idle sessions whose KV moved to the tiers because the pool ran short
+        backend.set_reclaimer(self._reclaim)
         self._manifests = {
             bos: ContextManifest.build(
                 model_digest=backend.info.file_digest,
@@ -163,7 +163,39 @@ class Runtime:
             kv = replace(self.stats.kv_memory, allocated=False, held_tokens=0)
         else:
             kv = b.kv_memory()
-        self.stats = RuntimeStats(b.state, len(self._sessions), kv)
+        self.stats = RuntimeStats(b.state, len(self._sessions), kv, self.parked)
+
+    def _reclaim(self) -> bool:
+        """The KV pool is short (called by the backend, model lock held): give blocks back. The tiers'
+        kept KV first, then the least recently used idle evictable session's KV goes to the tiers
+        (Session.park; its pins are reclaimed in turn). False when nothing is left to give."""
+        if self.tiers is not None and self.tiers.reclaim():
+            return True
+        for s in sorted(self._parkable(), key=lambda s: s.used_at):
+            # an operation is running or about to (on this thread too: the op lock is reentrant): not idle
+            if s._op._is_owned() or not s._op.acquire(blocking=False):  # type: ignore[attr-defined]
+                continue
+            try:
+                if not s.scheduled and s.park():
+                    self.parked += 1
+                    return True
+            finally:
+                s._op.release()
+        return False
+
+    def _parkable(self) -> list[Session]:
+        return [s for s in self._sessions.values() if s.evictable and not s.scheduled and s.resident]
+
+    def reclaimable_tokens(self, kv: KVMemory) -> int:
+        """About how many tokens the KV pool gets back when it runs short (model lock held): what idle
+        evictable sessions hold, and the memory tier's unlocked entries (an upper bound: their blocks
+        may be shared with sessions)."""
+        n = sum(len(s.ctx.tokens) for s in self._parkable())
+        memory = self.tiers.memory if self.tiers is not None else None
+        if memory is not None:
+            st = memory.stats()
+            n += (st.bytes - st.locked_bytes) // max(1, kv.bytes_per_token)
+        return n
 
     @classmethod
     def load(
@@ -577,8 +609,8 @@ class Runtime:
             self._helper.close()
         tiers = None
         with self.lock:
+            self.backend.set_reclaimer(None)
             if self.tiers is not None:
-                self.backend.set_reclaimer(None)
                 self.tiers.spill_all()  # copies the memory tier's KV while the backend is alive
                 tiers, self.tiers = self.tiers, None
             self.backend.close()

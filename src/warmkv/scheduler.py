@@ -33,11 +33,16 @@ error names the sequences it concerns (Backend.forward): the turns of those rows
 run their rows again in the next step, with the output a run without the fault gives. When an
 engine call held several rows and failed (ForwardFailed naming them all), the fault is not yet
 pinned on one: each of those rows runs again in a forward of its own, and ends only if it fails
-there. A SessionFatal marks only the named sequences' KV unknown. A KV pool too short for a step
-(KVCacheFull) ends the turns of the rows that did not get blocks (rows take the free blocks in
-the order their turns came: decode rows, then prefill pieces); the others go on. Nothing is
-preempted, and a short pool's row does not wait: its session's KV stays resident after its turn,
-so waiting would free no block.
+there. A SessionFatal marks only the named sequences' KV unknown.
+
+A KV pool too short for a step first takes back the KV of idle evictable sessions (the server's
+pooled ones: Runtime._reclaim parks them to the tiers, least recently used first). If it is still
+short, the youngest turn holding KV is preempted (_preempt): a decoding turn's KV is exported and
+its sequence emptied, a prefilling turn's load is rolled back and its session parked; every row
+of the step runs again next step. A held turn resumes, oldest first and before any younger turn
+begins its prompt, once the pool has room (a decoding turn by importing its KV: its output is
+what it would have been without the wait). Only a turn the pool cannot hold with no other turn
+left to wait for ends, with KVCacheFull.
 
 A bug in a step (the catch-all in _run) ends every turn of that step: a prefilling turn's load is
 rolled back (a stash of moved runs let go) and each session is marked unusable (SessionFatal,
@@ -60,7 +65,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backends.base import ForwardRow
+from .backends.base import Blob, ForwardRow
 from .decode_state import DecodeState
 from .errors import (
     ForwardFailed,
@@ -95,6 +100,10 @@ Results = dict[int, Outcome]  # a step's decode outcome per turn (id of its Job)
 # decode: with the decode rows alone filling a budget of 16, a new prompt advanced one token a
 # step and waited seconds for its first token at 16 streams.
 PREFILL_FLOOR = 4
+# Room kept for each decoding turn's growth (two of the native pool's blocks) when a turn is admitted:
+# with none, a resumed turn was preempted again in the next step, every step, as the other rows grew
+# into the same blocks.
+RESUME_RESERVE = 32
 log = logging.getLogger("warmkv.scheduler")
 
 
@@ -132,6 +141,9 @@ class Job:
     disk: Future[DiskRead] | None = None  # its disk-tier read, before the load begins
     decoding: bool = False
     solo: bool = False  # a failed forward named it with other rows: its next row runs alone
+    held: bool = False  # preempted: it waits for KV pool room (see Scheduler._preempt)
+    swapped: Blob | None = None  # a held decoding turn's KV, exported while it waits
+    waits_for_room: bool = False  # it did not run in the last step: the KV pool had no room for it
     tokens: int = 0
     done: bool = False
     started: float = field(default_factory=time.perf_counter)
@@ -159,6 +171,8 @@ class Scheduler:
         self.batched_rows = 0
         self.decoded_tokens = 0
         self.prefilled_tokens = 0
+        self.preemptions = 0
+        self._live: list[Job] = []  # worker thread only
         self.stats = SchedulerStats()  # replaced under _cond after each step and submit
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warmkv-disk-read")
         self._thread = threading.Thread(target=self._run, name="warmkv-scheduler", daemon=True)
@@ -186,6 +200,7 @@ class Scheduler:
             if len(self._jobs) >= self.config.max_streams:
                 raise StreamLimit(len(self._jobs), self.config.max_streams)
             self._jobs.append(job)
+            job.session.scheduled = True  # its KV is the turn's now: never parked meanwhile
             self._publish()
             self._cond.notify()
         return job
@@ -198,7 +213,7 @@ class Scheduler:
     @property
     def running(self) -> int:
         """Turns decoding."""
-        return sum(1 for j in self._jobs if j.decoding and not j.done)
+        return sum(1 for j in self._jobs if j.decoding and not j.done and not j.held)
 
     @property
     def waiting(self) -> int:
@@ -252,8 +267,8 @@ class Scheduler:
                 n += self._deliver(job, chunk)
             with self._cond:
                 self._jobs = [j for j in self._jobs if not j.done]
-                if not out and self._jobs and all(_reading(j) for j in self._jobs):
-                    self._cond.wait(timeout=0.1)  # every turn waits for the disk: _wake ends this
+                if not out and self._jobs and all(_reading(j) or j.waits_for_room for j in self._jobs):
+                    self._cond.wait(timeout=0.1)  # every turn waits for the disk or for room: _wake ends this
                 self.steps += 1
                 self.decoded_tokens += n
                 now = time.perf_counter()
@@ -271,13 +286,17 @@ class Scheduler:
             prefilled_tokens=self.prefilled_tokens,
             active=len(jobs),
             waiting=sum(1 for j in jobs if not j.decoding and not j.done),
-            running=sum(1 for j in jobs if j.decoding and not j.done),
+            running=sum(1 for j in jobs if j.decoding and not j.done and not j.held),
+            preempted=sum(1 for j in jobs if j.held and not j.done),
+            preemptions=self.preemptions,
         )
 
     def _step(self, jobs: list[Job]) -> list[tuple[Job, StreamChunk]]:
         """One engine step (see the module docstring); the chunks to deliver."""
         out: list[tuple[Job, StreamChunk]] = []
         with self._rt.lock:
+            jobs = self._admit(jobs, out)
+            self._live = jobs  # the turns this step may preempt, oldest first
             decoding = [j for j in jobs if j.decoding]
             rows: list[tuple[Job, ForwardRow]] = []
             results: Results = {}
@@ -351,6 +370,10 @@ class Scheduler:
         """One forward of the group's rows; on a failure, each row's outcome (see _outcomes)."""
         try:
             logits = self._rt.backend.forward([row for _, row in group])
+        except KVCacheFull as e:
+            if self._preempt():
+                return [RETRY] * len(group)  # every row as it was: they run again next step
+            return _outcomes(group, e)
         except WarmkvError as e:
             return _outcomes(group, e)
         for job, _ in group:
@@ -371,6 +394,10 @@ class Scheduler:
                     self._record(job, row, job.session.ctx.forward(row))
                     budget -= len(row.tokens)
                     first = False
+            except KVCacheFull as e:
+                if not self._preempt():  # else the same piece runs again next step
+                    self._end(job, e, out)
+                return
             except WarmkvError as e:
                 self._end(job, e, out)
 
@@ -406,6 +433,90 @@ class Scheduler:
                 pieces.append((job, row))
                 budget -= _cost(row, depth)
         self._forward(rows, pieces, results, out)
+
+    def _preempt(self) -> bool:
+        """The KV pool is short for a step though idle sessions were parked (Runtime._reclaim): the
+        youngest turn holding KV gives it back and waits (held) until there is room again; False when
+        there is no other turn to wait for (the pool cannot hold even the oldest turn: it ends).
+
+        A decoding turn's KV is exported and its sequence emptied; it resumes by importing it, so
+        its output is the same as without the wait (rows are batch invariant where this happens:
+        the native engine). A prefilling turn's load is rolled back and its session parked to the
+        tiers; it begins its load again later, restoring what it had prefilled from there."""
+        running = [j for j in self._live if not j.held and not j.done and (j.decoding or j.load is not None)]
+        if len(running) < 2:
+            return False
+        job = running[-1]
+        session = job.session
+        if job.decoding:
+            seq = session.ctx.seq
+            job.swapped = self._rt.backend.export_seq(seq)
+            self._rt.backend.truncate(seq, 0)  # the context keeps its tokens: the import restores their KV
+            job.held = True
+        else:  # it waits for room like a turn that has not begun (Scheduler._admit)
+            load, job.load, job.disk = job.load, None, None
+            assert load is not None
+            load.fail()
+            session.park()
+        self.preemptions += 1
+        log.info("KV pool short: preempted a %s turn", "decoding" if job.decoding else "prefilling")
+        return True
+
+    def _admit(self, jobs: list[Job], out: list[tuple[Job, StreamChunk]]) -> list[Job]:
+        """The turns that run this step, oldest first: every running one, then held turns resumed and
+        waiting turns begun in order while the pool has room for them (a younger turn never before an
+        older one); a held turn whose client left ends here.
+
+        Room: free blocks plus the KV of idle evictable sessions (the pool takes it back), less what
+        the running turns still need (the rest of each prompt being prefilled, RESUME_RESERVE for each
+        decoding turn). A turn that would be the only one holding KV always goes (alone it either
+        fits or ends with KVCacheFull). Where every sequence has its own KV stream (llama.cpp), a
+        prompt always has room and only held turns are checked, by trying their import."""
+        kv = self._rt.backend.kv_memory()
+        shared = kv.pool_tokens < kv.sequences * kv.tokens_per_seq
+        running = [j for j in jobs if not j.held and (j.decoding or j.load is not None)]
+        room = 0
+        if shared:
+            room = kv.pool_tokens - kv.held_tokens + self._rt.reclaimable_tokens(kv) - sum(map(_needs, running))
+        step: list[Job] = []
+        blocked = False
+        for job in jobs:
+            if (job.decoding and not job.held) or job.load is not None:
+                step.append(job)
+                continue
+            if job.held and self._drop_if_gone(job, out):
+                continue
+            need = _needs(job)
+            if blocked or (shared and room < need and running):
+                blocked = job.waits_for_room = True  # it waits, and every younger turn after it
+                continue
+            if job.held:
+                try:
+                    self._rt.backend.import_seq(job.session.ctx.seq, job.swapped)  # type: ignore[arg-type]
+                except KVCacheFull:
+                    blocked = job.waits_for_room = True
+                    continue
+                except WarmkvError as e:
+                    self._drop_if_gone(job, out, e)
+                    continue
+                job.held, job.swapped = False, None
+            job.waits_for_room = False
+            room -= need
+            running.append(job)
+            step.append(job)
+        return step
+
+    def _drop_if_gone(self, job: Job, out: list[tuple[Job, StreamChunk]], err: WarmkvError | None = None) -> bool:
+        """End a held turn whose client left or whose session is unusable (or with err): its KV is
+        gone, so its session starts again from nothing."""
+        err = err or job.session.usable_error()
+        if err is None and not job.session._cancel.is_set():
+            return False
+        job.session.ctx.clear()
+        job.swapped = None
+        job.state.next_row()  # forget the row of the step that preempted it
+        out.append((job, job.state.take(err)))
+        return True
 
     def _accept(self, job: Job, row: ForwardRow, logits: np.ndarray | None, out: list[tuple[Job, StreamChunk]]) -> None:
         """_record, ending the turn on an error."""
@@ -483,6 +594,7 @@ class Scheduler:
         finally:
             if chunk.done:
                 job.done = True
+                job.session.scheduled = False
                 if job.on_prefilled is not None:  # it ended before its prompt was resident
                     err = chunk.error or (SchedulerClosed("the scheduler closed") if self._closing else None)
                     _call(job.on_prefilled, err or WarmkvError(f"the turn ended ({chunk.finish_reason}) unprefilled"))
@@ -490,6 +602,18 @@ class Scheduler:
                 if job.on_done is not None:
                     _call(job.on_done)
         return len(chunk.token_ids)
+
+
+def _needs(job: Job) -> int:
+    """Tokens a turn may still take from the pool soon: the rest of its prompt (all of its KV for a
+    held turn), and RESUME_RESERVE to grow."""
+    ctx = job.session.ctx
+    if job.held:
+        return len(ctx.tokens) + RESUME_RESERVE
+    plan = job.turn.plan
+    if job.decoding or plan is None:
+        return RESUME_RESERVE
+    return max(0, len(plan.tokens) - len(ctx.tokens)) + RESUME_RESERVE
 
 
 def _reading(job: Job) -> bool:

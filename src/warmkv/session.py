@@ -102,6 +102,12 @@ class Session:
         # The resident tokens as of the last operation that changed them, for readers that
         # must not wait for the model lock (the server's router): replaced, never mutated.
         self.resident: tuple[int, ...] = ()
+        # An evictable session's KV is a cache of its last prompt (the server's pooled sessions: each
+        # turn resends its whole prompt): when the KV pool runs short while it is idle, its KV moves to
+        # the tiers (park) and its next prompt restores it from there.
+        self.evictable = False
+        self.scheduled = False  # a Scheduler turn of this session is queued or running (set by the Scheduler)
+        self.used_at = time.monotonic()  # when what is resident last changed: the least recent parks first
 
     @property
     def _seq(self) -> int:
@@ -135,6 +141,25 @@ class Session:
     def publish_resident(self) -> None:
         """Replace `resident` with the tokens resident now (call with the model lock held)."""
         self.resident = tuple(self.ctx.tokens)
+        self.used_at = time.monotonic()
+
+    def park(self) -> int:
+        """Move the resident KV to the tiers and free the sequence; the tokens freed (model lock held,
+        and the session idle or owned by the caller). Its exact full cache blocks are remembered in the
+        tiers (memory, spilling to disk), so the next prompt that starts with them restores them."""
+        ctx, tiers, manifest = self.ctx, self._rt.tiers, self._manifest
+        n = len(ctx.tokens)
+        if not n or self._closed or ctx.fatal:
+            return 0
+        if tiers is not None and manifest is not None:
+            keys = tiers.keys(manifest.digest, ctx.tokens[: ctx.exact])
+            keep = len(keys) * tiers.block_tokens
+            if keep and exact_cut(self._backend, self._seq, keep) == keep:
+                ctx.truncate(keep, refill=False)
+                tiers.remember(self._seq, keys, ctx.tokens, manifest.digest)
+        ctx.clear()
+        self.publish_resident()
+        return n
 
     def _publish(self) -> None:
         """An operation changed the resident KV: readers see this session's tokens and the runtime's stats."""

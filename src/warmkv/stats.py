@@ -21,6 +21,7 @@ class RuntimeStats:
     state: ModelState
     sessions: int  # open sessions, the runtime's own helper not counted
     kv_memory: KVMemory
+    parked: int = 0  # idle sessions whose KV moved to the tiers because the KV pool ran short
 
 
 @dataclass(frozen=True)
@@ -34,3 +35,5 @@ class SchedulerStats:
     active: int = 0  # turns queued or running
     waiting: int = 0  # turns whose prompt is not resident yet
     running: int = 0  # turns decoding
+    preempted: int = 0  # turns waiting now for KV pool room, their KV swapped out or given back
+    preemptions: int = 0  # turns preempted since start
