@@ -118,6 +118,15 @@ def _gauges(st: ServerState) -> None:
     m.gauge("warmkv_scheduler_waiting_turns", "Turns whose prompt is not resident yet", lambda: sched.stats.waiting)
     m.gauge("warmkv_running_streams", "Turns decoding on the scheduler", lambda: sched.stats.running)
     m.gauge("warmkv_kv_held_tokens", "Tokens whose KV the pool holds now", lambda: rt.stats.kv_memory.held_tokens)
+    m.gauge("warmkv_preempted_streams", "Turns waiting for KV pool room (preempted)", lambda: sched.stats.preempted)
+    m.gauge(
+        "warmkv_preemptions", "Turns preempted because the KV pool was short, since start",
+        lambda: sched.stats.preemptions,
+    )  # fmt: skip
+    m.gauge(
+        "warmkv_parked_sessions", "Idle sessions whose KV moved to the tiers because the KV pool was short",
+        lambda: rt.stats.parked,
+    )  # fmt: skip
     m.gauge("warmkv_decode_tokens_per_second", "Aggregate decode rate over the last 5 s", sched.tokens_per_s)
 
 
@@ -155,6 +164,9 @@ async def health(request: Request) -> dict[str, Any]:
             "batched_rows": sched.batched_rows,
             "waiting_turns": sched.waiting,
             "running_streams": sched.running,
+            "preempted_streams": sched.preempted,
+            "preemptions": sched.preemptions,
+            "parked_sessions": engine.parked,
             "prefilled_tokens": sched.prefilled_tokens,
             "max_step_tokens": st.scheduler.config.max_step_tokens,
         },

@@ -50,7 +50,14 @@ class SessionPool:
 
     async def open(self) -> None:
         """Open the pool's sessions (in a worker thread: each waits for the model lock)."""
-        self._idle = await asyncio.to_thread(lambda: [self._rt.session() for _ in range(self.size)])
+        self._idle = await asyncio.to_thread(lambda: [self._session() for _ in range(self.size)])
+
+    def _session(self) -> Session:
+        """A pooled session: each request resends its whole prompt, so its KV is a cache the runtime
+        may move to the tiers when the KV pool runs short (Session.evictable)."""
+        s = self._rt.session()
+        s.evictable = True
+        return s
 
     @property
     def missing(self) -> int:
@@ -157,7 +164,7 @@ class SessionPool:
         def swap() -> Session:  # both calls wait for the model lock: not on the loop
             if old is not None:
                 old.close()
-            return self._rt.session()
+            return self._session()
 
         loop.run_in_executor(None, swap).add_done_callback(lambda fut: self._opened(fut, old is None))
 
