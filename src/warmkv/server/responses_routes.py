@@ -319,20 +319,21 @@ async def _events(turn: ChatTurn, shape: _Shape) -> AsyncIterator[bytes]:
     thought = ""
 
     def close_thought() -> list[bytes]:
-        nonlocal thought_item
+        nonlocal thought_item, thought
         if thought_item is None:
             return []
         item, thought_item = thought_item, None
         at = shape.output.index(item)
         item.update(shape.reasoning(thought, "completed"), id=item["id"])
         ids = {"item_id": item["id"], "output_index": at}
+        done, thought = thought, ""  # the next reasoning item starts empty
         return [
-            event("response.reasoning_text.done", **ids, content_index=0, text=thought),
+            event("response.reasoning_text.done", **ids, content_index=0, text=done),
             event("response.output_item.done", output_index=at, item=item),
         ]
 
     def close_text() -> list[bytes]:
-        nonlocal text_item
+        nonlocal text_item, text
         if text_item is None:
             return []
         item, text_item = text_item, None
@@ -341,8 +342,9 @@ async def _events(turn: ChatTurn, shape: _Shape) -> AsyncIterator[bytes]:
         item["content"][0]["text"] = text
         part = item["content"][0]
         ids = {"item_id": item["id"], "output_index": at}
+        done, text = text, ""  # text after a call is a new message: it must not repeat this one
         return [
-            event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]),
+            event("response.output_text.done", **ids, content_index=0, text=done, logprobs=[]),
             event("response.content_part.done", **ids, content_index=0, part=part),
             event("response.output_item.done", output_index=at, item=item),
         ]
