@@ -143,6 +143,22 @@ def test_hermes_text_then_calls_streams_in_any_pieces(cuts: int) -> None:
         assert kinds[0] == "CallStart" and kinds[-1] == "CallEnd"
 
 
+@pytest.mark.parametrize("cuts", [0, 3, 40])
+def test_whitespace_next_to_a_call_is_no_content(cuts: int) -> None:
+    """What streams as text is the content: the whitespace around calls never goes out."""
+    call = '<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>'
+    for text, content in [
+        (f"Let me look. \n{call}\n", "Let me look."),
+        (f"{call}\n  Done. \n", "Done."),
+        (f"  \n{call}", ""),
+        ("No call here. \n", "No call here. \n"),
+    ]:
+        for seed in range(3):
+            p, events = _parse(GENERIC, text, cuts, seed)
+            assert p.content == content, text
+            assert "".join(e.text for e in events if isinstance(e, TextDelta)) == content, text
+
+
 def test_text_that_only_looks_like_a_trigger_is_text() -> None:
     p, events = _parse(GENERIC, "a <tool and <tool_cal then done", cuts=10)
     assert p.calls == [] and p.content == "a <tool and <tool_cal then done"

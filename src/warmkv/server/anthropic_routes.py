@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -21,27 +20,20 @@ from starlette.concurrency import run_in_threadpool
 
 from ..constraint import Constraint
 from ..errors import InvalidInput
-from ..tools import ArgsDelta, CallStart, TextDelta, ToolChoice, ToolSpec, make_tool
+from ..tools import ToolChoice, ToolSpec, make_tool
 from ..tools.spec import check_unique, choice_for
-from ..types import Usage
-from . import ignored
+from . import ignored, wire
 from .anthropic_schemas import CountTokensRequest, Message, MessagesRequest
-from .chat_turn import ChatInput, ChatTurn, ReasoningDelta, TurnEnd, prompt_of, render_prompt, start_chat
+from .anthropic_wire import MessagesCollector, MessagesEncoder
+from .chat_turn import ChatInput, ChatTurn, prompt_of, render_prompt, start_chat
 from .context_edits import Edited, apply_edits
-from .errors import from_warmkv
 from .message_log import Fingerprint, cache_miss_reason
 from .reasoning_store import ReasoningStore
-from .sampling import sampling_fields, usage_body
+from .sampling import sampling_fields
 from .state import ServerState, State
-from .streams import SSEResponse
+from .wire import Turn
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
-
-_STOP = {"tool_calls": "tool_use", "length": "max_tokens"}
-
-
-def _event(kind: str, data: dict[str, Any]) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n".encode()
 
 
 def _text(content: Any) -> str:
@@ -117,12 +109,6 @@ def _tools(req: Any) -> tuple[tuple[ToolSpec, ...], ToolChoice, bool]:
     if (c.type == "tool") != (c.name is not None):
         raise InvalidInput("tool_choice: name goes with type 'tool', and only with it", param="tool_choice.name")
     return tools, choice_for(tools, mode, c.name, "tool_choice"), not c.disable_parallel_tool_use
-
-
-def _stop(end: TurnEnd) -> tuple[str, str | None]:
-    if end.stop_sequence is not None:
-        return "stop_sequence", end.stop_sequence
-    return _STOP.get(end.finish_reason, "end_turn"), None
 
 
 def _toolu() -> str:
@@ -226,33 +212,13 @@ async def create_message(req: MessagesRequest, request: Request, st: State) -> A
     managed = {"applied_edits": edited.applied} if req.context_management is not None else None
     mid = "msg_" + secrets.token_hex(12)
     diagnostics = _diagnose(st, req, mid, turn)
-    if req.stream:
-        events = _events(st, turn, mid, model, diagnostics, managed)
-        return SSEResponse(events, on_close=turn.gen.stream.cancel, headers=turn.headers)
-    end, _ = await turn.collect()
-    content: list[dict[str, Any]] = []
-    if end.reasoning:
-        content.append({"type": "thinking", "thinking": end.reasoning, "signature": st.reasoning.sign(end.reasoning)})
-    text = end.content.strip() if end.calls else end.content
-    if text or not (end.calls or end.reasoning):
-        content.append({"type": "text", "text": text})
-    for call_id, name, arguments in end.calls:
-        content.append({"type": "tool_use", "id": call_id, "name": name, "input": json.loads(arguments or "{}")})
-    reason, sequence = _stop(end)
-    body = {
-        "id": mid,
-        "type": "message",
-        "role": "assistant",
-        "model": model,
-        "content": content,
-        "stop_reason": reason,
-        "stop_sequence": sequence,
-        "usage": usage_body(end.usage, "messages"),
-    }
-    if managed is not None:
-        body["context_management"] = managed
+    message: dict[str, Any] = {"id": mid, "type": "message", "role": "assistant", "model": model}
     if diagnostics is not None:
-        body["diagnostics"] = diagnostics
+        message["diagnostics"] = diagnostics
+    encoder = MessagesEncoder(message, turn.gen, st.reasoning.sign, managed)
+    if req.stream:
+        return wire.stream(st, Turn.chat(turn), encoder, turn.headers)
+    body = await wire.collect(st, Turn.chat(turn), encoder, MessagesCollector())
     return JSONResponse(body, headers=turn.headers)
 
 
@@ -277,83 +243,6 @@ def _diagnose(st: ServerState, req: MessagesRequest, mid: str, turn: ChatTurn) -
         return None
     reason = cache_miss_reason(st.messages_log.get(prev_id), fp, turn.gen.cached_tokens)
     return None if reason is None else {"cache_miss_reason": reason}
-
-
-async def _events(
-    st: ServerState,
-    turn: ChatTurn,
-    mid: str,
-    model: str,
-    diagnostics: dict[str, Any] | None,
-    managed: dict[str, Any] | None,
-) -> AsyncIterator[bytes]:
-    """message_start, content blocks (start, deltas, stop), message_delta, message_stop; ping after the start."""
-    start_usage = usage_body(Usage(turn.gen.prompt_tokens, 0, turn.gen.cached_tokens), "messages")
-    message = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
-               "stop_reason": None, "stop_sequence": None, "usage": start_usage,
-               **({"diagnostics": diagnostics} if diagnostics is not None else {})}  # fmt: skip
-    yield _event("message_start", {"message": message})
-    yield _event("ping", {})
-    index = -1
-    open_kind: str | None = None
-
-    thought: list[str] = []
-
-    def close() -> list[bytes]:
-        nonlocal open_kind
-        if open_kind is None:
-            return []
-        out = []
-        if open_kind == "thinking":  # the signature covers the whole block, so it comes last
-            signature = {"type": "signature_delta", "signature": st.reasoning.sign("".join(thought))}
-            out.append(_event("content_block_delta", {"index": index, "delta": signature}))
-        open_kind = None
-        return [*out, _event("content_block_stop", {"index": index})]
-
-    async for step in turn.steps():
-        for e in step.events:
-            if isinstance(e, ReasoningDelta):
-                if open_kind != "thinking":
-                    for b in close():
-                        yield b
-                    index, open_kind = index + 1, "thinking"
-                    block = {"type": "thinking", "thinking": "", "signature": ""}
-                    yield _event("content_block_start", {"index": index, "content_block": block})
-                thought.append(e.text)
-                delta = {"type": "thinking_delta", "thinking": e.text}
-                yield _event("content_block_delta", {"index": index, "delta": delta})
-            elif isinstance(e, TextDelta):
-                if open_kind != "text":
-                    for b in close():
-                        yield b
-                    index, open_kind = index + 1, "text"
-                    yield _event("content_block_start", {"index": index, "content_block": {"type": "text", "text": ""}})
-                yield _event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": e.text}})
-            elif isinstance(e, CallStart):
-                for b in close():
-                    yield b
-                index, open_kind = index + 1, "tool_use"
-                block = {"type": "tool_use", "id": e.id, "name": e.name, "input": {}}
-                yield _event("content_block_start", {"index": index, "content_block": block})
-            elif isinstance(e, ArgsDelta):
-                delta = {"type": "input_json_delta", "partial_json": e.text}
-                yield _event("content_block_delta", {"index": index, "delta": delta})
-        end = step.end
-        if end is None:
-            continue
-        for b in close():
-            yield b
-        if end.error is not None:
-            err = from_warmkv(end.error)
-            yield _event("error", {"error": {"type": err.anthropic_type, "message": err.message}})
-            return
-        reason, sequence = _stop(end)
-        usage = usage_body(end.usage, "messages")
-        delta = {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage}
-        if managed is not None:  # Anthropic puts the applied edits in the final message_delta
-            delta["context_management"] = managed
-        yield _event("message_delta", delta)
-        yield _event("message_stop", {})
 
 
 @router.post("/messages/count_tokens")

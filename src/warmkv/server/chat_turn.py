@@ -13,7 +13,6 @@ import functools
 import hashlib
 import json
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +35,7 @@ from ..tools import (
     tool_grammar,
 )
 from ..tools.grammar import with_thinking
-from ..types import PrefixStatus, StreamChunk, TokenLogprob, Usage
-from .collect import collect
-from .errors import ApiError
+from ..types import PrefixStatus, StreamChunk, Usage
 from .generation import Generation, generate
 from .normalize import strip_volatile
 from .reuse_report import message_ends, report
@@ -108,45 +105,22 @@ class ChatTurn:
     _reasoning_tokens: int = 0
 
     async def steps(self) -> AsyncIterator[TurnStep]:
-        """The turn's steps, one per decode chunk; the last carries the end."""
+        """The turn's steps, one per decode chunk; the last carries the end (wire.py drives them)."""
         generated: list[int] = []
-        first = True
-        try:
-            async for chunk in self.gen.stream:
-                if first:
-                    self.st.metrics.ttft.observe(time.perf_counter() - self.gen.t0)
-                    first = False
-                generated += chunk.token_ids
-                events = self._parse(chunk.text, len(chunk.token_ids))
-                if not chunk.done:
-                    yield TurnStep(events, chunk)
-                    continue
-                events += self._parse_finish()
-                end = self._end(chunk)
-                if end.error is None and end.finish_reason != "cancelled":
-                    await run_in_threadpool(self.st.runtime.remember_turn, self.gen.prompt_ids, generated, end.calls)
-                    if end.reasoning and not end.calls:
-                        self.st.reasoning.remember_answer(self.context, end.content, end.reasoning)
-                yield TurnStep(events, chunk, end)
-                return
-        except BaseException:
-            self.gen.stream.cancel()  # the client left (or a bug): stop decoding for nobody
-            raise
-
-    async def collect(self) -> tuple[TurnEnd, list[TokenLogprob]]:
-        """Run the turn to its end (non-streamed responses); raises its error as an ApiError."""
-        end: TurnEnd | None = None
-
-        async def chunks() -> AsyncIterator[StreamChunk]:
-            nonlocal end
-            async for step in self.steps():
-                end = step.end
-                yield step.chunk
-
-        got = await collect(chunks(), self.gen.stream.cancel)
-        if end is None:  # collect returns at the final chunk, and its step carries the end
-            raise ApiError(500, "the final chunk came without the turn's end", code="internal_error")
-        return end, got.logprobs
+        async for chunk in self.gen.stream:
+            generated += chunk.token_ids
+            events = self._parse(chunk.text, len(chunk.token_ids))
+            if not chunk.done:
+                yield TurnStep(events, chunk)
+                continue
+            events += self._parse_finish()
+            end = self._end(chunk)
+            if end.error is None and end.finish_reason != "cancelled":
+                await run_in_threadpool(self.st.runtime.remember_turn, self.gen.prompt_ids, generated, end.calls)
+                if end.reasoning and not end.calls:
+                    self.st.reasoning.remember_answer(self.context, end.content, end.reasoning)
+            yield TurnStep(events, chunk, end)
+            return
 
     def _parse(self, text: str, n_tokens: int = 0) -> list[Event | ReasoningDelta]:
         out: list[Event | ReasoningDelta] = []

@@ -10,7 +10,6 @@ with `suffix`.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
@@ -20,14 +19,15 @@ from starlette.concurrency import run_in_threadpool
 
 from ..infill import ExtraFile
 from ..types import PrefixInput, StreamChunk
-from .collect import collect
-from .errors import from_warmkv
+from . import wire
+from .chat_turn import TurnStep
+from .errors import ApiError
 from .generation import Generation, generate
 from .reuse_report import report
 from .sampling import sampling_fields
 from .schemas import Stop, _Request
 from .state import State
-from .streams import SSEResponse, sse
+from .wire import Frame, Turn
 
 router = APIRouter(tags=["infill"])
 
@@ -98,19 +98,44 @@ async def infill(req: InfillRequest, st: State) -> Any:
     sampling = {**sampling_fields(req), "stop_token_ids": rt.fim_tokens().stops()}
     gen = await generate(st, target, req.n_predict or req.max_tokens, sampling)
     headers = report(st, gen.status, gen.prompt_tokens)
+    encoder = _Encoder(gen, model)
     if req.stream:
+        return wire.stream(st, Turn.raw(gen), encoder, headers)
+    return JSONResponse(await wire.collect(st, Turn.raw(gen), encoder, _Collector()), headers=headers)
 
-        async def body() -> AsyncIterator[bytes]:
-            async for chunk in gen.stream:
-                if chunk.done:
-                    if chunk.error is not None:
-                        yield sse(from_warmkv(chunk.error).body())
-                    else:
-                        yield sse({**_final(gen, chunk, chunk.text, model)})
-                    return
-                if chunk.text:
-                    yield sse({"content": chunk.text, "stop": False})
 
-        return SSEResponse(body(), on_close=gen.stream.cancel, headers=headers)
-    got = await collect(gen.stream, gen.stream.cancel)
-    return JSONResponse(_final(gen, got.final, got.text, model), headers=headers)
+class _Encoder:
+    """{content, stop: false} per chunk, then the final object (its content the last chunk's text); no terminator."""
+
+    terminator = b""
+
+    def __init__(self, gen: Generation, model: str) -> None:
+        self.gen, self.model = gen, model
+
+    def start(self) -> list[Frame]:
+        return []
+
+    def step(self, step: TurnStep) -> list[Frame]:
+        chunk = step.chunk
+        return [Frame({"content": chunk.text, "stop": False})] if chunk.text and not chunk.done else []
+
+    def end(self, step: TurnStep) -> list[Frame]:
+        return [Frame(_final(self.gen, step.chunk, step.chunk.text, self.model))]
+
+    def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
+        return [Frame(err.body())]
+
+
+class _Collector:
+    """The final object with the whole content."""
+
+    def __init__(self) -> None:
+        self.content = ""
+        self.final: dict[str, Any] = {}
+
+    def add(self, frame: Frame) -> None:
+        self.content += frame.data["content"]
+        self.final = frame.data
+
+    def body(self, last: TurnStep) -> dict[str, Any]:
+        return {**self.final, "content": self.content}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -13,14 +12,14 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..constraint import Constraint
-from ..tools import ArgsDelta, Call, CallStart, Event, TextDelta, openai_choice, openai_tools
-from ..types import PrefixInput, StreamChunk, Usage
-from .chat_turn import ChatInput, ReasoningDelta, start_chat
-from .collect import collect
+from ..tools import openai_choice, openai_tools
+from ..types import PrefixInput, Usage
+from . import wire
+from .chat_turn import ChatInput, start_chat
 from .constraints import one_constraint
-from .errors import ApiError, from_warmkv
-from .generation import Generation, generate
-from .logprobs import chat_logprobs, completion_logprobs
+from .errors import ApiError
+from .generation import generate
+from .openai_wire import ChatCollector, ChatEncoder, CompletionCollector, CompletionEncoder, Head
 from .reuse_report import report
 from .sampling import sampling_fields, usage_body
 from .schemas import (
@@ -36,7 +35,7 @@ from .schemas import (
     _Sampling,
 )
 from .state import ServerState, State
-from .streams import SSE_DONE, SSEResponse, sse
+from .wire import Turn
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 404, 409, 410, 413, 429, 500, 501, 503)
@@ -61,11 +60,6 @@ def _usage_options(req: _Sampling) -> tuple[bool, bool]:
             param="stream_options",
         )
     return opts.include_usage, opts.continuous_usage_stats
-
-
-def _so_far(gen: Generation, completion_tokens: int) -> dict[str, Any] | None:
-    """The usage of a streaming turn after completion_tokens generated tokens (continuous_usage_stats)."""
-    return usage_body(Usage(gen.prompt_tokens, completion_tokens, gen.cached_tokens), "chat")
 
 
 def _sampling(req: _Sampling) -> dict[str, Any]:
@@ -102,47 +96,6 @@ def _format_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
     raise _unsupported("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
 
 
-def _finish(chunk: StreamChunk) -> str:
-    return "length" if chunk.finish_reason == "length" else "stop"
-
-
-def _stream(
-    st: ServerState,
-    gen: Generation,
-    frame: Callable[..., dict[str, Any]],
-    usage: tuple[bool, bool],
-    headers: dict[str, str],
-) -> SSEResponse:
-    """SSE of frames: frame(delta, finish_reason, usage, chunk) builds one OpenAI chunk object.
-    usage: (include_usage, continuous_usage_stats)."""
-    include_usage, continuous = usage
-
-    async def body() -> AsyncIterator[bytes]:
-        got_first = False
-        generated = 0
-        async for chunk in gen.stream:
-            if not got_first:
-                st.metrics.ttft.observe(time.perf_counter() - gen.t0)
-                got_first = True
-            generated += len(chunk.token_ids)
-            if chunk.text:
-                yield sse(frame({"content": chunk.text}, None, _so_far(gen, generated) if continuous else None, chunk))
-            if chunk.done:
-                if chunk.error is not None:
-                    err = from_warmkv(chunk.error)
-                    st.metrics.errors.labels(err.code or "error").inc()
-                    yield sse(err.body())
-                else:
-                    # the chunk's logprobs went out with its text, if it had any
-                    so_far = _so_far(gen, generated) if continuous else None
-                    yield sse(frame({}, _finish(chunk), so_far, None if chunk.text else chunk))
-                    if include_usage:
-                        yield sse(frame(None, None, usage_body(chunk.usage, "chat")))
-        yield SSE_DONE
-
-    return SSEResponse(body(), on_close=gen.stream.cancel, headers=headers)
-
-
 @router.get("/models", response_model=ModelList)
 async def list_models(st: State) -> dict[str, Any]:
     """The served model, then each name configured for it with --model-alias."""
@@ -175,19 +128,6 @@ def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any]) -> ChatInp
     )
 
 
-def _tool_call_delta(event: Event) -> dict[str, Any] | None:
-    if isinstance(event, CallStart):
-        fn = {"name": event.name, "arguments": ""}
-        return {"index": event.index, "id": event.id, "type": "function", "function": fn}
-    if isinstance(event, ArgsDelta):
-        return {"index": event.index, "function": {"arguments": event.text}}
-    return None
-
-
-def _tool_calls(calls: tuple[Call, ...]) -> list[dict[str, Any]]:
-    return [{"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in calls]
-
-
 @router.post("/chat/completions", response_model=ChatCompletion)
 async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
     """Chat through the model's template, with tools; a prompt sharing a prefix with a pooled session reuses its KV."""
@@ -199,72 +139,15 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
     if req.logprobs and req.tools:
         raise _unsupported("logprobs", "logprobs cannot be combined with tools")
     include_usage, continuous = _usage_options(req)
-    backend = st.runtime.backend
     turn = await start_chat(st, _chat_input(req, sampling))
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    head = Head(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", int(time.time()), model)
     if req.stream:
-
-        def frame(delta: dict[str, Any] | None, finish: str | None = None, usage: Any = None, lp: Any = None) -> bytes:
-            choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]
-            out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
-            return sse({**out, "choices": choices, **({"usage": usage} if usage else {})})
-
-        async def body() -> AsyncIterator[bytes]:
-            generated = 0
-            yield frame({"role": "assistant", "content": ""}, usage=_so_far(turn.gen, 0) if continuous else None)
-            async for step in turn.steps():
-                generated += len(step.chunk.token_ids)
-                so_far = _so_far(turn.gen, generated) if continuous else None
-                lp = chat_logprobs(backend, step.chunk.logprobs) if step.chunk.logprobs else None
-                for event in step.events:
-                    if isinstance(event, ReasoningDelta):
-                        yield frame({"reasoning_content": event.text, "reasoning": event.text}, usage=so_far)
-                    elif isinstance(event, TextDelta):
-                        yield frame({"content": event.text}, usage=so_far, lp=lp)
-                        lp = None  # a chunk's logprobs go out once, with its text
-                    elif (call := _tool_call_delta(event)) is not None:
-                        yield frame({"tool_calls": [call]}, usage=so_far)
-                end = step.end
-                if end is None:
-                    continue
-                if end.error is not None:
-                    err = from_warmkv(end.error)
-                    st.metrics.errors.labels(err.code or "error").inc()
-                    yield sse(err.body())
-                else:
-                    yield frame({}, _openai_finish(end.finish_reason), usage=so_far, lp=lp)
-                    if include_usage:
-                        yield frame(None, usage=usage_body(end.usage, "chat", end.reasoning_tokens))
-            yield SSE_DONE
-
-        return SSEResponse(body(), on_close=turn.gen.stream.cancel, headers=turn.headers)
-    end, logprobs = await turn.collect()
-    message: dict[str, Any] = {"role": "assistant", "content": end.content}
-    if end.calls:
-        message = {"role": "assistant", "content": end.content.strip() or None, "tool_calls": _tool_calls(end.calls)}
-    if turn.splitter is not None:
-        message["reasoning_content"] = message["reasoning"] = end.reasoning or None
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": message,
-        "finish_reason": _openai_finish(end.finish_reason),
-        "logprobs": None if sampling["logprobs"] is None else chat_logprobs(backend, logprobs),
-    }
-    if end.tool_error:
-        choice["tool_call_error"] = end.tool_error
-    body = {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage_body(end.usage, "chat", end.reasoning_tokens),
-    }
+        encoder = ChatEncoder(head, turn.gen, st.runtime.backend, include_usage, continuous)
+        return wire.stream(st, Turn.chat(turn), encoder, turn.headers)
+    encoder = ChatEncoder(head, turn.gen, st.runtime.backend, True, False)
+    collector = ChatCollector(sampling["logprobs"] is not None, turn.splitter is not None)
+    body = await wire.collect(st, Turn.chat(turn), encoder, collector)
     return JSONResponse(body, headers=turn.headers)
-
-
-def _openai_finish(reason: str) -> str:
-    return reason if reason in ("length", "tool_calls") else "stop"
 
 
 @router.post("/completions", response_model=TextCompletion)
@@ -277,8 +160,7 @@ async def completions(req: CompletionRequest, st: State) -> Any:
     if req.best_of not in (None, 1):
         raise _unsupported("best_of", "only best_of=1 is supported")
     sampling["logprobs"] = req.logprobs
-    usage_opts = _usage_options(req)
-    backend = st.runtime.backend
+    include_usage, continuous = _usage_options(req)
     if isinstance(req.prompt, list):
         if len(req.prompt) != 1:
             raise _unsupported("prompt", f"exactly one prompt per request, got {len(req.prompt)}")
@@ -293,32 +175,12 @@ async def completions(req: CompletionRequest, st: State) -> Any:
         raise ApiError(400, "prompt is empty", code="invalid_value", param="prompt")
     gen = await generate(st, target, req.max_tokens, sampling)
     headers = report(st, gen.status, gen.prompt_tokens)
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    head = Head(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), req.model)
     if req.stream:
-        sent = 0  # completion characters streamed so far: text_offset counts from the start
-
-        def frame(
-            delta: dict[str, Any] | None, finish: str | None, usage: dict[str, Any] | None, chunk: Any = None
-        ) -> dict[str, Any]:
-            nonlocal sent
-            text = "" if delta is None else delta.get("content", "")
-            lp = completion_logprobs(backend, chunk.logprobs, sent) if chunk is not None and chunk.logprobs else None
-            sent += len(text)
-            choices = [] if delta is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}]
-            out = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
-            return {**out, "choices": choices, **({"usage": usage} if usage else {})}
-
-        return _stream(st, gen, frame, usage_opts, headers)
-    got = await collect(gen.stream, gen.stream.cancel, lambda: st.metrics.ttft.observe(time.perf_counter() - gen.t0))
-    lp = None if req.logprobs is None else completion_logprobs(backend, got.logprobs)
-    body = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": req.model,
-        "choices": [{"index": 0, "text": got.text, "finish_reason": _finish(got.final), "logprobs": lp}],
-        "usage": usage_body(got.final.usage, "chat"),
-    }
+        encoder = CompletionEncoder(head, gen, st.runtime.backend, include_usage, continuous)
+        return wire.stream(st, Turn.raw(gen), encoder, headers)
+    encoder = CompletionEncoder(head, gen, st.runtime.backend, True, False)
+    body = await wire.collect(st, Turn.raw(gen), encoder, CompletionCollector(req.logprobs is not None))
     return JSONResponse(body, headers=headers)
 
 

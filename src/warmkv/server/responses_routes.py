@@ -12,9 +12,6 @@ offered, and named in x-warmkv-ignored with the other fields that have no effect
 
 from __future__ import annotations
 
-import secrets
-import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,11 +20,11 @@ from fastapi.responses import JSONResponse
 
 from ..constraint import Constraint
 from ..errors import InvalidInput
-from ..tools import ArgsDelta, CallEnd, CallStart, TextDelta, ToolSpec, make_tool, openai_choice
+from ..tools import ToolSpec, make_tool, openai_choice
 from ..tools.spec import check_unique
-from . import ignored
-from .chat_turn import ChatInput, ChatTurn, ReasoningDelta, TurnEnd, start_chat
-from .errors import ApiError, from_warmkv
+from . import ignored, wire
+from .chat_turn import ChatInput, start_chat
+from .errors import ApiError
 from .reasoning_store import ReasoningStore
 from .responses_schemas import (
     FunctionCallItem,
@@ -39,15 +36,12 @@ from .responses_schemas import (
     ResponsesRequest,
     TextPart,
 )
-from .sampling import sampling_fields, usage_body
+from .responses_wire import ResponsesCollector, ResponsesEncoder, Shape
+from .sampling import sampling_fields
 from .state import State
-from .streams import SSEResponse, sse
+from .wire import Turn
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(16)}"
 
 
 def _text(content: str | list[TextPart]) -> str:
@@ -197,71 +191,6 @@ def _check(req: ResponsesRequest) -> None:
         )
 
 
-class _Shape:
-    """The response object and its output items, as they grow."""
-
-    def __init__(
-        self,
-        req: ResponsesRequest,
-        tools: list[dict[str, Any]],
-        offered: Offered,
-        sign: Callable[[str], str] | None = None,
-    ) -> None:
-        self.req = req
-        self.sign = sign  # encrypted_content for reasoning items, when the request includes it
-        self.id = _id("resp")
-        self.created = int(time.time())
-        self.tools = tools
-        self.offered = offered
-        self.output: list[dict[str, Any]] = []
-
-    def response(self, status: str, end: TurnEnd | None = None) -> dict[str, Any]:
-        r = self.req
-        choice = r.tool_choice.model_dump() if isinstance(r.tool_choice, FunctionChoice) else (r.tool_choice or "auto")
-        incomplete = {"reason": "max_output_tokens"} if end is not None and end.finish_reason == "length" else None
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "status": status,
-            "model": r.model,
-            "output": self.output,
-            "instructions": r.instructions,
-            "tools": self.tools,
-            "tool_choice": choice,
-            "parallel_tool_calls": r.parallel_tool_calls is not False,
-            "temperature": r.temperature,
-            "top_p": r.top_p,
-            "max_output_tokens": r.max_output_tokens,
-            "previous_response_id": None,
-            "store": False,
-            "truncation": "disabled",
-            "text": {"format": {"type": "text"}},
-            "metadata": r.metadata or {},
-            "error": None,
-            "incomplete_details": incomplete,
-            "usage": usage_body(end.usage, "responses", end.reasoning_tokens) if end is not None else None,
-        }
-
-    def reasoning(self, text: str, status: str) -> dict[str, Any]:
-        item = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": status}
-        item["content"] = [{"type": "reasoning_text", "text": text}]
-        if self.sign is not None:
-            item["encrypted_content"] = self.sign(text) if status == "completed" else None
-        return item
-
-    def message(self, text: str, status: str) -> dict[str, Any]:
-        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-        return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant", "content": [part]}
-
-    def call(self, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-        fn, namespace = self.offered.split(name)
-        item = {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": fn}
-        if namespace is not None:
-            item["namespace"] = namespace
-        return {**item, "arguments": arguments, "status": status}
-
-
 @router.post("/responses")
 async def create_response(req: ResponsesRequest, st: State) -> Any:
     """Generate a response; tool calls come back as function_call output items."""
@@ -287,143 +216,8 @@ async def create_response(req: ResponsesRequest, st: State) -> Any:
     turn = await start_chat(st, inp)
     turn.headers.update(ignored_headers)
     sign = st.reasoning.sign if "reasoning.encrypted_content" in (req.include or []) else None
-    shape = _Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered, sign)
+    shape = Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered.split, sign)
     if req.stream:
-        return SSEResponse(_events(turn, shape), on_close=turn.gen.stream.cancel, headers=turn.headers)
-    end, _ = await turn.collect()
-    if end.reasoning:
-        shape.output.append(shape.reasoning(end.reasoning, "completed"))
-    if end.content.strip() or not (end.calls or end.reasoning):
-        shape.output.append(shape.message(end.content.strip() if end.calls else end.content, "completed"))
-    for call_id, name, arguments in end.calls:
-        shape.output.append(shape.call(call_id, name, arguments, "completed"))
-    status = "incomplete" if end.finish_reason == "length" else "completed"
-    return JSONResponse(shape.response(status, end), headers=turn.headers)
-
-
-async def _events(turn: ChatTurn, shape: _Shape) -> AsyncIterator[bytes]:
-    """The Responses event sequence: created, output items with their deltas, completed."""
-    seq = 0
-
-    def event(kind: str, **fields: Any) -> bytes:
-        nonlocal seq
-        seq += 1
-        return sse({"type": kind, "sequence_number": seq - 1, **fields})
-
-    yield event("response.created", response=shape.response("in_progress"))
-    yield event("response.in_progress", response=shape.response("in_progress"))
-    text_item: dict[str, Any] | None = None
-    text = ""
-    calls: dict[int, dict[str, Any]] = {}
-    thought_item: dict[str, Any] | None = None
-    thought = ""
-
-    def close_thought() -> list[bytes]:
-        nonlocal thought_item
-        if thought_item is None:
-            return []
-        item, thought_item = thought_item, None
-        at = shape.output.index(item)
-        item.update(shape.reasoning(thought, "completed"), id=item["id"])
-        ids = {"item_id": item["id"], "output_index": at}
-        return [
-            event("response.reasoning_text.done", **ids, content_index=0, text=thought),
-            event("response.output_item.done", output_index=at, item=item),
-        ]
-
-    def close_text() -> list[bytes]:
-        nonlocal text_item
-        if text_item is None:
-            return []
-        item, text_item = text_item, None
-        at = shape.output.index(item)
-        item["status"] = "completed"
-        item["content"][0]["text"] = text
-        part = item["content"][0]
-        ids = {"item_id": item["id"], "output_index": at}
-        return [
-            event("response.output_text.done", **ids, content_index=0, text=text, logprobs=[]),
-            event("response.content_part.done", **ids, content_index=0, part=part),
-            event("response.output_item.done", output_index=at, item=item),
-        ]
-
-    async for step in turn.steps():
-        for e in step.events:
-            if isinstance(e, ReasoningDelta):
-                if thought_item is None:
-                    thought_item = shape.reasoning("", "in_progress")
-                    shape.output.append(thought_item)
-                    yield event("response.output_item.added", output_index=len(shape.output) - 1, item=thought_item)
-                thought += e.text
-                at = shape.output.index(thought_item)
-                yield event(
-                    "response.reasoning_text.delta", item_id=thought_item["id"], output_index=at, content_index=0,
-                    delta=e.text,
-                )  # fmt: skip
-                continue
-            for b in close_thought():
-                yield b
-            if isinstance(e, TextDelta):
-                if text_item is None:
-                    text_item = shape.message("", "in_progress")
-                    shape.output.append(text_item)
-                    at = len(shape.output) - 1
-                    yield event("response.output_item.added", output_index=at, item=text_item)
-                    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                    yield event(
-                        "response.content_part.added",
-                        item_id=text_item["id"],
-                        output_index=at,
-                        content_index=0,
-                        part=part,
-                    )
-                text += e.text
-                yield event(
-                    "response.output_text.delta",
-                    item_id=text_item["id"],
-                    output_index=shape.output.index(text_item),
-                    content_index=0,
-                    delta=e.text,
-                    logprobs=[],
-                )
-            elif isinstance(e, CallStart):
-                for b in close_text():
-                    yield b
-                item = shape.call(e.id, e.name, "", "in_progress")
-                shape.output.append(item)
-                calls[e.index] = item
-                yield event("response.output_item.added", output_index=len(shape.output) - 1, item=item)
-            elif isinstance(e, ArgsDelta):
-                item = calls[e.index]
-                item["arguments"] += e.text
-                yield event(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=shape.output.index(item),
-                    delta=e.text,
-                )
-            elif isinstance(e, CallEnd):
-                item = calls[e.index]
-                item["status"] = "completed"
-                at = shape.output.index(item)
-                yield event(
-                    "response.function_call_arguments.done",
-                    item_id=item["id"],
-                    output_index=at,
-                    name=item["name"],
-                    arguments=item["arguments"],
-                )
-                yield event("response.output_item.done", output_index=at, item=item)
-        end = step.end
-        if end is None:
-            continue
-        for b in [*close_thought(), *close_text()]:
-            yield b
-        if end.error is not None:
-            err = from_warmkv(end.error)
-            failed = shape.response("failed", end)
-            failed["error"] = {"code": err.code or "server_error", "message": err.message}
-            yield event("response.failed", response=failed)
-            return
-        status = "incomplete" if end.finish_reason == "length" else "completed"
-        yield event(f"response.{status}", response=shape.response(status, end))
+        return wire.stream(st, Turn.chat(turn), ResponsesEncoder(shape), turn.headers)
+    body = await wire.collect(st, Turn.chat(turn), ResponsesEncoder(shape), ResponsesCollector(shape))
+    return JSONResponse(body, headers=turn.headers)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body
@@ -16,15 +16,17 @@ from ..errors import SessionFatal
 from ..manifest import Segment
 from ..session import Session
 from ..types import PrefixInput, StreamChunk, SuffixInput, TokenLogprob
-from .collect import collect
+from . import wire
+from .chat_turn import TurnStep
 from .constraints import one_constraint
-from .errors import from_warmkv, not_implemented
+from .errors import ApiError, not_implemented
 from .openai_routes import ERRORS
 from .registry import Entry
 from .sampling import sampling_fields, usage_body
 from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
 from .state import ServerState, State
-from .streams import SSE_DONE, ChunkStream, SSEResponse, sse, start_turn
+from .streams import SSE_DONE, ChunkStream, start_turn
+from .wire import Frame, Turn, chunk_steps
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERRORS)
 
@@ -146,26 +148,50 @@ async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
     except BaseException:
         st.registry.unlock(entry)
         raise
-    if not req.stream:
-        got = await collect(stream, stream.cancel, lambda: st.metrics.ttft.observe(time.perf_counter() - t0))
-        out = {**_chunk(got.final), "text": got.text, "token_ids": got.token_ids}
-        if req.logprobs is not None:  # every token's, not only the final chunk's
-            out["logprobs"] = _logprobs(got.logprobs)
-        return out
+    turn = Turn(chunk_steps(stream), stream.cancel, t0)
+    if req.stream:
+        return wire.stream(st, turn, _Encoder())
+    return await wire.collect(st, turn, _Encoder(), _Collector(req.logprobs is not None))
 
-    async def body() -> AsyncIterator[bytes]:
-        first = True
-        async for chunk in stream:
-            if first:
-                st.metrics.ttft.observe(time.perf_counter() - t0)
-                first = False
-            if chunk.done and chunk.error is not None:
-                yield sse({**_chunk(chunk), **from_warmkv(chunk.error).body()})
-            elif chunk.text or chunk.done:
-                yield sse(_chunk(chunk))
-        yield SSE_DONE
 
-    return SSEResponse(body(), on_close=stream.cancel)
+class _Encoder:
+    """{text, token_ids[, logprobs]} per chunk, the last with finish_reason and usage (or the error)."""
+
+    terminator = SSE_DONE
+
+    def start(self) -> list[Frame]:
+        return []
+
+    def step(self, step: TurnStep) -> list[Frame]:
+        chunk = step.chunk
+        return [Frame(_chunk(chunk))] if chunk.text and not chunk.done else []
+
+    def end(self, step: TurnStep) -> list[Frame]:
+        return [Frame(_chunk(step.chunk))]
+
+    def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
+        return [Frame({**_chunk(step.chunk), **err.body()})]
+
+
+class _Collector:
+    """The last chunk with the whole text, token ids and (when asked for) every token's logprobs."""
+
+    def __init__(self, logprobs: bool) -> None:
+        self.logprobs = logprobs
+        self.text = ""
+        self.ids: list[int] = []
+        self.lps: list[dict[str, Any]] = []
+        self.final: dict[str, Any] = {}
+
+    def add(self, frame: Frame) -> None:
+        d = self.final = frame.data
+        self.text += d["text"]
+        self.ids += d["token_ids"]
+        self.lps += d.get("logprobs", ())
+
+    def body(self, last: TurnStep) -> dict[str, Any]:
+        out = {**self.final, "text": self.text, "token_ids": self.ids}
+        return {**out, "logprobs": self.lps} if self.logprobs else out
 
 
 @router.get("/{sid}", operation_id="session_explain", openapi_extra=_SAME_SESSION)

@@ -3,7 +3,8 @@
 feed() takes text deltas and returns events; finish() flushes. A call is announced
 (CallStart: id and name) as soon as its name is complete, then its arguments stream
 as raw JSON fragments (ArgsDelta) exactly as the model wrote them, and CallEnd gives
-the whole arguments string. Text that might still become a trigger is held back.
+the whole arguments string. Text that might still become a trigger is held back, and
+so is whitespace: next to a call (before it, after the last) it is no content.
 
 Parsing never raises: a reply cut off inside a call (the token budget ran out) ends
 with `error` set and that call's CallEnd missing.
@@ -141,8 +142,8 @@ class ToolCallParser:
 
     def finish(self) -> list[Event]:
         out = self.feed("")
-        if self._state == "start" or self._state == "text":
-            out += self._text(self._buf)
+        if self._state in ("start", "text", "text_only"):
+            out += self._text(self._buf.rstrip(_WS) if self.calls else self._buf)
         elif self._state == "between":
             rest = self._buf.strip(_WS)
             for marker in (self.fmt.call_close.strip(_WS), self.fmt.list_close):
@@ -188,12 +189,16 @@ class ToolCallParser:
             if self._state == "text":
                 at = buf.find(fmt.trigger)
                 if at >= 0:
-                    out += self._text(buf[:at])
+                    out += self._text(buf[:at].rstrip(_WS))
                     self._buf, self._state = buf[at + len(fmt.trigger) :], "between"
                     return True
                 keep = _held_back(buf, fmt.trigger)
             else:
                 keep = 0
+            # Whitespace waits for what follows: before a call or at the end of a reply with
+            # calls it is no content, so a streamed reply's text equals the collected one.
+            rest = buf[: len(buf) - keep]
+            keep += len(rest) - len(rest.rstrip(_WS))
             out += self._text(buf[: len(buf) - keep])
             self._buf = buf[len(buf) - keep :]
             return False
