@@ -95,3 +95,4 @@ def test_sixteen_streams_on_a_pool_of_eight_finish_as_alone(served: tuple[str, w
     health = httpx.get(f"{base}/health").json()
     assert health["scheduler"]["preempted_streams"] == 0 and health["active_streams"] == 0
     assert _metric(base, "warmkv_parked_sessions") >= 1
+    assert all(s.usable_error() is None for s in rt.sessions)  # no session was given up
