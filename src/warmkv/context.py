@@ -83,6 +83,112 @@ class ResidentContext:
         """Bookkeeping for KV that was replaced wholesale (a tier load, a snapshot, a copy)."""
         self.tokens, self.pending, self.logits, self.prefill_logits = list(tokens), [], None, None
         self.detached = self.exact_end = None
+        self.prefix_len = self.suffix_end = 0  # the regions of replaced KV are unknown: the caller sets them
+
+    # -- transitions: every change of the regions outside evaluation goes through these -------------
+
+    def begin_prompt(self, keep: int, *, detach: bool) -> int:
+        """A prompt's load begins: keep the first `keep` tokens (at most what is resident) and drop the
+        rest, or with detach keep the rest too, detached, for a suffix to reuse. No prefix until
+        mark_prefix. Returns how many tokens are live: a cut lands on an exact point (see truncate)."""
+        if keep < 0:
+            raise self._refused(f"begin_prompt keeping {keep} tokens")
+        if detach and keep < len(self.tokens):
+            # logits unknown until settle() drops the detached part (and restores the kept prefill logits)
+            self.pending, self.logits, self.detached = [], None, keep
+        else:
+            self.truncate(keep, refill=False)  # the caller cut `keep` to an exact point already
+            self.detached = None
+        self.prefix_len = self.suffix_end = 0
+        return self.live
+
+    def mark_prefix(self, n: int) -> None:
+        """The first n resident tokens are the prompt just loaded: the prefix, no suffix after it yet."""
+        if not 0 <= n <= self.live:
+            raise self._refused(f"mark_prefix({n}) with {self.live} live tokens")
+        self.prefix_len = self.suffix_end = n
+
+    def replace_suffix(self, tokens: Sequence[int], reused: int, *, between: Callable[[], None] | None = None) -> None:
+        """The suffix becomes `tokens`: the first `reused` of them are resident after the prefix (a
+        detached old suffix counts), the rest is dropped and the others are evaluated."""
+        keep = self.prefix_len + reused
+        if not 0 <= reused <= len(tokens) or keep > len(self.tokens):
+            raise self._refused(f"replace_suffix reusing {reused} of {len(tokens)} tokens after the prefix")
+        self.truncate(keep)
+        self.detached = None
+        self.suffix_end = len(self.tokens)  # a failed prefill below leaves a suffix that ends here
+        self.eval(tokens[reused:], keep_logits=True, between=between)
+        self.suffix_end = len(self.tokens)
+
+    def append_suffix(self, tokens: Sequence[int], *, between: Callable[[], None] | None = None) -> None:
+        """Evaluate the pending token, then `tokens`, after what is live (a detached suffix is dropped):
+        the generated tokens and these join the suffix. On failure the pending token stays pending."""
+        new = [*self.pending, *tokens]
+        self.settle()
+        saved = self.pending, self.logits
+        self.pending = []
+        try:
+            self.eval(new, keep_logits=True, between=between)
+        except SessionFatal:
+            raise
+        except BaseException:
+            self.pending, self.logits = saved  # eval rolled the tokens back
+            raise
+        self.suffix_end = len(self.tokens)
+
+    def set_pending(self, token: int) -> None:
+        """A token sampled from the logits after the last one: evaluated only if generation goes on."""
+        if self.pending or self.logits is None or self.detached is not None:
+            raise self._refused(
+                f"set_pending({token}) with {len(self.pending)} pending, logits known: "
+                f"{self.logits is not None}, detached at {self.detached}"
+            )
+        self.pending = [token]
+
+    def evaluated(self, row: ForwardRow, logits: np.ndarray | None) -> None:
+        """need_row's row (the pending token, maybe a draft after it) was evaluated: record it."""
+        n = len(self.pending)
+        if row.start != len(self.tokens) or list(row.tokens[:n]) != self.pending:
+            raise self._refused(
+                f"a row of {len(row.tokens)} tokens at {row.start} recorded as the {n} pending after {len(self.tokens)}"
+            )
+        self.pending = []
+        self.record(row, logits)
+
+    def accept_draft(self, row: ForwardRow, logits: np.ndarray, kept: int, token: int) -> None:
+        """A verified draft row: keep its pending token and the first `kept` drafted tokens; `token`,
+        drawn from logits[kept] (the logits after them), becomes the pending token."""
+        if not 0 <= kept < len(row.tokens) or len(logits) != len(row.tokens):
+            raise self._refused(f"accept_draft keeping {kept} of a {len(row.tokens)}-token row, {len(logits)} logits")
+        self.evaluated(row, logits)
+        self.truncate(row.start + 1 + kept)  # rejected positions roll back like any other suffix
+        self.logits = logits[kept]
+        self.pending = [token]
+
+    def fail(self, reason: str) -> None:
+        """The KV is unknown (a backend failure, a bug): the session must be evicted. The first reason stays."""
+        if self.fatal is None:
+            self.fatal = reason
+
+    def adopt(self, other: ResidentContext) -> None:
+        """Take over another context's bookkeeping: its KV was copied to our sequence."""
+        self.tokens, self.pending, self.logits = list(other.tokens), list(other.pending), other.logits
+        self.prefill_logits, self.detached, self.exact_end = other.prefill_logits, other.detached, other.exact_end
+        self.prefix_len, self.suffix_end = other.prefix_len, other.suffix_end
+
+    def restore(self, tokens: Sequence[int], prefix_len: int, suffix_end: int, exact_end: int | None) -> None:
+        """Bookkeeping for a snapshot's KV, just imported into our sequence, and its regions."""
+        n = len(tokens)
+        if not 0 <= prefix_len <= suffix_end <= n or (exact_end is not None and not 0 <= exact_end < n):
+            raise self._refused(
+                f"a snapshot of {n} tokens with prefix_len={prefix_len}, suffix_end={suffix_end}, exact_end={exact_end}"
+            )
+        self.reset(tokens)
+        self.prefix_len, self.suffix_end, self.exact_end = prefix_len, suffix_end, exact_end
+
+    def _refused(self, what: str) -> SessionFatal:
+        """A transition that would break the region map: nothing was changed, the caller has a bug."""
+        return SessionFatal(f"sequence {self.seq}: refused {what} (region map broken otherwise)", seqs=(self.seq,))
 
     @property
     def exact(self) -> int:
@@ -127,7 +233,7 @@ class ResidentContext:
         try:
             (logits,) = self.backend.forward([row])
         except SessionFatal as e:
-            self.fatal = str(e)
+            self.fail(str(e))
             raise
         return logits
 
