@@ -11,6 +11,10 @@ the tiers never keep it.
 plus `pending`: sampled tokens not yet evaluated (at most a decode's last token). They
 are fed to the model only if generation continues, so a turn that ends never pays for them.
 
+Other modules read the fields and change them only through the transitions below (begin_prompt,
+mark_prefix, replace_suffix, append_suffix, set_pending, evaluated, accept_draft, placed, fail,
+adopt, restore, reset, settle, truncate): each keeps the map or refuses, changing nothing.
+
 `truncate(n)` is the one rollback primitive: dropping a suffix, rolling back a rejected
 draft and undoing a failed prefill are all the same call.
 """
@@ -28,25 +32,84 @@ from .errors import SessionFatal
 class ResidentContext:
     """Tokens whose KV is in sequence `seq`, and the logits after them. Callers hold the model lock."""
 
-    def __init__(self, backend: Backend, seq: int, prefill_chunk: int) -> None:
-        self.backend = backend
-        self.seq = seq
-        self.chunk = prefill_chunk
-        self.tokens: list[int] = []
-        self.pending: list[int] = []
-        self.prefix_len = 0
-        self.suffix_end = 0
-        self.detached: int | None = None  # tokens[detached:] is a dropped suffix whose KV is kept for reuse
-        self.logits: np.ndarray | None = None  # after tokens[-1]; None when unknown
+    def __init__(self, backend: Backend, seq: int, prefill_chunk: int, num_ctx: int) -> None:
+        self._backend = backend
+        self._seq = seq
+        self._chunk = prefill_chunk
+        self._num_ctx = num_ctx
+        self._tokens: list[int] = []
+        self._pending: list[int] = []
+        self._prefix_len = 0
+        self._suffix_end = 0
+        self._detached: int | None = None  # tokens[detached:] is a dropped suffix whose KV is kept for reuse
+        self._logits: np.ndarray | None = None  # after tokens[-1]; None when unknown
         # The logits a prompt's prefill ended with, kept with the token count they follow: a resent
         # prompt samples from them instead of evaluating its last token again alone (other rounding).
-        self.prefill_logits: tuple[int, np.ndarray] | None = None
-        self.fatal: str | None = None
-        self.exact_end: int | None = None  # tokens[exact_end:] sit on moved KV; None: all exact
+        self._prefill_logits: tuple[int, np.ndarray] | None = None
+        self._fatal: str | None = None
+        self._exact_end: int | None = None  # tokens[exact_end:] sit on moved KV; None: all exact
+
+    # -- reading: properties, so that only the transitions write ----------------------------------
+    # tokens and pending are the lists themselves (typed read-only), never copies: decode reads them per token.
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    @property
+    def chunk(self) -> int:
+        return self._chunk
+
+    @property
+    def num_ctx(self) -> int:
+        return self._num_ctx
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return self._tokens
+
+    @property
+    def pending(self) -> Sequence[int]:
+        return self._pending
+
+    @property
+    def prefix_len(self) -> int:
+        return self._prefix_len
+
+    @property
+    def suffix_end(self) -> int:
+        return self._suffix_end
+
+    @property
+    def detached(self) -> int | None:
+        return self._detached
+
+    @property
+    def logits(self) -> np.ndarray | None:
+        return self._logits
+
+    @property
+    def fatal(self) -> str | None:
+        return self._fatal
+
+    @property
+    def exact_end(self) -> int | None:
+        return self._exact_end
 
     @property
     def live(self) -> int:
-        return len(self.tokens) if self.detached is None else self.detached
+        return len(self._tokens) if self._detached is None else self._detached
+
+    @property
+    def exact(self) -> int:
+        """How many resident tokens have exactly the KV a cold prefill gives (up to rounding of the layout)."""
+        return len(self._tokens) if self._exact_end is None else self._exact_end
+
+    # -- transitions: the only writers of the fields above -----------------------------------------
 
     def truncate(self, n: int, *, refill: bool = True) -> None:
         """Keep the first n resident tokens; logits survive only where the kept prefill logits sit.
@@ -55,37 +118,37 @@ class ResidentContext:
         the nearest exact point m < n (a checkpoint, or 0) and tokens [m, n) are prefilled again
         (refill=False: they stay dropped, for a caller that prefills from wherever the cut lands).
         """
-        if n < len(self.tokens):
-            m = exact_cut(self.backend, self.seq, n)
-            self.backend.truncate(self.seq, m)
-            lost = self.tokens[m:n]
-            del self.tokens[m:]
-            kept = self.prefill_logits
-            self.logits = kept[1] if kept is not None and kept[0] == m else None
+        if n < 0:
+            raise self._refused(f"truncate({n})")
+        if n < len(self._tokens):
+            m = exact_cut(self._backend, self._seq, n)
+            self._backend.truncate(self._seq, m)
+            lost = self._tokens[m:n]
+            del self._tokens[m:]
+            kept = self._prefill_logits
+            self._logits = kept[1] if kept is not None and kept[0] == m else None
             if kept is not None and kept[0] > m:
-                self.prefill_logits = None
-            self.pending = []
+                self._prefill_logits = None
+            self._pending = []
             if lost and refill:
                 self.eval(lost)
-        if self.detached is not None and self.detached >= len(self.tokens):
-            self.detached = None
-        if self.exact_end is not None and self.exact_end >= len(self.tokens):
-            self.exact_end = None
-        self.pending = []
+        if self._detached is not None and self._detached >= len(self._tokens):
+            self._detached = None
+        if self._exact_end is not None and self._exact_end >= len(self._tokens):
+            self._exact_end = None
+        self._pending = []
 
     def settle(self) -> None:
         """Really drop a detached old suffix."""
-        if self.detached is not None:
-            self.truncate(self.detached)
-            self.detached = None
+        if self._detached is not None:
+            self.truncate(self._detached)
+            self._detached = None
 
     def reset(self, tokens: Sequence[int] = ()) -> None:
         """Bookkeeping for KV that was replaced wholesale (a tier load, a snapshot, a copy)."""
-        self.tokens, self.pending, self.logits, self.prefill_logits = list(tokens), [], None, None
-        self.detached = self.exact_end = None
-        self.prefix_len = self.suffix_end = 0  # the regions of replaced KV are unknown: the caller sets them
-
-    # -- transitions: every change of the regions outside evaluation goes through these -------------
+        self._tokens, self._pending, self._logits, self._prefill_logits = list(tokens), [], None, None
+        self._detached = self._exact_end = None
+        self._prefix_len = self._suffix_end = 0  # the regions of replaced KV are unknown: the caller sets them
 
     def begin_prompt(self, keep: int, *, detach: bool) -> int:
         """A prompt's load begins: keep the first `keep` tokens (at most what is resident) and drop the
@@ -93,66 +156,67 @@ class ResidentContext:
         mark_prefix. Returns how many tokens are live: a cut lands on an exact point (see truncate)."""
         if keep < 0:
             raise self._refused(f"begin_prompt keeping {keep} tokens")
-        if detach and keep < len(self.tokens):
+        if detach and keep < len(self._tokens):
             # logits unknown until settle() drops the detached part (and restores the kept prefill logits)
-            self.pending, self.logits, self.detached = [], None, keep
+            self._pending, self._logits, self._detached = [], None, keep
         else:
             self.truncate(keep, refill=False)  # the caller cut `keep` to an exact point already
-            self.detached = None
-        self.prefix_len = self.suffix_end = 0
+            self._detached = None
+        self._prefix_len = self._suffix_end = 0
         return self.live
 
     def mark_prefix(self, n: int) -> None:
         """The first n resident tokens are the prompt just loaded: the prefix, no suffix after it yet."""
         if not 0 <= n <= self.live:
             raise self._refused(f"mark_prefix({n}) with {self.live} live tokens")
-        self.prefix_len = self.suffix_end = n
+        self._prefix_len = self._suffix_end = n
 
     def replace_suffix(self, tokens: Sequence[int], reused: int, *, between: Callable[[], None] | None = None) -> None:
         """The suffix becomes `tokens`: the first `reused` of them are resident after the prefix (a
         detached old suffix counts), the rest is dropped and the others are evaluated."""
-        keep = self.prefix_len + reused
-        if not 0 <= reused <= len(tokens) or keep > len(self.tokens):
+        keep = self._prefix_len + reused
+        if not 0 <= reused <= len(tokens) or keep > len(self._tokens):
             raise self._refused(f"replace_suffix reusing {reused} of {len(tokens)} tokens after the prefix")
         self.truncate(keep)
-        self.detached = None
-        self.suffix_end = len(self.tokens)  # a failed prefill below leaves a suffix that ends here
+        self._detached = None
+        self._suffix_end = len(self._tokens)  # a failed prefill below leaves a suffix that ends here
         self.eval(tokens[reused:], keep_logits=True, between=between)
-        self.suffix_end = len(self.tokens)
+        self._suffix_end = len(self._tokens)
 
     def append_suffix(self, tokens: Sequence[int], *, between: Callable[[], None] | None = None) -> None:
         """Evaluate the pending token, then `tokens`, after what is live (a detached suffix is dropped):
         the generated tokens and these join the suffix. On failure the pending token stays pending."""
-        new = [*self.pending, *tokens]
+        new = [*self._pending, *tokens]
         self.settle()
-        saved = self.pending, self.logits
-        self.pending = []
+        saved = self._pending, self._logits
+        self._pending = []
         try:
             self.eval(new, keep_logits=True, between=between)
         except SessionFatal:
             raise
         except BaseException:
-            self.pending, self.logits = saved  # eval rolled the tokens back
+            self._pending, self._logits = saved  # eval rolled the tokens back
             raise
-        self.suffix_end = len(self.tokens)
+        self._suffix_end = len(self._tokens)
 
     def set_pending(self, token: int) -> None:
         """A token sampled from the logits after the last one: evaluated only if generation goes on."""
-        if self.pending or self.logits is None or self.detached is not None:
+        if self._pending or self._logits is None or self._detached is not None:
             raise self._refused(
-                f"set_pending({token}) with {len(self.pending)} pending, logits known: "
-                f"{self.logits is not None}, detached at {self.detached}"
+                f"set_pending({token}) with {len(self._pending)} pending, logits known: "
+                f"{self._logits is not None}, detached at {self._detached}"
             )
-        self.pending = [token]
+        self._pending = [token]
 
     def evaluated(self, row: ForwardRow, logits: np.ndarray | None) -> None:
         """need_row's row (the pending token, maybe a draft after it) was evaluated: record it."""
-        n = len(self.pending)
-        if row.start != len(self.tokens) or list(row.tokens[:n]) != self.pending:
+        n = len(self._pending)
+        if row.start != len(self._tokens) or list(row.tokens[:n]) != self._pending:
             raise self._refused(
-                f"a row of {len(row.tokens)} tokens at {row.start} recorded as the {n} pending after {len(self.tokens)}"
+                f"a row of {len(row.tokens)} tokens at {row.start} recorded as the {n} pending "
+                f"after {len(self._tokens)}"
             )
-        self.pending = []
+        self._pending = []
         self.record(row, logits)
 
     def accept_draft(self, row: ForwardRow, logits: np.ndarray, kept: int, token: int) -> None:
@@ -162,45 +226,42 @@ class ResidentContext:
             raise self._refused(f"accept_draft keeping {kept} of a {len(row.tokens)}-token row, {len(logits)} logits")
         self.evaluated(row, logits)
         self.truncate(row.start + 1 + kept)  # rejected positions roll back like any other suffix
-        self.logits = logits[kept]
-        self.pending = [token]
+        self._logits = logits[kept]
+        self._pending = [token]
 
     def fail(self, reason: str) -> None:
         """The KV is unknown (a backend failure, a bug): the session must be evicted. The first reason stays."""
-        if self.fatal is None:
-            self.fatal = reason
+        if self._fatal is None:
+            self._fatal = reason
 
     def adopt(self, other: ResidentContext) -> None:
         """Take over another context's bookkeeping: its KV was copied to our sequence."""
-        self.tokens, self.pending, self.logits = list(other.tokens), list(other.pending), other.logits
-        self.prefill_logits, self.detached, self.exact_end = other.prefill_logits, other.detached, other.exact_end
-        self.prefix_len, self.suffix_end = other.prefix_len, other.suffix_end
+        self._tokens, self._pending, self._logits = list(other._tokens), list(other._pending), other._logits
+        self._prefill_logits, self._detached, self._exact_end = other._prefill_logits, other._detached, other._exact_end
+        self._prefix_len, self._suffix_end = other._prefix_len, other._suffix_end
 
     def restore(self, tokens: Sequence[int], prefix_len: int, suffix_end: int, exact_end: int | None) -> None:
         """Bookkeeping for a snapshot's KV, just imported into our sequence, and its regions."""
         n = len(tokens)
-        if not 0 <= prefix_len <= suffix_end <= n or (exact_end is not None and not 0 <= exact_end < n):
+        exact_ok = exact_end is None or 0 <= exact_end < n
+        if not 0 <= prefix_len <= suffix_end <= n <= self._num_ctx or not exact_ok:
             raise self._refused(
-                f"a snapshot of {n} tokens with prefix_len={prefix_len}, suffix_end={suffix_end}, exact_end={exact_end}"
+                f"a snapshot of {n} tokens (num_ctx={self._num_ctx}) with prefix_len={prefix_len}, "
+                f"suffix_end={suffix_end}, exact_end={exact_end}"
             )
         self.reset(tokens)
-        self.prefix_len, self.suffix_end, self.exact_end = prefix_len, suffix_end, exact_end
+        self._prefix_len, self._suffix_end, self._exact_end = prefix_len, suffix_end, exact_end
 
     def _refused(self, what: str) -> SessionFatal:
         """A transition that would break the region map: nothing was changed, the caller has a bug."""
-        return SessionFatal(f"sequence {self.seq}: refused {what} (region map broken otherwise)", seqs=(self.seq,))
-
-    @property
-    def exact(self) -> int:
-        """How many resident tokens have exactly the KV a cold prefill gives (up to rounding of the layout)."""
-        return len(self.tokens) if self.exact_end is None else self.exact_end
+        return SessionFatal(f"sequence {self._seq}: refused {what} (region map broken otherwise)", seqs=(self._seq,))
 
     def placed(self, tokens: Sequence[int]) -> None:
         """Note that the backend appended moved KV for these tokens: from here on the KV is approximate."""
-        if self.exact_end is None:
-            self.exact_end = len(self.tokens)
-        self.tokens.extend(tokens)
-        self.logits = None
+        if self._exact_end is None:
+            self._exact_end = len(self._tokens)
+        self._tokens.extend(tokens)
+        self._logits = None
 
     # -- evaluation -------------------------------------------------------------
 
@@ -210,28 +271,28 @@ class ResidentContext:
         Pieces are cold-aligned, so a prompt's token at position p is always evaluated in the
         piece [p // chunk * chunk, ...) whether its prefill started at 0 or after a reused prefix.
         """
-        return min(end, (start // self.chunk + 1) * self.chunk)
+        return min(end, (start // self._chunk + 1) * self._chunk)
 
     def row(
         self, tokens: Sequence[int], *, want_logits: bool = True, all_logits: bool = False, decode: bool = False
     ) -> ForwardRow:
         return ForwardRow(
-            self.seq, tuple(tokens), len(self.tokens), want_logits=want_logits, all_logits=all_logits, decode=decode
+            self._seq, tuple(tokens), len(self._tokens), want_logits=want_logits, all_logits=all_logits, decode=decode
         )
 
     def record(self, row: ForwardRow, logits: np.ndarray | None, *, prompt_end: bool = False) -> None:
         """Note that `row` (starting at our end) was evaluated. prompt_end: its logits end a prompt's prefill."""
-        if row.start != len(self.tokens):
-            raise SessionFatal(f"a row at position {row.start} was evaluated for a sequence of {len(self.tokens)}")
-        self.tokens.extend(row.tokens)
-        self.logits = logits[-1] if row.all_logits and logits is not None else logits
+        if row.start != len(self._tokens):
+            raise SessionFatal(f"a row at position {row.start} was evaluated for a sequence of {len(self._tokens)}")
+        self._tokens.extend(row.tokens)
+        self._logits = logits[-1] if row.all_logits and logits is not None else logits
         if prompt_end and logits is not None:
-            self.prefill_logits = (len(self.tokens), self.logits)  # type: ignore[arg-type]
+            self._prefill_logits = (len(self._tokens), self._logits)  # type: ignore[arg-type]
 
     def forward(self, row: ForwardRow) -> np.ndarray | None:
         """Evaluate one row of ours; a fatal backend error marks the context unusable."""
         try:
-            (logits,) = self.backend.forward([row])
+            (logits,) = self._backend.forward([row])
         except SessionFatal as e:
             self.fail(str(e))
             raise
@@ -247,11 +308,11 @@ class ResidentContext:
         """
         if not tokens:
             return
-        start = len(self.tokens)
+        start = len(self._tokens)
         end = start + len(tokens)
         try:
-            while len(self.tokens) < end:
-                at = len(self.tokens)
+            while len(self._tokens) < end:
+                at = len(self._tokens)
                 stop = self.piece_end(at, end)
                 last = stop == end
                 row = self.row(tokens[at - start : stop - start], want_logits=last)
@@ -269,9 +330,9 @@ class ResidentContext:
 
         Unknown logits after the last token: move it to pending, so it is evaluated again.
         """
-        if not self.pending and self.logits is None and self.tokens:
-            last = self.tokens[-1]
-            self.truncate(len(self.tokens) - 1)
-            self.pending = [last]
-            return self.row(self.pending)  # most often a prompt's last token: evaluated as prefill did
-        return self.row(self.pending, decode=True) if self.pending else None
+        if not self._pending and self._logits is None and self._tokens:
+            last = self._tokens[-1]
+            self.truncate(len(self._tokens) - 1)
+            self._pending = [last]
+            return self.row(self._pending)  # most often a prompt's last token: evaluated as prefill did
+        return self.row(self._pending, decode=True) if self._pending else None

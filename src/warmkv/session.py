@@ -91,7 +91,7 @@ class Session:
         self._op = threading.RLock()
         self._model_lock = runtime.lock
         self._num_ctx: int = runtime.config.num_ctx
-        self.ctx = ResidentContext(runtime.backend, seq, runtime.config.prefill_chunk)
+        self.ctx = ResidentContext(runtime.backend, seq, runtime.config.prefill_chunk, self._num_ctx)
         self._manifest: ContextManifest | None = None
         self._byte_hash: str | None = None
         self._token_hash: str | None = None
