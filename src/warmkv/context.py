@@ -11,6 +11,14 @@ the tiers never keep it.
 plus `pending`: sampled tokens not yet evaluated (at most a decode's last token). They
 are fed to the model only if generation continues, so a turn that ends never pays for them.
 
+What must hold (check() tests it; tests run it after every step):
+
+    0 <= prefix_len <= suffix_end <= live + len(pending)   (a prompt's last token may be pending)
+    live <= len(tokens); detached and exact_end, when set, in [0, len(tokens))
+    len(pending) <= 1, and nothing is pending while a suffix is detached
+    len(tokens) + len(pending) <= num_ctx
+    the kept prefill logits follow a token count in (0, len(tokens)]
+
 Other modules read the fields and change them only through the transitions below (begin_prompt,
 mark_prefix, replace_suffix, append_suffix, set_pending, evaluated, accept_draft, placed, fail,
 adopt, restore, reset, settle, truncate): each keeps the map or refuses, changing nothing.
@@ -109,6 +117,34 @@ class ResidentContext:
         """How many resident tokens have exactly the KV a cold prefill gives (up to rounding of the layout)."""
         return len(self._tokens) if self._exact_end is None else self._exact_end
 
+    def check(self) -> None:
+        """Raise SessionFatal, naming the numbers, where the region map (the module docstring) does not hold.
+
+        SessionFatal because nobody then knows which tokens the KV holds: the session must be
+        evicted, and every driver (Session, Scheduler) already does that with it."""
+        n, live, p, detached = len(self._tokens), self.live, len(self._pending), self._detached
+        broken = []
+        if not 0 <= self._prefix_len <= self._suffix_end <= live + p:
+            broken.append(
+                f"not 0 <= prefix_len={self._prefix_len} <= suffix_end={self._suffix_end} <= live={live} + pending={p}"
+            )
+        if detached is not None and not 0 <= detached < n:
+            broken.append(f"detached={detached} outside [0, {n})")
+        if detached is not None and p:
+            broken.append(f"{p} pending with a suffix detached at {detached}")
+        if p > 1:
+            broken.append(f"{p} tokens pending, at most 1")
+        if n + p > self._num_ctx:
+            broken.append(f"{n} resident + {p} pending > num_ctx={self._num_ctx}")
+        if self._exact_end is not None and not 0 <= self._exact_end < n:
+            broken.append(f"exact_end={self._exact_end} outside [0, {n})")
+        if self._prefill_logits is not None and not 0 < self._prefill_logits[0] <= n:
+            broken.append(f"prefill logits after token {self._prefill_logits[0]} of {n}")
+        if self._logits is not None and self._logits.ndim != 1:
+            broken.append(f"logits of shape {self._logits.shape}, not one row")
+        if broken:
+            raise SessionFatal(f"sequence {self._seq}: region map broken: {'; '.join(broken)}", seqs=(self._seq,))
+
     # -- transitions: the only writers of the fields above -----------------------------------------
 
     def truncate(self, n: int, *, refill: bool = True) -> None:
@@ -201,10 +237,10 @@ class ResidentContext:
 
     def set_pending(self, token: int) -> None:
         """A token sampled from the logits after the last one: evaluated only if generation goes on."""
-        if self._pending or self._logits is None or self._detached is not None:
+        if self._pending or self._logits is None or self._detached is not None or len(self._tokens) >= self._num_ctx:
             raise self._refused(
-                f"set_pending({token}) with {len(self._pending)} pending, logits known: "
-                f"{self._logits is not None}, detached at {self._detached}"
+                f"set_pending({token}) after {len(self._tokens)} of num_ctx={self._num_ctx} tokens with "
+                f"{len(self._pending)} pending, logits known: {self._logits is not None}, detached at {self._detached}"
             )
         self._pending = [token]
 
@@ -258,6 +294,8 @@ class ResidentContext:
 
     def placed(self, tokens: Sequence[int]) -> None:
         """Note that the backend appended moved KV for these tokens: from here on the KV is approximate."""
+        if self._pending:
+            raise self._refused(f"placing {len(tokens)} tokens with {len(self._pending)} pending")
         if self._exact_end is None:
             self._exact_end = len(self._tokens)
         self._tokens.extend(tokens)
@@ -282,8 +320,10 @@ class ResidentContext:
 
     def record(self, row: ForwardRow, logits: np.ndarray | None, *, prompt_end: bool = False) -> None:
         """Note that `row` (starting at our end) was evaluated. prompt_end: its logits end a prompt's prefill."""
-        if row.start != len(self._tokens):
-            raise SessionFatal(f"a row at position {row.start} was evaluated for a sequence of {len(self._tokens)}")
+        if row.start != len(self._tokens) or self._pending:  # a pending token would sit where the row went
+            raise self._refused(
+                f"a row at position {row.start} recorded after {len(self._tokens)} tokens, {len(self._pending)} pending"
+            )
         self._tokens.extend(row.tokens)
         self._logits = logits[-1] if row.all_logits and logits is not None else logits
         if prompt_end and logits is not None:
@@ -330,6 +370,8 @@ class ResidentContext:
 
         Unknown logits after the last token: move it to pending, so it is evaluated again.
         """
+        if self._detached is not None:  # its last token is not the one to sample after: settle() first
+            raise self._refused(f"need_row with a suffix detached at {self._detached}")
         if not self._pending and self._logits is None and self._tokens:
             last = self._tokens[-1]
             self.truncate(len(self._tokens) - 1)
