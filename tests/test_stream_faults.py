@@ -24,6 +24,8 @@ from warmkv.prefix_plan import PrefixLoad
 from warmkv.scheduler import Scheduler
 from warmkv.types import PrefixInput
 
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
+
 QUESTIONS = [
     "What does add(2, 3) return?",
     "Name the test file.",
