@@ -149,6 +149,7 @@ class ResidentContext:
 
     def truncate(self, n: int, *, refill: bool = True) -> None:
         """Keep the first n resident tokens; logits survive only where the kept prefill logits sit.
+        A cut into the prefix or the suffix shortens them: what is gone is no longer either.
 
         Sliding-window layers forget: where the KV of exactly n cannot be had, the backend cuts to
         the nearest exact point m < n (a checkpoint, or 0) and tokens [m, n) are prefilled again
@@ -156,6 +157,12 @@ class ResidentContext:
         """
         if n < 0:
             raise self._refused(f"truncate({n})")
+        self._cut(n, refill)
+        live = self.live
+        self._prefix_len, self._suffix_end = min(self._prefix_len, live), min(self._suffix_end, live)
+
+    def _cut(self, n: int, refill: bool) -> None:
+        """truncate, the regions left as they are (need_row moves a prompt's last token to pending)."""
         if n < len(self._tokens):
             m = exact_cut(self._backend, self._seq, n)
             self._backend.truncate(self._seq, m)
@@ -211,8 +218,14 @@ class ResidentContext:
         """The suffix becomes `tokens`: the first `reused` of them are resident after the prefix (a
         detached old suffix counts), the rest is dropped and the others are evaluated."""
         keep = self._prefix_len + reused
-        if not 0 <= reused <= len(tokens) or keep > len(self._tokens):
-            raise self._refused(f"replace_suffix reusing {reused} of {len(tokens)} tokens after the prefix")
+        if not 0 <= reused <= len(tokens) or keep > len(self._tokens) + len(self._pending):
+            raise self._refused(
+                f"replace_suffix reusing {reused} of {len(tokens)} tokens after a prefix of {self._prefix_len}, "
+                f"{len(self._tokens)} resident + {len(self._pending)} pending"
+            )
+        if keep > len(self._tokens):  # the prompt's last token, pending since a decode failed: it stays
+            row = self.row(self._pending)
+            self.evaluated(row, self.forward(row))
         self.truncate(keep)
         self._detached = None
         self._suffix_end = len(self._tokens)  # a failed prefill below leaves a suffix that ends here
@@ -348,6 +361,8 @@ class ResidentContext:
         """
         if not tokens:
             return
+        if self._pending:  # refused before any forward: a pending token would sit where they go
+            raise self._refused(f"evaluating {len(tokens)} tokens with {len(self._pending)} pending")
         start = len(self._tokens)
         end = start + len(tokens)
         try:
@@ -374,7 +389,7 @@ class ResidentContext:
             raise self._refused(f"need_row with a suffix detached at {self._detached}")
         if not self._pending and self._logits is None and self._tokens:
             last = self._tokens[-1]
-            self.truncate(len(self._tokens) - 1)
+            self._cut(len(self._tokens) - 1, True)  # it stays in its region, pending
             self._pending = [last]
             return self.row(self._pending)  # most often a prompt's last token: evaluated as prefill did
         return self.row(self._pending, decode=True) if self._pending else None
