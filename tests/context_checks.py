@@ -87,8 +87,10 @@ class ContextChecks:
     def _after_scheduler_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(step)
         def checked(scheduler: Scheduler, jobs: list[Any]) -> Any:
-            out = step(scheduler, jobs)
+            # The step's own hold of the model lock, stretched over the checks: letting go in between
+            # would let a waiting thread in where the step never does (and change what batches).
             with scheduler._rt.lock:
+                out = step(scheduler, jobs)
                 for job in jobs:
                     self.check(job.session)
             return out
