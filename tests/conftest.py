@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 import warmkv
+from context_checks import ContextChecks
 
 BACKENDS = [b for b in ("llamacpp", "native") if b in warmkv.available_backends()]
 # The contract suite checks reuse of a session's own resident KV, exactly; the
@@ -21,6 +22,15 @@ def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
     mp.setenv("WARMKV_CACHE_DIR", str(tmp_path_factory.mktemp("warmkv-cache")))
     yield
     mp.undo()
+
+
+@pytest.fixture
+def checked_contexts(monkeypatch: pytest.MonkeyPatch) -> Iterator[ContextChecks]:
+    """Check every session's resident context after each of its operations and steps (Session's and
+    the Scheduler's): a module opts in with pytestmark = pytest.mark.usefixtures("checked_contexts")."""
+    checks = ContextChecks(monkeypatch)
+    yield checks
+    assert not checks.failures, "\n".join(checks.failures)
 
 
 @pytest.fixture(scope="session", params=BACKENDS)

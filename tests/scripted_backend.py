@@ -13,7 +13,8 @@ Scripted trouble:
 - `fail(seq, after=n, error=...)`: the n-th forward that includes a row of seq raises
   `error(seqs of the forward)` (default: ForwardFailed naming seq), every row of that forward
   left as it was, as the real backends roll back;
-- `forwards`: each forward's rows, as (seq, start, n_tokens), for assertions.
+- `forwards`: each forward's rows, as (seq, start, n_tokens), for assertions;
+- `kv_tokens(seq)`: what a sequence holds, to compare with its context's tokens.
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ class ScriptedBackend:
     def release_seq(self, seq: int) -> None:
         self._kv.pop(seq, None)
         self._slots.release(seq)
+
+    def kv_tokens(self, seq: int) -> list[int] | None:
+        """The tokens whose "KV" sequence seq holds (None: no such sequence), for checks against a context."""
+        kv = self._kv.get(seq)
+        return None if kv is None else list(kv)
 
     def _length(self, seq: int) -> int:
         return len(self._kv[seq])

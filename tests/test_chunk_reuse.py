@@ -14,6 +14,8 @@ from warmkv.backends.base import ForwardRow
 from warmkv.errors import InvalidConfig, InvalidInput, Unsupported
 from warmkv.types import PrefixInput
 
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
+
 SOURCE = (Path(__file__).parent.parent / "src" / "warmkv" / "session.py").read_text()
 
 

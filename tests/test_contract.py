@@ -11,6 +11,8 @@ from conftest import SYSTEM, USER_A, USER_B, greedy_tokens
 from warmkv.prefix_plan import PrefixLoad
 from warmkv.tokens import common_prefix_len
 
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
+
 
 @pytest.fixture(autouse=True)
 def _exact_mode_moves_no_kv(monkeypatch: pytest.MonkeyPatch) -> None:

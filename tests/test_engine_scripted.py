@@ -14,6 +14,8 @@ from scripted_backend import ScriptedBackend
 from warmkv.scheduler import Scheduler
 from warmkv.stats import SchedulerStats
 
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
+
 GREEDY = warmkv.DecodeConfig(max_tokens=24, temperature=0.0)
 PROMPTS = [f"stream {i}: " + "the quick brown fox " * (3 + i) for i in range(8)]
 

@@ -13,6 +13,8 @@ import warmkv
 from conftest import BACKENDS, NO_TIERS, SYSTEM, USER_A, greedy_tokens
 from warmkv.backends.base import ForwardRow
 
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
+
 
 @contextmanager
 def fail_once(rt: warmkv.Runtime, *, after: int) -> Iterator[None]:

@@ -7,6 +7,8 @@ import pytest
 import warmkv
 from warmkv.backends import ModelState
 
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
+
 
 def test_tokenize_roundtrip(rt: warmkv.Runtime) -> None:
     text = "def add(a, b):\n    return a + b  # ünïcödé 🎉"

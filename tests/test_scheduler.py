@@ -15,6 +15,8 @@ from warmkv.backends.base import Backend, ForwardRow
 from warmkv.scheduler import Scheduler, SchedulerConfig
 from warmkv.server.errors import from_warmkv
 
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
+
 MULTIBYTE = "<|im_start|>user\nSay 你好世界 three times.<|im_end|>\n<|im_start|>assistant\n"
 
 

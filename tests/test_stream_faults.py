@@ -25,6 +25,8 @@ from warmkv.scheduler import Scheduler
 from warmkv.stats import SchedulerStats
 from warmkv.types import PrefixInput
 
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
+
 QUESTIONS = [
     "What does add(2, 3) return?",
     "Name the test file.",

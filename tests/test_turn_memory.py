@@ -3,8 +3,12 @@ model's own tokens, and everything around it exactly as the whole prompt would."
 
 from __future__ import annotations
 
+import pytest
+
 import warmkv
 from warmkv.turn_memory import TurnMemory
+
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
 
 HEAD = "<|im_start|>system\nYou help.<|im_end|>\n<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"
 REPLY = "Sure thing: hello, world!"

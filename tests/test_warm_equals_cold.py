@@ -18,6 +18,8 @@ import warmkv
 from conftest import BACKENDS, SYSTEM
 from warmkv.scheduler import Scheduler, SchedulerConfig
 
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
+
 HISTORY = (
     SYSTEM
     + "<|im_start|>user\nWhat does add(2, 3) return?<|im_end|>\n<|im_start|>assistant\n"

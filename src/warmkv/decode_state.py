@@ -76,10 +76,9 @@ class DecodeState:
         if row is not None:
             if result is None and (row.want_logits or row.all_logits):
                 return self._end("error", error=WarmkvError("the backend returned no logits for a decode row"))
-            self.ctx.pending = []
             verified = self._verify(row, result) if row.all_logits else None
             if verified is None:
-                self.ctx.record(row, result)
+                self.ctx.evaluated(row, result)
         if self.cancel.is_set():
             return self._end("cancelled")
         logprobs: list[TokenLogprob] | None = None
@@ -99,7 +98,7 @@ class DecodeState:
                 # The request's own fault (a constraint past llguidance's lexer limits, a dead end):
                 # this turn ends with it; the session keeps what is resident, with nothing pending.
                 return self._end("error", error=e)
-            self.ctx.pending = [token]
+            self.ctx.set_pending(token)
             new = [token]
             if self.cfg.logprobs is not None:  # the model's distribution, before penalties and filters
                 lp, top = logprobs_of(logits, token, self.cfg.logprobs or 0)
@@ -129,8 +128,7 @@ class DecodeState:
                 finish = "length"
             if finish:
                 break
-        if used < len(new):  # a stop came before the end of a verified run: forget the rest
-            self.ctx.pending = []
+        if used < len(new):  # a stop came before the end of a verified run: forget the rest (pending too)
             self.ctx.truncate(len(self.ctx.tokens) - (len(new) - used - 1))
         ids = tuple(new[:used])
         if finish is None:
@@ -176,25 +174,22 @@ class DecodeState:
         k = min(self.cfg.speculative, self.budget - len(self.produced) - 1, self.num_ctx - len(ctx.tokens) - 1)
         if len(ctx.pending) != 1 or k < 1:
             return None
-        draft = lookup_draft(ctx.tokens + ctx.pending, k)
-        return ctx.row(ctx.pending + draft, all_logits=True, decode=True) if draft else None
+        draft = lookup_draft([*ctx.tokens, *ctx.pending], k)
+        return ctx.row([*ctx.pending, *draft], all_logits=True, decode=True) if draft else None
 
     def _verify(self, row: ForwardRow, logits: np.ndarray) -> list[int]:
         """Keep the row up to where the draft and the model's argmax agree; the new tokens.
 
         The argmax after the last kept token comes free and becomes the pending token.
-        Rejected positions roll back through the context's truncate.
         """
         draft = list(row.tokens[1:])
         picks = logits.argmax(axis=1)
         kept = 0
         while kept < len(draft) and draft[kept] == int(picks[kept]):
             kept += 1
-        self.ctx.record(row, logits)
-        self.ctx.truncate(row.start + 1 + kept)
-        self.ctx.logits = logits[kept]
-        self.ctx.pending = [int(picks[kept])]
-        return draft[:kept] + self.ctx.pending
+        token = int(picks[kept])
+        self.ctx.accept_draft(row, logits, kept, token)
+        return [*draft[:kept], token]
 
 
 def _lp(cfg: DecodeConfig, logprobs: list[TokenLogprob] | None) -> tuple[TokenLogprob, ...] | None:

@@ -133,15 +133,8 @@ class PrefixLoad:
             # keep the moved runs' KV before the cut below drops it from the sequence
             self._stash = ctx.backend.stash_runs(ctx.seq, [m.stashed for m in moves])
             self._moves = list(enumerate(moves))
-        if plan.detach and not parked and not self._tier_runs:
-            # logits unknown until settle() drops the detached part (and restores the kept prefill logits)
-            ctx.pending, ctx.logits, ctx.detached = [], None, plan.reused
-        else:
-            ctx.truncate(reused, refill=False)  # the plan cut `reused` to an exact point already
-            ctx.detached = None
-            reused = min(reused, len(ctx.tokens))
-        ctx.prefix_len = ctx.suffix_end = 0
-        self.reused = reused
+        # the plan cut `reused` to an exact point already; a memory-tier entry's runs replaced the KV
+        self.reused = reused = ctx.begin_prompt(reused, detach=plan.detach and not parked and not self._tier_runs)
         if tiers is not None:
             tokens = list(plan.tokens)
             self._keys = tiers.keys(plan.manifest.digest, tokens)
@@ -239,7 +232,7 @@ class PrefixLoad:
             except (KVCacheFull, ContextOverflow):
                 continue  # no room to move it: it is prefilled like a gap
             except SessionFatal as e:
-                ctx.fatal = str(e)
+                ctx.fail(str(e))
                 raise
             ctx.placed(self.plan.tokens[m.place_at : m.new_start + m.length])
             self._placed.append(m)
@@ -266,7 +259,7 @@ class PrefixLoad:
         self._release()
         ctx, plan = self.ctx, self.plan
         n = len(plan.tokens)
-        ctx.prefix_len = ctx.suffix_end = n
+        ctx.mark_prefix(n)
         chunk = sum(m.length for m in self._placed)
         recomputed = sum(m.recomputed for m in self._placed)
         if chunk:

@@ -338,7 +338,7 @@ class Scheduler:
                         load.fail()
                     except Exception:
                         log.exception("rolling back a turn's load failed")
-                job.session.ctx.fatal = reason
+                job.session.ctx.fail(reason)
                 out.append((job, _error_chunk(err)))
         return out
 
@@ -651,7 +651,7 @@ def _outcomes(group: list[tuple[Job, ForwardRow]], err: WarmkvError) -> list[Out
             out.append(RETRY)
             continue
         if isinstance(err, SessionFatal):
-            job.session.ctx.fatal = str(err)
+            job.session.ctx.fail(str(err))
         out.append(err)
     return out
 

@@ -91,7 +91,7 @@ class Session:
         self._op = threading.RLock()
         self._model_lock = runtime.lock
         self._num_ctx: int = runtime.config.num_ctx
-        self.ctx = ResidentContext(runtime.backend, seq, runtime.config.prefill_chunk)
+        self.ctx = ResidentContext(runtime.backend, seq, runtime.config.prefill_chunk, self._num_ctx)
         self._manifest: ContextManifest | None = None
         self._byte_hash: str | None = None
         self._token_hash: str | None = None
@@ -316,7 +316,7 @@ class Session:
                 )
             tokens = self._rt.prompt_tokens(text, add_bos=False, parse_special=inp.parse_special) if text else []
             if inp.append:
-                base, new, reused = ctx.live, ctx.pending + tokens, 0
+                base, new, reused = ctx.live, [*ctx.pending, *tokens], 0
             else:
                 base, new = ctx.prefix_len, tokens
                 reused = common_prefix_len(ctx.tokens[base:], tokens)
@@ -324,13 +324,9 @@ class Session:
                 raise ContextOverflow("prefill_suffix", base + reused, len(new) - reused, self._num_ctx)
             t0 = time.perf_counter()
             if inp.append:
-                ctx.settle()
-                ctx.pending = []
+                ctx.append_suffix(tokens, between=self._rt.yield_model_lock)
             else:
-                ctx.truncate(base + reused)
-                ctx.detached = None
-            ctx.eval(new[reused:], keep_logits=True, between=self._rt.yield_model_lock)
-            ctx.suffix_end = len(ctx.tokens)
+                ctx.replace_suffix(tokens, reused, between=self._rt.yield_model_lock)
             self._cached_since_decode += reused
             return SuffixStatus(
                 suffix_tokens=ctx.suffix_end - ctx.prefix_len,
@@ -494,22 +490,20 @@ class Session:
         with self._lock(publish=True):
             self._backend.import_seq(self._seq, blob)
             ctx = self.ctx
-            ctx.reset(tokens)
-            self._manifest = manifest
-            ctx.prefix_len = int(meta.get("prefix_len", len(tokens)))
-            ctx.suffix_end = int(meta.get("suffix_end", len(tokens)))
             exact_end = meta.get("exact_end")
-            ctx.exact_end = int(exact_end) if exact_end is not None else None
+            ctx.restore(
+                tokens,
+                int(meta.get("prefix_len", len(tokens))),
+                int(meta.get("suffix_end", len(tokens))),
+                int(exact_end) if exact_end is not None else None,
+            )
+            self._manifest = manifest
             self._byte_hash = meta.get("byte_hash")  # type: ignore[assignment]
             self._token_hash = hash_token_ids(ctx.tokens[: ctx.prefix_len])
 
     def _adopt(self, other: Session) -> None:
         """Take over another session's bookkeeping (its KV was copied to our sequence)."""
-        mine, theirs = self.ctx, other.ctx
-        mine.tokens, mine.pending, mine.logits = list(theirs.tokens), list(theirs.pending), theirs.logits
-        mine.prefill_logits = theirs.prefill_logits
-        mine.prefix_len, mine.suffix_end = theirs.prefix_len, theirs.suffix_end
-        mine.exact_end = theirs.exact_end
+        self.ctx.adopt(other.ctx)
         self._manifest = other._manifest
         self._byte_hash, self._token_hash, self._last_prefix = other._byte_hash, other._token_hash, other._last_prefix
 
