@@ -26,7 +26,7 @@ def check_context(ctx: ResidentContext, *, holds_kv: bool = True) -> None:
     if kv_tokens is None or not holds_kv or ctx.fatal is not None:
         return
     held = kv_tokens(ctx.seq)
-    if held != list(ctx.tokens):
+    if held != ([] if ctx.swapped else list(ctx.tokens)):  # a swapped-out context's sequence is empty
         n = next((i for i, (a, b) in enumerate(zip(held or [], ctx.tokens, strict=False)) if a != b), None)
         raise AssertionError(
             f"sequence {ctx.seq} holds {len(held or [])} tokens, its context {len(ctx.tokens)} "

@@ -21,7 +21,8 @@ What must hold (check() tests it; tests run it after every step):
 
 Other modules read the fields and change them only through the transitions below (begin_prompt,
 mark_prefix, replace_suffix, append_suffix, set_pending, evaluated, accept_draft, placed, fail,
-adopt, restore, reset, settle, truncate): each keeps the map or refuses, changing nothing.
+adopt, restore, reset, settle, truncate, swap_out, swap_in): each keeps the map or refuses,
+changing nothing.
 
 `truncate(n)` is the one rollback primitive: dropping a suffix, rolling back a rejected
 draft and undoing a failed prefill are all the same call.
@@ -33,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .backends.base import Backend, ForwardRow, exact_cut
+from .backends.base import Backend, Blob, ForwardRow, exact_cut
 from .errors import SessionFatal
 
 
@@ -56,6 +57,7 @@ class ResidentContext:
         self._prefill_logits: tuple[int, np.ndarray] | None = None
         self._fatal: str | None = None
         self._exact_end: int | None = None  # tokens[exact_end:] sit on moved KV; None: all exact
+        self._swapped: Blob | None = None  # the KV, exported while its turn waits for pool room
 
     # -- reading: properties, so that only the transitions write ----------------------------------
     # tokens and pending are the lists themselves (typed read-only), never copies: decode reads them per token.
@@ -63,6 +65,11 @@ class ResidentContext:
     @property
     def backend(self) -> Backend:
         return self._backend
+
+    @property
+    def swapped(self) -> bool:
+        """The KV was moved out of the pool (swap_out): the sequence holds nothing until swap_in."""
+        return self._swapped is not None
 
     @property
     def seq(self) -> int:
@@ -197,6 +204,7 @@ class ResidentContext:
         self._tokens, self._pending, self._logits, self._prefill_logits = list(tokens), [], None, None
         self._detached = self._exact_end = None
         self._prefix_len = self._suffix_end = 0  # the regions of replaced KV are unknown: the caller sets them
+        self._swapped = None
 
     def begin_prompt(self, keep: int, *, detach: bool) -> int:
         """A prompt's load begins: keep the first `keep` tokens (at most what is resident) and drop the
@@ -347,8 +355,26 @@ class ResidentContext:
         if prompt_end and logits is not None:
             self._prefill_logits = (len(self._tokens), self._logits)  # type: ignore[arg-type]
 
+    def swap_out(self) -> None:
+        """Move the KV out of the pool (exported to host memory, the sequence emptied); the tokens,
+        regions and logits stay, so swap_in makes the context exactly what it was."""
+        if self._swapped is not None:
+            raise self._refused("swap_out of a swapped context")
+        blob = self._backend.export_seq(self._seq)
+        self._backend.truncate(self._seq, 0)
+        self._swapped = blob
+
+    def swap_in(self) -> None:
+        """Put the swapped-out KV back (KVCacheFull: the pool has no room yet, nothing changed)."""
+        if self._swapped is None:
+            raise self._refused("swap_in of a context that is not swapped")
+        self._backend.import_seq(self._seq, self._swapped)
+        self._swapped = None
+
     def forward(self, row: ForwardRow) -> np.ndarray | None:
         """Evaluate one row of ours; a fatal backend error marks the context unusable."""
+        if self._swapped is not None:
+            raise self._refused("a forward while the KV is swapped out")
         try:
             (logits,) = self._backend.forward([row])
         except SessionFatal as e:

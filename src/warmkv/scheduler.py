@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backends.base import Blob, ForwardRow
+from .backends.base import ForwardRow
 from .decode_state import DecodeState
 from .errors import (
     ForwardFailed,
@@ -141,8 +141,7 @@ class Job:
     disk: Future[DiskRead] | None = None  # its disk-tier read, before the load begins
     decoding: bool = False
     solo: bool = False  # a failed forward named it with other rows: its next row runs alone
-    held: bool = False  # preempted: it waits for KV pool room (see Scheduler._preempt)
-    swapped: Blob | None = None  # a held decoding turn's KV, exported while it waits
+    held: bool = False  # preempted while decoding: its KV swapped out, it waits for pool room (_preempt)
     waits_for_room: bool = False  # it did not run in the last step: the KV pool had no room for it
     tokens: int = 0
     done: bool = False
@@ -449,9 +448,7 @@ class Scheduler:
         job = running[-1]
         session = job.session
         if job.decoding:
-            seq = session.ctx.seq
-            job.swapped = self._rt.backend.export_seq(seq)
-            self._rt.backend.truncate(seq, 0)  # the context keeps its tokens: the import restores their KV
+            session.ctx.swap_out()  # the context keeps its tokens: swap_in restores their KV
             job.held = True
         else:  # it waits for room like a turn that has not begun (Scheduler._admit)
             load, job.load, job.disk = job.load, None, None
@@ -492,14 +489,14 @@ class Scheduler:
                 continue
             if job.held:
                 try:
-                    self._rt.backend.import_seq(job.session.ctx.seq, job.swapped)  # type: ignore[arg-type]
+                    job.session.ctx.swap_in()
                 except KVCacheFull:
                     blocked = job.waits_for_room = True
                     continue
                 except WarmkvError as e:
                     self._drop_if_gone(job, out, e)
                     continue
-                job.held, job.swapped = False, None
+                job.held = False
             job.waits_for_room = False
             room -= need
             running.append(job)
@@ -513,7 +510,6 @@ class Scheduler:
         if err is None and not job.session._cancel.is_set():
             return False
         job.session.ctx.clear()
-        job.swapped = None
         job.state.next_row()  # forget the row of the step that preempted it
         out.append((job, job.state.take(err)))
         return True
