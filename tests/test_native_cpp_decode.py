@@ -154,8 +154,20 @@ def test_the_two_register_widths_give_the_same_bits() -> None:
             backend.close()
 
 
+def _use_attention(backend: NativeBackend, kernel: str) -> None:
+    loop = backend._model.decode_loop
+    assert loop is not None
+    if kernel != loop.attention:
+        try:
+            loop.set_attention(kernel)
+        except RuntimeError as e:
+            pytest.skip(f"no {kernel} attention here: {e}")
+    assert backend.numerics()["attention"] == kernel
+
+
+@pytest.mark.parametrize("attention", ["f32", "bf16"])
 @pytest.mark.parametrize("kv", ["bf16", "q8_0"])
-def test_cpp_prefill_does_not_depend_on_where_pieces_begin(kv: str) -> None:
+def test_cpp_prefill_does_not_depend_on_where_pieces_begin(kv: str, attention: str) -> None:
     """On the 4-bit codes (no bfloat16 copy) prefill runs in the C++ loop too, each token alone over
     its keys: a prompt cut into pieces anywhere, batched with another sequence's decode rows or not,
     gets bitwise the same KV and last logits, and they are the logits a decode step gives that token."""
@@ -163,6 +175,7 @@ def test_cpp_prefill_does_not_depend_on_where_pieces_begin(kv: str) -> None:
     path = str(warmkv.default_model_path())
     backend = NativeBackend(path, cfg, compute_dtype="int4", prefill_weights="int4", cpp_decode="on")
     try:
+        _use_attention(backend, attention)
         assert backend.rows_invariant()
         rng = np.random.default_rng(2)
         prompt, more = rng.integers(3, 49152, size=150).tolist(), rng.integers(3, 49152, size=4).tolist()

@@ -270,6 +270,8 @@ class NativeBackend:
             "compute_dtype": self.options.compute_dtype,
             # The C++ loop's kernels round differently from ATen's: generated tokens' K/V differ in the last bits.
             "decode_loop": "cpp" if self._model.decode_loop is not None else "python",
+            # The C++ loop's attention kernel ("bf16" or "f32"): each rounds its own way.
+            "attention": self._model.decode_loop.attention if self._model.decode_loop is not None else "sdpa",
             "prefill_loop": "cpp" if self.rows_invariant() else "python",
             # int4: decode rows on 4-bit blocks x int8 activations (qmatmul) or torch's int4 kernel;
             # prefill pieces on the bfloat16 copy or the same 4-bit kernel. Each rounds its own way.

@@ -141,6 +141,16 @@ class DecodeLoop:
                 [layer.qk_norm, layer.attn_norm, layer.ffn_norm],
             )
 
+    @property
+    def attention(self) -> str:
+        """The attention kernel: "f32" (the default), or "bf16" (bfloat16 products, float32 sums;
+        where the CPU has AVX-512 BF16 and the head size is 64 or 128). Each rounds its own way."""
+        return str(self._loop.attention())
+
+    def set_attention(self, kind: str) -> None:
+        """ "f32" or "bf16" (where it is built): side by side in benchmarks and tests."""
+        self._loop.set_attention(kind)
+
     @staticmethod
     def takes(rows: list[RowPlan]) -> bool:
         """Steps whose every token attends alone: decode rows and verified drafts (where the loop

@@ -15,6 +15,7 @@
 #include <memory>
 #include <vector>
 
+#include "attention_bf16.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -218,6 +219,21 @@ void attend_tile_fixed(const Task<K>& t, const float* const* qs, const int64_t* 
 }
 #endif
 
+#ifdef WARMKV_BF16
+// One kv head's keys of a task, from key b0 of its chunk on, as bf16::attend_tile reads them.
+template <typename K, int D>
+struct HeadKeys {
+  const Task<K>* t;
+  int64_t h, b0 = 0;
+  HeadKeys at(int64_t b) const { return {t, h, b0 + b}; }
+  const K* k_row(int64_t i) const { return t->k_row(b0 + i, h, D); }
+  const K* v_row(int64_t i) const { return t->v_row(b0 + i, h, D); }
+  float k_scale(int64_t i) const { return t->k_scale(b0 + i, h); }
+  float v_scale(int64_t i) const { return t->v_scale(b0 + i, h); }
+  bool scaled() const { return t->pool.k_scale != nullptr; }
+};
+#endif
+
 // The keys of one query token: slot ids `slots`, or the range starting at `first` when >= 0.
 struct QueryKeys {
   const int64_t* slots;
@@ -234,11 +250,24 @@ struct QueryKeys {
 // chunk) partial is computed: the thread count, the other queries and where a prefill piece
 // begins never change a query's bits. A token prefilled in a piece gets the numbers it gets as
 // a decode row.
+//
+// bf16: the flash kernel of attention_bf16.h where it is built and takes the head size (bfloat16
+// products: close to the float32 kernel, not bitwise), with tiles of up to 24 query rows and
+// chunks of 512 keys; else the float32 kernel above.
 template <typename K>
 void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& keys, int64_t n_heads, int64_t n_kv,
-            int64_t d, float scale, float* out) {
+            int64_t d, float scale, float* out, bool bf16 = false) {
   const int64_t nq = static_cast<int64_t>(keys.size()), group = n_heads / n_kv, row = n_heads * d;
   const int64_t stride = group * (d + 2);  // per (kv head, chunk): (max, sum, acc[d]) per query head
+#ifdef WARMKV_BF16
+  const bool fa = bf16 && (d == 64 || d == 128) && group <= bf16::kMaxRows;
+  const int64_t kChunk = fa ? bf16::kChunk : warmkv::kChunk, kTileQ = fa ? bf16::kMaxRows / group : warmkv::kTileQ;
+  constexpr int64_t kMaxTile = bf16::kMaxRows;
+#else
+  constexpr bool fa = false;
+  constexpr int64_t kMaxTile = kTileQ;
+  (void)bf16;
+#endif
   std::vector<int64_t> chunks(nq), part_at(nq + 1, 0), tile_at{0};
   for (int64_t i = 0; i < nq; i++) {
     chunks[i] = (keys[i].n + kChunk - 1) / kChunk;
@@ -267,10 +296,14 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
   for (int64_t j = 0; j < n_tiles; j++) task_at[j + 1] = task_at[j] + spans * tile_chunks[j];
   // Every partial is written before it is read: no need to zero megabytes of it per layer.
   std::unique_ptr<float[]> part(new float[part_at[nq]]);
-  std::vector<float> qs(nq * row);
-  for (int64_t i = 0; i < nq * row; i++) qs[i] = q[i] * scale;
+  std::vector<float> qs(fa ? 0 : nq * row);
+  for (int64_t i = 0; i < static_cast<int64_t>(qs.size()); i++) qs[i] = q[i] * scale;
+#ifdef WARMKV_BF16
+  std::vector<uint32_t> qb(fa ? nq * row / 2 : 0);
+  if (fa) bf16::round_queries(q, nq * row, scale, qb.data());
+#endif
   parallel_tasks(task_at[n_tiles], [&](const auto& take) {
-    std::vector<float> s(kTileQ * per_span * group * kChunk);
+    std::vector<float> s(fa ? 0 : kTileQ * per_span * group * kChunk);
     for (int64_t task; take(task);) {
       const int64_t j = std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1;
       const int64_t local = task - task_at[j], nc = tile_chunks[j], i0 = tile_at[j], nt = tile_at[j + 1] - i0;
@@ -278,15 +311,28 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
       if (h0 >= h1) continue;
       const QueryKeys& k = keys[tile_longest[j]];
       const Task<K> t{pool, k.slots, k.first, n_kv, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
-      int64_t len[kTileQ];
-      const float* qt[kTileQ];
+      int64_t len[kMaxTile];
+      const float* qt[kMaxTile];
       for (int64_t u = 0; u < nt; u++) {
         len[u] = std::clamp<int64_t>(keys[i0 + u].n - c * kChunk, 0, kChunk);
-        qt[u] = qs.data() + (i0 + u) * row;
+        qt[u] = fa ? nullptr : qs.data() + (i0 + u) * row;
       }
       auto part_of = [&](int64_t u, int64_t h) {
         return part.get() + part_at[i0 + u] + (h * chunks[i0 + u] + c) * stride;
       };
+#ifdef WARMKV_BF16
+      if (fa) {
+        const uint32_t* qr[bf16::kMaxRows];
+        for (int64_t h = h0; h < h1; h++) {
+          for (int64_t u = 0; u < nt; u++)
+            for (int64_t g = 0; g < group; g++) qr[u * group + g] = qb.data() + ((i0 + u) * n_heads + h * group + g) * d / 2;
+          auto out_of = [&](int64_t u, int64_t g) { return part_of(u, h) + g * (d + 2); };
+          if (d == 64) bf16::attend_tile<K, 64>(HeadKeys<K, 64>{&t, h}, t.n, qr, len, nt, group, out_of);
+          else bf16::attend_tile<K, 128>(HeadKeys<K, 128>{&t, h}, t.n, qr, len, nt, group, out_of);
+        }
+        continue;
+      }
+#endif
 #ifdef WARMKV_AVX2
 #define WARMKV_FIXED(D, G) \
   if (d == D && group == G) { attend_tile_fixed<Lanes, K, D, G>(t, qt, len, nt, s.data(), part_of); continue; }

@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef __linux__
@@ -106,6 +108,37 @@ T* ptr(const Tensor& t) {
 }
 
 const float* ptr_or_null(const optional<Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; }
+
+// One layer's attention as a decode step runs it, for tests: q [T, n_heads * d] float32 over the
+// pool layer k/v [slots, n_kv, d] (int8 with scales [slots, n_kv]); query i's keys are slots[i], or
+// the range from first[i] >= 0. kernel: "bf16" or "f32".
+Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const optional<Tensor>& k_scale,
+              const optional<Tensor>& v_scale, const std::vector<Tensor>& slots, const std::vector<int64_t>& first,
+              int64_t n_heads, double scale, const std::string& kernel) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 2 && k.dim() == 3, "q: [T, n_heads * d] float32");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == v.scalar_type(), "k, v: one pool layer");
+  const int64_t t = q.size(0), n_kv = k.size(1), d = k.size(2);
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == t && static_cast<int64_t>(first.size()) == t, "keys per query");
+  Tensor qc = q.contiguous(), out = at::empty_like(qc);
+  std::vector<warmkv::QueryKeys> keys(t);
+  for (int64_t i = 0; i < t; i++) keys[i] = {slots[i].data_ptr<int64_t>(), first[i], slots[i].size(0)};
+  const bool bf16 = kernel == "bf16";
+  auto run = [&](auto* kp, auto* vp) {
+    using K = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
+    const warmkv::PoolLayer<K> pool{kp, vp, k_scale ? k_scale->data_ptr<float>() : nullptr,
+                                    v_scale ? v_scale->data_ptr<float>() : nullptr};
+    warmkv::attend(qc.data_ptr<float>(), pool, keys, n_heads, n_kv, d, static_cast<float>(scale),
+                   out.data_ptr<float>(), bf16);
+  };
+  switch (k.scalar_type()) {
+    case at::kFloat: run(k.data_ptr<float>(), v.data_ptr<float>()); break;
+    case at::kHalf: run(ptr<c10::Half>(k), ptr<c10::Half>(v)); break;
+    case at::kBFloat16: run(ptr<c10::BFloat16>(k), ptr<c10::BFloat16>(v)); break;
+    case at::kChar: run(ptr<int8_t>(k), ptr<int8_t>(v)); break;
+    default: TORCH_CHECK(false, "unsupported K/V dtype ", k.scalar_type());
+  }
+  return out;
+}
 
 class DecodeLoop {
  public:
@@ -210,7 +243,7 @@ class DecodeLoop {
                            vp + slot * kv_row, ks ? ks + slot * n_kv_ : nullptr, vs ? vs + slot * n_kv_ : nullptr);
       });
       const warmkv::PoolLayer<K> pool{kp, vp, ks, vs};
-      warmkv::attend(q.data_ptr<float>(), pool, keys, n_heads_, n_kv_, d, scale, att.data());
+      warmkv::attend(q.data_ptr<float>(), pool, keys, n_heads_, n_kv_, d, scale, att.data(), bf16_);
       T* op = ptr<T>(o);
       for (int64_t j = 0; j < t * n_heads_ * d; j++) op[j] = warmkv::from_f<T>(att[j]);
       x = L.o.add_to(x, o);
@@ -224,6 +257,30 @@ class DecodeLoop {
     return x;
   }
 
+ public:
+  // The attention kernel: "bf16" (attention_bf16.h: bfloat16 products, where the CPU has them and
+  // the head size is 64 or 128) or "f32" (float32 throughout). They round differently: K/V and
+  // logits made under one are close to the other's, not bitwise.
+  std::string attention() const { return bf16_ ? "bf16" : "f32"; }
+
+  void set_attention(const std::string& kind) {
+    TORCH_CHECK(kind == "f32" || kind == "bf16", "attention must be f32 or bf16, got ", kind);
+    TORCH_CHECK(kind == "f32" || bf16_usable(head_dim_, n_heads_ / n_kv_),
+                "the bf16 attention kernel needs AVX-512 BF16 and a head size of 64 or 128");
+    bf16_ = kind == "bf16";
+  }
+
+  static bool bf16_usable(int64_t d, int64_t group) {
+#ifdef WARMKV_BF16
+    return (d == 64 || d == 128) && group <= warmkv::bf16::kMaxRows;
+#else
+    (void)d;
+    (void)group;
+    return false;
+#endif
+  }
+
+ private:
   template <typename T>
   void norm_rows(const Tensor& x, const optional<Tensor>& weight, Tensor& out) const {
     const int64_t t = x.size(0), dim = x.size(1);
@@ -245,6 +302,7 @@ class DecodeLoop {
   int64_t n_heads_, n_kv_, head_dim_;
   double eps_, scale_;
   at::ScalarType dtype_;
+  bool bf16_ = false;  // float32 by default: bf16 is faster for prefill pieces deep in a context, slower to decode
   std::vector<Layer> layers_;
 };
 
@@ -255,9 +313,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, double, at::ScalarType>())
       .def("add_layer", &DecodeLoop::add_layer)
       // The step runs without the GIL: a server's other threads go on while a model steps.
-      .def("run", &DecodeLoop::run, py::call_guard<py::gil_scoped_release>());
+      .def("run", &DecodeLoop::run, py::call_guard<py::gil_scoped_release>())
+      .def("attention", &DecodeLoop::attention)
+      .def("set_attention", &DecodeLoop::set_attention);
   m.def("qmatmul", &qmatmul, py::call_guard<py::gil_scoped_release>());
   m.def("qmatmul_isa", &warmkv::qmm::isa);
+  m.def("attend", &attend, py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_attention", &DecodeLoop::bf16_usable);  // (head_dim, group): is the bf16 kernel built for it
   m.def("huge_page_copy", &huge_page_copy);
   m.def("parallel_threads", &parallel_threads);
   m.def("set_qmatmul_grain", [](int64_t g) { warmkv::qmm::tile_grain = std::max<int64_t>(1, g); });

@@ -1,0 +1,272 @@
+// Attention deep in a context on AVX-512 BF16 (vdpbf16ps): a tile of query rows (up to 24: the
+// queries of a prefill piece times the query heads of one kv head) over a chunk of keys, flash
+// style. Keys come in blocks of 16 read straight from the pool in its storage type, rounded to
+// bfloat16 and packed in registers: K transposed (a lane per key, so scores come out 16 keys to a
+// register and no dot product ends in a horizontal sum), V with each two keys' values
+// interleaved. Products are bfloat16, sums float32; the softmax runs online over the blocks.
+//
+// Every row's arithmetic is its own: a row's scores, softmax and weighted values do not depend
+// on the other rows of its tile, and blocks start at key 0 of the context (a chunk is a whole
+// number of blocks), so a token gets the same bits prefilled in any piece as decoded alone.
+
+#pragma once
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define WARMKV_BF16 1
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "simd.h"
+
+namespace warmkv::bf16 {
+
+constexpr int kRegs = 4;  // registers of scores per row in a block
+constexpr int64_t kBlock = 16 * kRegs;  // keys per block
+constexpr int64_t kChunk = 512;  // keys per task: fixed, so results do not depend on the thread count
+constexpr int kMaxRows = 24;  // query rows per tile
+
+// e^x, 16 lanes: exp8's polynomial.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 g = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  g = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), g);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, g, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, g, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, g, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, g, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, g, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(g, g), _mm512_add_ps(g, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+inline __m512i pack2(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+
+// Elements [32z, 32z + 32) of a pool row as 32 bfloat16 (round to nearest even).
+inline __m512i load32(const float* p) { return pack2(_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)); }
+inline __m512i load32(const c10::Half* p) {
+  const __m256i* h = reinterpret_cast<const __m256i*>(p);
+  return pack2(_mm512_cvtph_ps(_mm256_loadu_si256(h)), _mm512_cvtph_ps(_mm256_loadu_si256(h + 1)));
+}
+inline __m512i load32(const c10::BFloat16* p) { return _mm512_loadu_si512(p); }
+inline __m512i load32(const int8_t* p) {  // exact: bfloat16 holds every int8
+  const __m128i* b = reinterpret_cast<const __m128i*>(p);
+  return pack2(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b))),
+               _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1))));
+}
+
+// r[i]'s dword j -> r[j]'s dword i.
+inline void transpose16(__m512i* r) {
+  __m512i t[16];
+  for (int a = 0; a < 8; a++) {
+    t[2 * a] = _mm512_unpacklo_epi32(r[2 * a], r[2 * a + 1]);
+    t[2 * a + 1] = _mm512_unpackhi_epi32(r[2 * a], r[2 * a + 1]);
+  }
+  __m512i u[16];  // u[4b + c]'s 128-bit lane L: column 4L + c of rows 4b..4b+3
+  for (int b = 0; b < 4; b++) {
+    u[4 * b] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
+    u[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
+  }
+  for (int c = 0; c < 4; c++) {  // a 4x4 transpose of 128-bit lanes over u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+  }
+}
+
+// A block's keys and values for one kv head, packed for vdpbf16ps. k[j][c]: lane i holds dims
+// (2j, 2j + 1) of key 16c + i. v[i][z]: key pairs (2i, 2i + 1) interleaved per dim; unpacklo/hi
+// take dims in 128-bit lanes, so register z lane l holds dim dim_of(z, l).
+template <int D>
+struct Packed {
+  __m512i k[D / 2][kRegs];
+  __m512i v[kBlock / 2][D / 16];
+  static int dim_of(int z, int l) { return 32 * (z / 2) + 8 * (l / 4) + 4 * (z % 2) + l % 4; }
+};
+
+template <typename K, int D, typename Keys>
+inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
+  constexpr int Z = D / 32;
+  for (int c = 0; c < kRegs && 16 * c < nb; c++) {
+    __m512i rows[Z][16];
+    for (int64_t i = 0; i < 16; i++) {
+      const K* kr = 16 * c + i < nb ? keys.k_row(16 * c + i) : nullptr;
+      for (int z = 0; z < Z; z++) rows[z][i] = kr ? load32(kr + 32 * z) : _mm512_setzero_si512();
+    }
+    for (int z = 0; z < Z; z++) {
+      transpose16(rows[z]);
+      for (int j = 0; j < 16; j++) out->k[16 * z + j][c] = rows[z][j];
+    }
+  }
+  for (int64_t i = 0; i < nb; i += 2) {
+    const K* a = keys.v_row(i);
+    const K* b = i + 1 < nb ? keys.v_row(i + 1) : nullptr;  // a missing key: zeros, as beyond a row's end
+    for (int z = 0; z < Z; z++) {
+      const __m512i x = load32(a + 32 * z);
+      const __m512i y = b ? load32(b + 32 * z) : _mm512_setzero_si512();
+      out->v[i / 2][2 * z] = _mm512_unpacklo_epi16(x, y);
+      out->v[i / 2][2 * z + 1] = _mm512_unpackhi_epi16(x, y);
+    }
+  }
+}
+
+// s[r][c] = q_r . k (keys 16c..16c+15) for NR rows over the block's first nc registers of keys:
+// each row's dot products in one order, whatever NR.
+template <int D, int NR>
+inline void scores(const Packed<D>& p, const uint32_t* const* q, int nc, __m512 (*s)[kRegs]) {
+  __m512 acc[NR][kRegs];
+  for (int r = 0; r < NR; r++)
+    for (int c = 0; c < kRegs; c++) acc[r][c] = _mm512_setzero_ps();
+  for (int j = 0; j < D / 2; j++) {
+    for (int r = 0; r < NR; r++) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(q[r][j]);
+      for (int c = 0; c < kRegs; c++)
+        if (c < nc) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)p.k[j][c], w);
+    }
+  }
+  for (int r = 0; r < NR; r++)
+    for (int c = 0; c < kRegs; c++) s[r][c] = acc[r][c];
+}
+
+// o[r] += sum over key pairs i < n of (p[r][2i], p[r][2i + 1]) . (v[2i], v[2i + 1]), NR rows at once.
+template <int D, int NR>
+inline void values(const Packed<D>& p, const uint32_t (*pb)[kBlock / 2], int64_t n, float (*o)[D]) {
+  __m512 acc[NR][D / 16];
+  for (int r = 0; r < NR; r++)
+    for (int z = 0; z < D / 16; z++) acc[r][z] = _mm512_load_ps(o[r] + 16 * z);
+  for (int64_t i = 0; i < n; i++) {
+    for (int r = 0; r < NR; r++) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pb[r][i]);
+      for (int z = 0; z < D / 16; z++) acc[r][z] = _mm512_dpbf16_ps(acc[r][z], (__m512bh)p.v[i][z], w);
+    }
+  }
+  for (int r = 0; r < NR; r++)
+    for (int z = 0; z < D / 16; z++) _mm512_store_ps(o[r] + 16 * z, acc[r][z]);
+}
+
+// Queries as the kernel reads them: scaled, rounded once to bfloat16, dims (2j, 2j + 1) in dword j.
+inline void round_queries(const float* q, int64_t n, float scale, uint32_t* out) {
+  int64_t j = 0;
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (; j + 32 <= n; j += 32) {
+    const __m512i b = pack2(_mm512_mul_ps(_mm512_loadu_ps(q + j), sv), _mm512_mul_ps(_mm512_loadu_ps(q + j + 16), sv));
+    _mm512_storeu_si512(out + j / 2, b);
+  }
+  for (; j < n; j += 2) {
+    const c10::BFloat16 lo(q[j] * scale), hi(j + 1 < n ? q[j + 1] * scale : 0.f);
+    out[j / 2] = static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(hi.x) << 16);
+  }
+}
+
+// One tile over one kv head and chunk: rows r = u * group + g (query u of the tile, query head g
+// of the kv head) see the chunk's first len[u] keys; (max, sum, acc[D]) of row r go to out(u, g).
+// keys: k_row(i), v_row(i), k_scale(i), v_scale(i) of the chunk's key i.
+template <typename K, int D, typename Keys, typename Out>
+void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const int64_t* len, int64_t nq,
+                 int64_t group, Out out) {
+  constexpr int kScoreRows = 6, kValueRows = D == 64 ? 4 : 2;  // accumulators that fit the registers
+  const int rows = static_cast<int>(nq * group);
+  alignas(64) float o[kMaxRows][D];
+  alignas(64) uint32_t pb[kMaxRows][kBlock / 2];
+  alignas(64) float ks[kBlock], vs[kBlock];
+  float m[kMaxRows], l[kMaxRows];
+  __m512 s[kMaxRows][kRegs];
+  for (int r = 0; r < rows; r++) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+    std::fill(o[r], o[r] + D, 0.f);
+  }
+  Packed<D> pk;
+  const bool scaled = keys.scaled();
+  for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+    const int64_t nb = std::min(kBlock, n - b0);
+    const int nc = static_cast<int>((nb + 15) / 16);
+    const auto block = keys.at(b0);
+    pack<K>(block, nb, &pk);
+    for (int r0 = 0; r0 < rows; r0 += kScoreRows) {
+      switch (std::min(kScoreRows, rows - r0)) {
+#define WARMKV_ROWS(N) \
+  case N:              \
+    scores<D, N>(pk, q + r0, nc, s + r0); \
+    break;
+        WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4) WARMKV_ROWS(5) WARMKV_ROWS(6)
+#undef WARMKV_ROWS
+      }
+    }
+    if (scaled) {
+      for (int64_t i = 0; i < kBlock; i++) {
+        ks[i] = i < nb ? block.k_scale(i) : 0.f;
+        vs[i] = i < nb ? block.v_scale(i) : 0.f;
+      }
+    }
+    int64_t pairs = 0;  // key pairs any row of the tile sees in this block
+    for (int r = 0; r < rows; r++) {
+      const int64_t valid = std::min(nb, len[r / group] - b0);
+      std::fill(pb[r], pb[r] + kBlock / 2, 0u);
+      if (valid <= 0) continue;  // no key of this block is the row's: its state stays as it is
+      pairs = std::max(pairs, (valid + 1) / 2);
+      __mmask16 mask[kRegs];
+      __m512 sc[kRegs];
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int c = 0; c < kRegs; c++) {
+        const int64_t left = std::clamp<int64_t>(valid - 16 * c, 0, 16);
+        mask[c] = static_cast<__mmask16>((1u << left) - 1);
+        sc[c] = scaled ? _mm512_mul_ps(s[r][c], _mm512_load_ps(ks + 16 * c)) : s[r][c];
+        mx = _mm512_mask_max_ps(mx, mask[c], mx, sc[c]);
+      }
+      const float mn = std::max(m[r], _mm512_reduce_max_ps(mx));
+      if (mn != m[r]) {
+        const float alpha = std::exp(m[r] - mn);
+        l[r] *= alpha;
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int z = 0; z < D / 16; z++) _mm512_store_ps(o[r] + 16 * z, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * z), av));
+        m[r] = mn;
+      }
+      __m512 sum = _mm512_setzero_ps();
+      for (int c = 0; c < kRegs; c++) {
+        if (!mask[c]) break;
+        const __m512 p = _mm512_maskz_mov_ps(mask[c], exp16(_mm512_sub_ps(sc[c], _mm512_set1_ps(mn))));
+        sum = _mm512_add_ps(sum, p);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + 8 * c),
+                           (__m256i)_mm512_cvtneps_pbh(scaled ? _mm512_mul_ps(p, _mm512_load_ps(vs + 16 * c)) : p));
+      }
+      l[r] += _mm512_reduce_add_ps(sum);
+    }
+    // Rows whose keys end sooner weigh the pairs beyond with zeros: adding them changes no bit.
+    for (int r0 = 0; r0 < rows; r0 += kValueRows) {
+      switch (std::min(kValueRows, rows - r0)) {
+#define WARMKV_ROWS(N) \
+  case N:              \
+    values<D, N>(pk, pb + r0, pairs, o + r0); \
+    break;
+        WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4)
+#undef WARMKV_ROWS
+      }
+    }
+  }
+  for (int r = 0; r < rows; r++) {
+    if (len[r / group] <= 0) continue;
+    float* dst = out(r / group, r % group);
+    dst[0] = m[r];
+    dst[1] = l[r];
+    for (int z = 0; z < D / 16; z++)
+      for (int lane = 0; lane < 16; lane++) dst[2 + Packed<D>::dim_of(z, lane)] = o[r][16 * z + lane];
+  }
+}
+
+}  // namespace warmkv::bf16
+
+#endif
