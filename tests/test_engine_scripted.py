@@ -163,3 +163,41 @@ def test_a_short_pool_preempts_and_every_turn_finishes_as_alone() -> None:
     assert stats[0].preemptions > 0 and stats[0].preempted == 0
     assert rt.parked > 0  # finished turns' sessions gave their KV back
     assert backend.held_tokens() <= backend.pool_tokens
+
+
+def test_a_running_turn_owns_its_session() -> None:
+    """While a decode stream is open, or a turn is on a scheduler, other calls that would change the
+    session are refused with SessionBusy and change nothing; once the turn ends they go through."""
+    rt = runtime()
+    with rt.session() as s:
+        s.ensure_prefix(PROMPTS[0])
+        stream = s.decode(GREEDY)
+        first = next(stream)
+        assert not first.done and s.busy
+        with pytest.raises(warmkv.SessionBusy):
+            s.ensure_prefix(PROMPTS[1])
+        with pytest.raises(warmkv.SessionBusy):
+            s.prefill_suffix("more")
+        rest = list(stream)
+        assert rest[-1].finish_reason == "length" and not s.busy
+        tokens = [t for c in [first, *rest] for t in c.token_ids]
+        assert tokens == alone(rt, PROMPTS[0])
+
+        scheduler = Scheduler(rt)
+        try:
+            ended = threading.Event()
+            second = s.turn(PROMPTS[2], GREEDY)  # made while idle: submitting it is what is refused
+            with rt.lock:  # the turn cannot step yet
+                scheduler.submit(s.turn(PROMPTS[1], GREEDY), lambda c: ended.set() if c.done else None)
+                assert s.busy
+                with pytest.raises(warmkv.SessionBusy):
+                    scheduler.submit(second, lambda c: None)
+                with pytest.raises(warmkv.SessionBusy):
+                    s.turn(PROMPTS[2], GREEDY)
+                with pytest.raises(warmkv.SessionBusy):
+                    s.ensure_prefix(PROMPTS[2])
+            assert ended.wait(30)
+        finally:
+            scheduler.close()
+        assert not s.busy
+        assert s.ensure_prefix(PROMPTS[1]).reused_tokens > 0

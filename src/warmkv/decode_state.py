@@ -67,6 +67,10 @@ class DecodeState:
         self._row = self._draft_row() or self.ctx.need_row()
         return self._row
 
+    def drop_row(self) -> None:
+        """Forget the row next_row handed out: it will not be evaluated (its turn ends without it)."""
+        self._row = None
+
     def take(self, result: np.ndarray | WarmkvError | None) -> StreamChunk:
         """Advance by the evaluated row's logits (None when no row was needed): one step's chunk."""
         row, self._row = self._row, None

@@ -52,6 +52,11 @@ class SessionClosed(WarmkvError):
     """A call was made on a session after close()."""
 
 
+class SessionBusy(WarmkvError):
+    """A call was made on a session while one of its turns runs: a decode stream still open, or a
+    turn queued or running on a Scheduler. Calls made while another call runs wait instead."""
+
+
 class SessionLimit(WarmkvError):
     """More sessions were opened than the model has sequence slots for."""
 

@@ -27,7 +27,9 @@ Lock order (the one place it is written; other modules refer here):
 
 The decode Scheduler takes the model lock, and its own condition only outside it.
 Lock-free helpers: `Session.cancel`, `Session.resident`; `Session.token_ids` takes
-the model lock only.
+the model lock only. `Session.hold`/`let_go` (the turn a session runs) take only their own
+small lock, which is taken last and takes nothing: the Scheduler's submit holds its
+condition then, and a step holds the model lock.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ class Runtime:
             if s._op._is_owned() or not s._op.acquire(blocking=False):  # type: ignore[attr-defined]
                 continue
             try:
-                if not s.scheduled and s.park():
+                if not s.busy and s.park():
                     self.parked += 1
                     return True
             finally:
@@ -184,7 +186,7 @@ class Runtime:
         return False
 
     def _parkable(self) -> list[Session]:
-        return [s for s in self._sessions.values() if s.evictable and not s.scheduled and s.resident]
+        return [s for s in self._sessions.values() if s.evictable and not s.busy and s.resident]
 
     def reclaimable_tokens(self, kv: KVMemory) -> int:
         """About how many tokens the KV pool gets back when it runs short (model lock held): what idle

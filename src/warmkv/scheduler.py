@@ -1,7 +1,9 @@
 """The engine loop: one worker thread owns every running turn and steps them together.
 
-A turn (Session.turn: a prompt plan and a decode state) waits in a FIFO queue, then
-prefills, then decodes. Each step, under the model lock:
+A turn (Session.turn: a prompt plan and a decode state) runs as a TurnRunner (turn_runner.py:
+its phase, and the rows it wants next), the same class Session steps alone; the session holds
+it until its final chunk (SessionBusy for other calls meanwhile). Turns wait in a FIFO queue,
+then prefill, then decode. Each step, under the model lock:
 
 1. decode: the next row of every decoding turn (its pending token, or that token and a
    draft to verify): one step's worth of tokens each, even for a turn that emits no text;
@@ -76,13 +78,16 @@ from .errors import (
     StreamLimit,
     WarmkvError,
 )
-from .prefix_plan import DiskRead, PrefixLoad
+from .prefix_plan import DiskRead
 from .runtime import Runtime
 from .session import Session, Turn
 from .stats import SchedulerStats
+from .turn_runner import Phase, TurnRunner
 from .types import PrefixStatus, StreamChunk
 
 Sink = Callable[[StreamChunk], None]
+Rows = list[tuple["Job", ForwardRow]]
+Out = list[tuple["Job", StreamChunk]]  # a step's chunks to deliver
 Prefilled = Callable[[PrefixStatus | WarmkvError | None], None]
 
 
@@ -94,16 +99,12 @@ class _Retry:
 
 
 RETRY = _Retry()
+WAITING = (Phase.QUEUED, Phase.READING, Phase.PREFILLING)  # a turn whose prompt is not resident yet
 Outcome = np.ndarray | WarmkvError | _Retry | None  # a row's logits (None: none wanted), or why it has none
-Results = dict[int, Outcome]  # a step's decode outcome per turn (id of its Job)
 # Prefill gets at least max_step_tokens // PREFILL_FLOOR of a step's budget however many streams
 # decode: with the decode rows alone filling a budget of 16, a new prompt advanced one token a
 # step and waited seconds for its first token at 16 streams.
 PREFILL_FLOOR = 4
-# Room kept for each decoding turn's growth (two of the native pool's blocks) when a turn is admitted:
-# with none, a resumed turn was preempted again in the next step, every step, as the other rows grew
-# into the same blocks.
-RESUME_RESERVE = 32
 log = logging.getLogger("warmkv.scheduler")
 
 
@@ -130,26 +131,31 @@ class SchedulerConfig:
 
 @dataclass(eq=False)
 class Job:
-    """One submitted turn: its session, where its chunks go, and how far it is."""
+    """One submitted turn: its runner (the turn's phase, load and decode state), where its chunks go,
+    and what the scheduler notes about it."""
 
-    session: Session
-    turn: Turn
+    runner: TurnRunner
     sink: Sink
     on_done: Callable[[], None] | None = None
     on_prefilled: Prefilled | None = None
-    load: PrefixLoad | None = None  # while prefilling
-    disk: Future[DiskRead] | None = None  # its disk-tier read, before the load begins
-    decoding: bool = False
     solo: bool = False  # a failed forward named it with other rows: its next row runs alone
-    held: bool = False  # preempted while decoding: its KV swapped out, it waits for pool room (_preempt)
     waits_for_room: bool = False  # it did not run in the last step: the KV pool had no room for it
     tokens: int = 0
     done: bool = False
     started: float = field(default_factory=time.perf_counter)
 
     @property
+    def session(self) -> Session:
+        return self.runner.session
+
+    @property
     def state(self) -> DecodeState:
-        return self.turn.state
+        assert self.runner.state is not None
+        return self.runner.state
+
+    @property
+    def phase(self) -> Phase:
+        return self.runner.phase
 
     def cancel(self) -> None:
         self.session.cancel()
@@ -190,16 +196,18 @@ class Scheduler:
 
         on_prefilled(status or error) runs once its prompt is resident (at once for a turn
         without a prompt); on_done once, after the final chunk. All run on the worker thread.
-        StreamLimit when max_streams turns are queued or running, SchedulerClosed after close().
+        StreamLimit when max_streams turns are queued or running, SchedulerClosed after close(),
+        SessionBusy when a turn of the same session is queued or running (the session holds its
+        turn's runner until the final chunk).
         """
-        job = Job(turn.session, turn, sink, on_done, on_prefilled)
+        job = Job(TurnRunner(turn.session, turn.plan, turn.state), sink, on_done, on_prefilled)
         with self._cond:
             if self._stopped:
                 raise SchedulerClosed("the scheduler is closed")
             if len(self._jobs) >= self.config.max_streams:
                 raise StreamLimit(len(self._jobs), self.config.max_streams)
+            job.session.hold(job.runner)  # SessionBusy when a turn of it runs; never parked meanwhile
             self._jobs.append(job)
-            job.session.scheduled = True  # its KV is the turn's now: never parked meanwhile
             self._publish()
             self._cond.notify()
         return job
@@ -212,12 +220,12 @@ class Scheduler:
     @property
     def running(self) -> int:
         """Turns decoding."""
-        return sum(1 for j in self._jobs if j.decoding and not j.done and not j.held)
+        return sum(1 for j in self._jobs if j.phase is Phase.DECODING and not j.done)
 
     @property
     def waiting(self) -> int:
-        """Turns whose prompt is not resident yet (queued or prefilling)."""
-        return sum(1 for j in self._jobs if not j.decoding and not j.done)
+        """Turns whose prompt is not resident yet (queued, reading or prefilling)."""
+        return sum(1 for j in self._jobs if j.phase in WAITING and not j.done)
 
     def tokens_per_s(self) -> float:
         """Aggregate decode tokens/s over the last rate_window_s seconds."""
@@ -266,7 +274,7 @@ class Scheduler:
                 n += self._deliver(job, chunk)
             with self._cond:
                 self._jobs = [j for j in self._jobs if not j.done]
-                if not out and self._jobs and all(_reading(j) or j.waits_for_room for j in self._jobs):
+                if not out and self._jobs and all(j.runner.reading or j.waits_for_room for j in self._jobs):
                     self._cond.wait(timeout=0.1)  # every turn waits for the disk or for room: _wake ends this
                 self.steps += 1
                 self.decoded_tokens += n
@@ -277,16 +285,16 @@ class Scheduler:
 
     def _publish(self) -> None:
         """Replace `stats` (with _cond held)."""
-        jobs = self._jobs
+        jobs = [j for j in self._jobs if not j.done]
         self.stats = SchedulerStats(
             steps=self.steps,
             batched_rows=self.batched_rows,
             decoded_tokens=self.decoded_tokens,
             prefilled_tokens=self.prefilled_tokens,
-            active=len(jobs),
-            waiting=sum(1 for j in jobs if not j.decoding and not j.done),
-            running=sum(1 for j in jobs if j.decoding and not j.done and not j.held),
-            preempted=sum(1 for j in jobs if j.held and not j.done),
+            active=len(self._jobs),
+            waiting=sum(1 for j in jobs if j.phase in WAITING),
+            running=sum(1 for j in jobs if j.phase is Phase.DECODING),
+            preempted=sum(1 for j in jobs if j.phase is Phase.HELD),
             preemptions=self.preemptions,
         )
 
@@ -296,74 +304,68 @@ class Scheduler:
         with self._rt.lock:
             jobs = self._admit(jobs, out)
             self._live = jobs  # the turns this step may preempt, oldest first
-            decoding = [j for j in jobs if j.decoding]
-            rows: list[tuple[Job, ForwardRow]] = []
-            results: Results = {}
-            for job in decoding:
-                err = job.session.usable_error()
-                if err is not None:
-                    results[id(job)] = err
-                elif (row := job.state.next_row()) is not None:
-                    rows.append((job, row))
+            rows, idle = self._decode_rows(jobs, out)
             step = self.config.max_step_tokens
             budget = max(step - sum(len(r.tokens) for _, r in rows), step // PREFILL_FLOOR)
             if self._rt.backend.rows_invariant():
-                self._forward_together(jobs, rows, results, budget, out)
+                evaluated = rows + self._pieces(jobs, bool(rows), budget, out)
             else:
-                self._forward(rows, [], results, out)
+                evaluated = rows
+            for (job, row), got in zip(evaluated, self._forward(evaluated), strict=True):
+                self._accept(job, row, got, out)
+            for job in idle:  # the logits its next token needs are known already
+                self._accept(job, None, None, out)
+            if not self._rt.backend.rows_invariant():
                 self._prefill_apart(jobs, budget, out)
-            for job in decoding:
-                got = results.get(id(job))
-                if not isinstance(got, _Retry):  # a retried row has no chunk this step
-                    out.append((job, job.state.take(got)))
             for job, chunk in out:
                 if chunk.done:  # the session goes back to its owner: routers read what it holds
                     job.session.publish_resident()
             self._rt.publish_stats()
         return out
 
-    def _abandon(self, jobs: list[Job], reason: str) -> list[tuple[Job, StreamChunk]]:
-        """End every unfinished turn of a step that hit a bug: its load rolled back (a stash of moved
-        runs let go, not left pinned) and its session marked unusable, since its state is unknown."""
-        err = SessionFatal(reason)
-        out: list[tuple[Job, StreamChunk]] = []
-        with self._rt.lock:
-            for job in jobs:
-                if job.done:
-                    continue
-                load, job.load = job.load, None
-                if load is not None:
-                    try:
-                        load.fail()
-                    except Exception:
-                        log.exception("rolling back a turn's load failed")
-                job.session.ctx.fail(reason)
-                out.append((job, _error_chunk(err)))
-        return out
+    def _decode_rows(
+        self, jobs: list[Job], out: list[tuple[Job, StreamChunk]]
+    ) -> tuple[list[tuple[Job, ForwardRow]], list[Job]]:
+        """Each decoding turn's row for this step, and the decoding turns that need none."""
+        rows: list[tuple[Job, ForwardRow]] = []
+        idle: list[Job] = []
+        for job in jobs:
+            if job.phase is not Phase.DECODING:
+                continue
+            err = job.session.usable_error()
+            if err is not None:
+                self._accept(job, None, err, out)
+            elif (row := job.runner.next_row()) is not None:
+                rows.append((job, row))
+            else:
+                idle.append(job)
+        return rows, idle
 
-    def _forward(
-        self,
-        rows: list[tuple[Job, ForwardRow]],
-        pieces: list[tuple[Job, ForwardRow]],
-        results: Results,
-        out: list[tuple[Job, StreamChunk]],
-    ) -> None:
-        """Decode rows and prefill pieces in one forward (a turn marked solo in one of its own): each
-        decode row's outcome goes to results, each piece is recorded or its turn ended."""
-        parts = rows + pieces
-        together = [p for p in parts if not p[0].solo]
-        groups = ([together] if together else []) + [[p] for p in parts if p[0].solo]
-        decoding = {id(job) for job, _ in rows}
-        for group in groups:
-            for (job, row), got in zip(group, self._evaluate(group), strict=True):
-                if id(job) in decoding:
-                    results[id(job)] = got
-                    if not isinstance(got, WarmkvError | _Retry):
-                        self.batched_rows += 1
-                elif isinstance(got, WarmkvError):
-                    self._end(job, got, out)
-                elif not isinstance(got, _Retry):  # a retried piece: its load did not move, the same piece comes next
-                    self._accept(job, row, got, out)
+    def _accept(self, job: Job, row: ForwardRow | None, got: Outcome, out: list[tuple[Job, StreamChunk]]) -> None:
+        """Hand a row's outcome to its turn: its chunk (a decode step, or the end) goes out. A retried
+        row has none this step: a decode row runs again next step, a piece's load did not move."""
+        if isinstance(got, _Retry):
+            return
+        runner = job.runner
+        prefilling = runner.phase is Phase.PREFILLING
+        if prefilling and row is not None and not isinstance(got, WarmkvError):
+            self.prefilled_tokens += len(row.tokens)
+        elif not prefilling and row is not None and not isinstance(got, WarmkvError):
+            self.batched_rows += 1
+        chunk = runner.accept(row, got)
+        self._note_prefilled(job)
+        if chunk is not None:
+            out.append((job, chunk))
+
+    def _forward(self, group: list[tuple[Job, ForwardRow]]) -> list[Outcome]:
+        """The rows' outcomes: one forward of them all, a turn marked solo in one of its own."""
+        together = [i for i, (job, _) in enumerate(group) if not job.solo]
+        parts = ([together] if together else []) + [[i] for i, (job, _) in enumerate(group) if job.solo]
+        outcomes: list[Outcome] = [None] * len(group)
+        for part in parts:
+            for i, got in zip(part, self._evaluate([group[i] for i in part]), strict=True):
+                outcomes[i] = got
+        return outcomes
 
     def _evaluate(self, group: list[tuple[Job, ForwardRow]]) -> list[Outcome]:
         """One forward of the group's rows; on a failure, each row's outcome (see _outcomes)."""
@@ -379,18 +381,42 @@ class Scheduler:
             job.solo = False
         return list(logits)
 
+    def _pieces(
+        self, jobs: list[Job], decoding: bool, budget: int, out: list[tuple[Job, StreamChunk]]
+    ) -> list[tuple[Job, ForwardRow]]:
+        """One budget-cut piece per prefilling turn, oldest first, for the decode rows' forward."""
+        depth = self._rt.backend.attention_depth()
+        pieces: list[tuple[Job, ForwardRow]] = []
+        for job in jobs:
+            if job.phase is not Phase.PREFILLING or (budget <= 0 and pieces):
+                continue
+            ctx = job.session.ctx
+            afford = max(budget, 0) if depth is None else max(budget, 0) * depth // (depth + ctx.live)
+            if not decoding and not pieces:  # no stream to hold up: a whole piece
+                afford = max(afford, ctx.chunk)
+            if afford < 1 and pieces:
+                continue
+            try:
+                row = job.runner.next_row(limit=max(afford, 1))
+            except WarmkvError as e:
+                self._end(job, e, out)
+                continue
+            if row is not None:
+                pieces.append((job, row))
+                budget -= _cost(row, depth)
+        return pieces
+
     def _prefill_apart(self, jobs: list[Job], budget: int, out: list[tuple[Job, StreamChunk]]) -> None:
         """Cold-aligned pieces, each its own forward, oldest turn first, under the budget."""
         first = True
         for job in jobs:
-            if job.decoding or (budget <= 0 and not first):
+            if job.phase is not Phase.PREFILLING or (budget <= 0 and not first):
                 continue
-            load = self._load(job, out)
-            if load is None:
-                continue
+            runner = job.runner
             try:
-                while (budget > 0 or first) and not load.done and (row := load.next_row()) is not None:
-                    self._record(job, row, job.session.ctx.forward(row))
+                while (budget > 0 or first) and (row := runner.next_row()) is not None:
+                    logits = job.session.ctx.forward(row)
+                    self._accept(job, row, logits, out)
                     budget -= len(row.tokens)
                     first = False
             except KVCacheFull as e:
@@ -400,185 +426,116 @@ class Scheduler:
             except WarmkvError as e:
                 self._end(job, e, out)
 
-    def _forward_together(
-        self,
-        jobs: list[Job],
-        rows: list[tuple[Job, ForwardRow]],
-        results: Results,
-        budget: int,
-        out: list[tuple[Job, StreamChunk]],
-    ) -> None:
-        """The decode rows and one budget-cut piece per waiting turn, in one forward."""
-        depth = self._rt.backend.attention_depth()
-        pieces: list[tuple[Job, ForwardRow]] = []
-        for job in jobs:
-            if job.decoding or (budget <= 0 and pieces):
-                continue
-            load = self._load(job, out)
-            if load is None:
-                continue
-            ctx = job.session.ctx
-            afford = max(budget, 0) if depth is None else max(budget, 0) * depth // (depth + ctx.live)
-            if not rows and not pieces:  # no stream to hold up: a whole piece
-                afford = max(afford, ctx.chunk)
-            if afford < 1 and pieces:
-                continue
-            try:
-                row = load.next_row(limit=max(afford, 1))
-            except WarmkvError as e:
-                self._end(job, e, out)
-                continue
-            if row is not None:
-                pieces.append((job, row))
-                budget -= _cost(row, depth)
-        self._forward(rows, pieces, results, out)
-
-    def _preempt(self) -> bool:
-        """The KV pool is short for a step though idle sessions were parked (Runtime._reclaim): the
-        youngest turn holding KV gives it back and waits (held) until there is room again; False when
-        there is no other turn to wait for (the pool cannot hold even the oldest turn: it ends).
-
-        A decoding turn's KV is exported and its sequence emptied; it resumes by importing it, so
-        its output is the same as without the wait (rows are batch invariant where this happens:
-        the native engine). A prefilling turn's load is rolled back and its session parked to the
-        tiers; it begins its load again later, restoring what it had prefilled from there."""
-        running = [j for j in self._live if not j.held and not j.done and (j.decoding or j.load is not None)]
-        if len(running) < 2:
-            return False
-        job = running[-1]
-        session = job.session
-        if job.decoding:
-            session.ctx.swap_out()  # the context keeps its tokens: swap_in restores their KV
-            job.held = True
-        else:  # it waits for room like a turn that has not begun (Scheduler._admit)
-            load, job.load, job.disk = job.load, None, None
-            assert load is not None
-            load.fail()
-            session.park()
-        self.preemptions += 1
-        log.info("KV pool short: preempted a %s turn", "decoding" if job.decoding else "prefilling")
-        return True
-
     def _admit(self, jobs: list[Job], out: list[tuple[Job, StreamChunk]]) -> list[Job]:
         """The turns that run this step, oldest first: every running one, then held turns resumed and
-        waiting turns begun in order while the pool has room for them (a younger turn never before an
-        older one); a held turn whose client left ends here.
+        queued ones readied in order while the pool has room for them (a younger turn never before an
+        older one). A turn not decoding whose client left, or whose session cannot go on, ends here.
 
-        Room: free blocks plus the KV of idle evictable sessions (the pool takes it back), less what
-        the running turns still need (the rest of each prompt being prefilled, RESUME_RESERVE for each
-        decoding turn). A turn that would be the only one holding KV always goes (alone it either
-        fits or ends with KVCacheFull). Where every sequence has its own KV stream (llama.cpp), a
-        prompt always has room and only held turns are checked, by trying their import."""
+        Room: free blocks plus what the pool can take back (Runtime.reclaimable_tokens), less what
+        the running turns still need (TurnRunner.needs). A turn that would be the only one holding
+        KV always goes (alone it either fits or ends with KVCacheFull). Where every sequence has its
+        own KV stream (llama.cpp) a prompt always has room, and a held turn tries its import."""
         kv = self._rt.backend.kv_memory()
         shared = kv.pool_tokens < kv.sequences * kv.tokens_per_seq
-        running = [j for j in jobs if not j.held and (j.decoding or j.load is not None)]
+        running = [j for j in jobs if j.phase in (Phase.DECODING, Phase.PREFILLING, Phase.READING)]
         room = 0
         if shared:
-            room = kv.pool_tokens - kv.held_tokens + self._rt.reclaimable_tokens(kv) - sum(map(_needs, running))
+            room = kv.pool_tokens - kv.held_tokens + self._rt.reclaimable_tokens(kv)
+            room -= sum(j.runner.needs() for j in running)
         step: list[Job] = []
         blocked = False
         for job in jobs:
-            if (job.decoding and not job.held) or job.load is not None:
+            runner = job.runner
+            if runner.phase is Phase.DECODING:
+                self._note_prefilled(job)  # a turn without a prompt decodes from the start
+            elif self._gone(job, out):
+                continue
+            if runner.phase in (Phase.DECODING, Phase.PREFILLING, Phase.READING):
+                if runner.phase is Phase.READING:
+                    self._prepare(job, out)
                 step.append(job)
                 continue
-            if job.held and self._drop_if_gone(job, out):
-                continue
-            need = _needs(job)
+            need = runner.needs()
             if blocked or (shared and room < need and running):
                 blocked = job.waits_for_room = True  # it waits, and every younger turn after it
                 continue
-            if job.held:
-                try:
-                    job.session.ctx.swap_in()
-                except KVCacheFull:
-                    blocked = job.waits_for_room = True
-                    continue
-                except WarmkvError as e:
-                    self._drop_if_gone(job, out, e)
-                    continue
-                job.held = False
+            try:
+                if runner.phase is Phase.HELD:
+                    runner.resume()
+                else:
+                    self._prepare(job, out)
+            except KVCacheFull:  # a held turn's import found no room after all
+                blocked = job.waits_for_room = True
+                continue
+            except WarmkvError as e:
+                self._end(job, e, out)
+                continue
             job.waits_for_room = False
             room -= need
             running.append(job)
             step.append(job)
-        return step
+        return [j for j in step if j.phase is not Phase.DONE]
 
-    def _drop_if_gone(self, job: Job, out: list[tuple[Job, StreamChunk]], err: WarmkvError | None = None) -> bool:
-        """End a held turn whose client left or whose session is unusable (or with err): its KV is
-        gone, so its session starts again from nothing."""
-        err = err or job.session.usable_error()
-        if err is None and not job.session._cancel.is_set():
+    def _prepare(self, job: Job, out: list[tuple[Job, StreamChunk]]) -> None:
+        """Ready a queued or reading turn (its disk read first, on the reader thread)."""
+        try:
+            job.runner.prepare(self._reader, self._wake)
+        except WarmkvError as e:
+            self._end(job, e, out)
+            return
+        self._note_prefilled(job)
+
+    def _gone(self, job: Job, out: list[tuple[Job, StreamChunk]]) -> bool:
+        """End a turn not decoding whose client left (or the scheduler is closing), or whose session
+        cannot go on; True when it ended."""
+        session = job.session
+        err = session.usable_error()
+        if err is None and not session._cancel.is_set():
             return False
-        job.session.ctx.clear()
-        job.state.next_row()  # forget the row of the step that preempted it
-        out.append((job, job.state.take(err)))
+        self._end(job, err, out)  # err None: a "cancelled" end
         return True
 
-    def _accept(self, job: Job, row: ForwardRow, logits: np.ndarray | None, out: list[tuple[Job, StreamChunk]]) -> None:
-        """_record, ending the turn on an error."""
-        try:
-            self._record(job, row, logits)
-        except WarmkvError as e:
-            self._end(job, e, out)
+    def _preempt(self) -> bool:
+        """The KV pool is short for a step though idle sessions were parked (Runtime._reclaim): the
+        youngest turn holding KV gives it back (TurnRunner.preempt) and waits until there is room
+        again; False when there is no other turn to wait for (the pool cannot hold even the oldest
+        turn: it ends)."""
+        running = [j for j in self._live if j.runner.holds_kv and not j.done]
+        if len(running) < 2:
+            return False
+        job = running[-1]
+        log.info("KV pool short: preempting a %s turn", job.phase.value)
+        job.runner.preempt()
+        self.preemptions += 1
+        return True
 
-    def _record(self, job: Job, row: ForwardRow, logits: np.ndarray | None) -> None:
-        """Record an evaluated piece; the turn decodes once its prompt is in."""
-        load = job.load
-        assert load is not None
-        load.accept(row, logits)
-        self.prefilled_tokens += len(row.tokens)
-        if load.done:
-            self._start_decoding(job, job.session.loaded(load, job.state))
+    def _abandon(self, jobs: list[Job], reason: str) -> list[tuple[Job, StreamChunk]]:
+        """End every unfinished turn of a step that hit a bug: its load rolled back (a stash of moved
+        runs let go, not left pinned) and its session marked unusable, since its state is unknown."""
+        err = SessionFatal(reason)
+        out: list[tuple[Job, StreamChunk]] = []
+        with self._rt.lock:
+            for job in jobs:
+                if job.done:
+                    continue
+                job.runner.abandon(reason)
+                out.append((job, _error_chunk(err)))
+        return out
 
-    def _load(self, job: Job, out: list[tuple[Job, StreamChunk]]) -> PrefixLoad | None:
-        """A waiting turn's prefix load, begun when it can prefill; None when it cannot this step
-        (its disk read is out), has nothing to prefill (it starts decoding), or ended."""
-        session = job.session
-        if session._cancel.is_set():  # the client left, or the scheduler is closing
-            if job.load is not None:
-                job.load.fail()
-            out.append((job, job.state.take(None)))  # a "cancelled" end
-            return None
-        try:
-            err = session.usable_error()
-            if err is not None:
-                raise err
-            if job.load is None:
-                plan = job.turn.plan
-                if plan is None:  # nothing to prefill: decode after what is resident
-                    self._start_decoding(job, None)
-                    return None
-                if job.disk is None:
-                    read = session.disk_read(plan)
-                    if read is not None:
-                        job.disk = self._reader.submit(read)
-                        job.disk.add_done_callback(self._wake)
-                        return None
-                elif not job.disk.done():
-                    return None
-                job.load = session.begin_load(plan, _disk_result(job.disk))
-            if job.load.done:  # a full hit: nothing left to evaluate
-                self._start_decoding(job, session.loaded(job.load, job.state))
-                return None
-            return job.load
-        except WarmkvError as e:
-            self._end(job, e, out)
-            return None
-
-    def _end(self, job: Job, err: WarmkvError, out: list[tuple[Job, StreamChunk]]) -> None:
-        """End a prefilling turn with an error, its prefill rolled back."""
-        if job.load is not None:
-            job.load.fail()
-        out.append((job, job.state.take(err)))
+    def _end(self, job: Job, err: WarmkvError | None, out: list[tuple[Job, StreamChunk]]) -> None:
+        """End a turn now with err (None: cancelled), what it prefilled rolled back."""
+        chunk = job.runner.end(err)
+        assert chunk is not None
+        out.append((job, chunk))
 
     def _wake(self, _read: Future[DiskRead]) -> None:
         with self._cond:
             self._cond.notify()
 
-    def _start_decoding(self, job: Job, status: PrefixStatus | None) -> None:
-        job.load, job.decoding = None, True
-        if job.on_prefilled is not None:
-            _call(job.on_prefilled, status)
+    def _note_prefilled(self, job: Job) -> None:
+        """Tell on_prefilled once the turn's prompt is resident (it decodes)."""
+        if job.on_prefilled is not None and job.phase in (Phase.DECODING, Phase.HELD):
+            _call(job.on_prefilled, job.runner.status)
             job.on_prefilled = None
 
     def _deliver(self, job: Job, chunk: StreamChunk) -> int:
@@ -590,7 +547,7 @@ class Scheduler:
         finally:
             if chunk.done:
                 job.done = True
-                job.session.scheduled = False
+                job.session.let_go(job.runner)
                 if job.on_prefilled is not None:  # it ended before its prompt was resident
                     err = chunk.error or (SchedulerClosed("the scheduler closed") if self._closing else None)
                     _call(job.on_prefilled, err or WarmkvError(f"the turn ended ({chunk.finish_reason}) unprefilled"))
@@ -598,34 +555,6 @@ class Scheduler:
                 if job.on_done is not None:
                     _call(job.on_done)
         return len(chunk.token_ids)
-
-
-def _needs(job: Job) -> int:
-    """Tokens a turn may still take from the pool soon: the rest of its prompt (all of its KV for a
-    held turn), and RESUME_RESERVE to grow."""
-    ctx = job.session.ctx
-    if job.held:
-        return len(ctx.tokens) + RESUME_RESERVE
-    plan = job.turn.plan
-    if job.decoding or plan is None:
-        return RESUME_RESERVE
-    return max(0, len(plan.tokens) - len(ctx.tokens)) + RESUME_RESERVE
-
-
-def _reading(job: Job) -> bool:
-    """The turn waits for its disk read and has nothing else to do."""
-    return job.disk is not None and job.load is None and not job.disk.done() and not job.done
-
-
-def _disk_result(read: Future[DiskRead] | None) -> DiskRead:
-    """What the read found; nothing when there was no read or it failed (a cold prefill, never wrong KV)."""
-    if read is None:
-        return DiskRead(None)
-    try:
-        return read.result()
-    except Exception as e:
-        log.warning("disk tier read failed: %r", e)
-        return DiskRead(None)
 
 
 def _outcomes(group: list[tuple[Job, ForwardRow]], err: WarmkvError) -> list[Outcome]:

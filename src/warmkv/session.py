@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .backends.base import exact_cut
 from .config import DecodeConfig
 from .context import ResidentContext
@@ -37,6 +39,7 @@ from .errors import (
     InvalidInput,
     ManifestMismatch,
     NoPrefix,
+    SessionBusy,
     SessionClosed,
     SessionFatal,
     Unsupported,
@@ -46,6 +49,7 @@ from .manifest import ContextManifest, hash_token_ids, validate_segments
 from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan, plan_moves
 from .text import as_text
 from .tokens import common_prefix_len, spell
+from .turn_runner import Phase, TurnRunner
 from .types import (
     ContextReport,
     Divergence,
@@ -106,7 +110,8 @@ class Session:
         # turn resends its whole prompt): when the KV pool runs short while it is idle, its KV moves to
         # the tiers (park) and its next prompt restores it from there.
         self.evictable = False
-        self.scheduled = False  # a Scheduler turn of this session is queued or running (set by the Scheduler)
+        self._runner: TurnRunner | None = None  # the turn running on this session (hold/let_go)
+        self._runner_lock = threading.Lock()  # only for _runner: taken under any other lock, takes none
         self.used_at = time.monotonic()  # when what is resident last changed: the least recent parks first
 
     @property
@@ -116,9 +121,33 @@ class Session:
     # -- helpers -------------------------------------------------------------
 
     def _check_usable(self) -> None:
+        """For a call that changes the session: it must be usable and no turn of it may be running."""
         err = self.usable_error()
         if err is not None:
             raise err
+        if self._runner is not None:
+            raise SessionBusy(
+                f"session {self.id} is running a turn ({self._runner.phase.value}): finish or close its decode "
+                "stream, or wait for its scheduled turn to end"
+            )
+
+    @property
+    def busy(self) -> bool:
+        """A turn of this session runs: a decode stream still open, or a turn on a Scheduler."""
+        return self._runner is not None
+
+    def hold(self, runner: TurnRunner) -> None:
+        """Make runner this session's turn until let_go (SessionBusy while another one runs)."""
+        with self._runner_lock:
+            if self._runner is not None and self._runner is not runner:
+                raise SessionBusy(f"session {self.id} is already running a turn ({self._runner.phase.value})")
+            self._runner = runner
+
+    def let_go(self, runner: TurnRunner) -> None:
+        """The turn ended: the session takes calls again."""
+        with self._runner_lock:
+            if self._runner is runner:
+                self._runner = None
 
     def usable_error(self) -> WarmkvError | None:
         """Why this session cannot run a step now, or None."""
@@ -175,18 +204,24 @@ class Session:
             return self._run_plan(plan)
 
     def _run_plan(self, plan: PrefixPlan) -> PrefixStatus:
+        """A prefill alone: one runner, stepped a forward at a time, the model lock offered between."""
         with self._lock(publish=True):
             self._check_usable()
-            load = self.begin_load(plan)
+            runner = TurnRunner(self, plan, None)
+            self.hold(runner)
             try:
-                while (row := load.next_row()) is not None:
-                    load.accept(row, self.ctx.forward(row))
-                    if not load.done:
+                runner.prepare()
+                while (row := runner.next_row()) is not None:
+                    runner.accept(row, self.ctx.forward(row))
+                    if runner.phase is Phase.PREFILLING:
                         self._rt.yield_model_lock()
             except BaseException:
-                load.fail()
+                runner.end()
                 raise
-            return self.finish_load(load)
+            finally:
+                self.let_go(runner)
+            assert runner.status is not None, runner.phase
+            return runner.status
 
     def plan_prefix(self, prefix: PrefixInput | str | bytes) -> PrefixPlan:
         """Check a prompt and decide what making it resident takes; the KV is not touched."""
@@ -386,26 +421,38 @@ class Session:
             return DecodeState(ctx, self._backend, cfg, budget, used, cached, self._num_ctx, self._cancel, guide=guide)
 
     def _drive(self, state: DecodeState) -> Iterator[StreamChunk]:
-        """One session's decode: one forward (or none) and one chunk per step, the model lock per step."""
-        while True:
-            with self._lock():
-                chunk = self._step(state)
-                if chunk.done:  # not every step: a copy of the tokens for every token would add up
-                    self._publish()
-            yield chunk
-            if chunk.done:
-                return
+        """One session's decode: one runner, one forward (or none) and one chunk per step, the model
+        lock per step. The session holds the runner while the stream is open (SessionBusy for other
+        calls meanwhile), until the stream ends or is closed."""
+        runner = TurnRunner(self, None, state)
+        self.hold(runner)
+        try:
+            while True:
+                with self._lock():
+                    chunk = self._step(runner)
+                    if chunk.done:  # not every step: a copy of the tokens for every token would add up
+                        self._publish()
+                        self.let_go(runner)  # before the last chunk: a caller seldom asks past it
+                yield chunk
+                if chunk.done:
+                    return
+        finally:
+            self.let_go(runner)
 
-    def _step(self, state: DecodeState) -> StreamChunk:
+    def _step(self, runner: TurnRunner) -> StreamChunk:
         err = self.usable_error()
         if err is not None:
-            return state.take(err)
-        row = state.next_row()
-        try:
-            out = self.ctx.forward(row) if row is not None else None
-        except WarmkvError as e:
-            return state.take(e)
-        return state.take(out)
+            chunk = runner.end(err)
+        else:
+            row = runner.next_row()
+            out: np.ndarray | WarmkvError | None
+            try:
+                out = self.ctx.forward(row) if row is not None else None
+            except WarmkvError as e:
+                out = e
+            chunk = runner.accept(row, out)
+        assert chunk is not None
+        return chunk
 
     def turn(self, prompt: PrefixInput | str | bytes | None, config: DecodeConfig | None = None) -> Turn:
         """A turn for the Scheduler: make `prompt` resident (None: keep what is), then decode.

@@ -20,6 +20,7 @@ from ..errors import (
     ModelUnloaded,
     NoPrefix,
     SchedulerClosed,
+    SessionBusy,
     SessionClosed,
     SessionFatal,
     SessionLimit,
@@ -118,6 +119,8 @@ def from_warmkv(e: WarmkvError) -> ApiError:
         return ApiError(409, msg, code="no_prefix")
     if isinstance(e, SessionClosed):
         return ApiError(410, msg, code="session_closed")
+    if isinstance(e, SessionBusy):
+        return ApiError(409, msg, code="session_busy")
     if isinstance(e, SessionLimit):
         return ApiError(429, msg, code="session_limit", open_sessions=e.open_sessions, n_seq_max=e.n_seq_max)
     if isinstance(e, StreamLimit):
