@@ -178,6 +178,7 @@ class Scheduler:
         self.prefilled_tokens = 0
         self.preemptions = 0
         self._live: list[Job] = []  # worker thread only
+        self._preempted: set[int] = set()  # the turns (ids) preempted in this step: their rows wait
         self.stats = SchedulerStats()  # replaced under _cond after each step and submit
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="warmkv-disk-read")
         self._thread = threading.Thread(target=self._run, name="warmkv-scheduler", daemon=True)
@@ -304,6 +305,7 @@ class Scheduler:
         with self._rt.lock:
             jobs = self._admit(jobs, out)
             self._live = jobs  # the turns this step may preempt, oldest first
+            self._preempted = set()
             rows, idle = self._decode_rows(jobs, out)
             step = self.config.max_step_tokens
             budget = max(step - sum(len(r.tokens) for _, r in rows), step // PREFILL_FLOOR)
@@ -344,8 +346,8 @@ class Scheduler:
     def _accept(self, job: Job, row: ForwardRow | None, got: Outcome, out: list[tuple[Job, StreamChunk]]) -> None:
         """Hand a row's outcome to its turn: its chunk (a decode step, or the end) goes out. A retried
         row has none this step: a decode row runs again next step, a piece's load did not move."""
-        if isinstance(got, _Retry):
-            return
+        if isinstance(got, _Retry) or id(job) in self._preempted:
+            return  # a preempted turn's row, or its step without one, comes again when it resumes
         runner = job.runner
         prefilling = runner.phase is Phase.PREFILLING
         if prefilling and row is not None and not isinstance(got, WarmkvError):
@@ -361,10 +363,12 @@ class Scheduler:
         """The rows' outcomes: one forward of them all, a turn marked solo in one of its own."""
         together = [i for i, (job, _) in enumerate(group) if not job.solo]
         parts = ([together] if together else []) + [[i] for i, (job, _) in enumerate(group) if job.solo]
-        outcomes: list[Outcome] = [None] * len(group)
+        outcomes: list[Outcome] = [RETRY] * len(group)
         for part in parts:
-            for i, got in zip(part, self._evaluate([group[i] for i in part]), strict=True):
-                outcomes[i] = got
+            live = [i for i in part if id(group[i][0]) not in self._preempted]  # not an earlier part's victim
+            if live:
+                for i, got in zip(live, self._evaluate([group[i] for i in live]), strict=True):
+                    outcomes[i] = got
         return outcomes
 
     def _evaluate(self, group: list[tuple[Job, ForwardRow]]) -> list[Outcome]:
@@ -506,6 +510,7 @@ class Scheduler:
         job = running[-1]
         log.info("KV pool short: preempting a %s turn", job.phase.value)
         job.runner.preempt()
+        self._preempted.add(id(job))
         self.preemptions += 1
         return True
 
