@@ -68,7 +68,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backends.base import ForwardRow
-from .decode_state import DecodeState
 from .errors import (
     ForwardFailed,
     InvalidInput,
@@ -147,11 +146,6 @@ class Job:
     @property
     def session(self) -> Session:
         return self.runner.session
-
-    @property
-    def state(self) -> DecodeState:
-        assert self.runner.state is not None
-        return self.runner.state
 
     @property
     def phase(self) -> Phase:
