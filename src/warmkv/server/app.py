@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -15,13 +15,14 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
 from .. import __version__
-from ..errors import InvalidConfig
+from ..errors import InvalidConfig, WarmkvError
 from ..runtime import Runtime
 from ..scheduler import Scheduler, SchedulerConfig
 from . import (
     anthropic_routes,
     errors,
     infill_routes,
+    model_routes,
     openai_routes,
     responses_routes,
     session_routes,
@@ -29,56 +30,76 @@ from . import (
 )
 from .admission import Admission
 from .guard import Guard
+from .leases import Leases
 from .metrics import ServerMetrics
+from .model_table import ModelSpec, ModelTable
 from .pool import SessionPool
-from .registry import SessionRegistry
-from .settings import ServerSettings, default_pool_size
-from .state import ServerState, get_state
+from .registry import SessionRegistry, session_snapshot_name
+from .settings import ServerSettings, TableSettings, default_pool_size
+from .state import Hub, ServerState
 
 log = logging.getLogger("warmkv.server")
 
 
-def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> FastAPI:
-    """An app serving `runtime`. The caller owns the runtime and closes it after the app stops."""
+def create_app(
+    runtime: Runtime | None = None,
+    settings: ServerSettings | None = None,
+    *,
+    models: Sequence[ModelSpec] = (),
+    table: TableSettings | None = None,
+) -> FastAPI:
+    """An app serving `runtime`, or the models of a table (loaded on demand), or both: then
+    runtime is models[0] already loaded. The caller owns a runtime it passes and closes it after
+    the app stops, unless the table unloads it first (a table's models are the table's)."""
     cfg = settings or ServerSettings()
-    n_seq = runtime.config.n_seq_max
-    pool_size = cfg.pool_size if cfg.pool_size is not None else default_pool_size(n_seq)
-    if pool_size > n_seq:
-        raise InvalidConfig(f"pool_size={pool_size} exceeds the runtime's n_seq_max={n_seq}")
+    tcfg = table or TableSettings()
+    if runtime is None and not models:
+        raise InvalidConfig("create_app needs a runtime or at least one model")
+    if runtime is not None:
+        _check_pool(runtime, cfg)
+        runtime.tool_format(cfg.tool_format)  # InvalidConfig-like errors before serving
+    specs = list(models) or [_pinned(runtime, cfg)]  # type: ignore[arg-type]
     metrics = ServerMetrics()
-    tool_format = runtime.tool_format(cfg.tool_format)  # InvalidConfig-like errors before serving
-    log.info("tool calls: %s", tool_format.describe())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         admission = Admission(cfg.max_queue)
-        pool = SessionPool(runtime, pool_size, admission, cfg.queue_timeout_s)
-        await pool.open()
-        registry = SessionRegistry(runtime, n_seq - pool_size, cfg.session_ttl_s, admission, cfg.queue_timeout_s)
-        step = {} if cfg.max_step_tokens is None else {"max_step_tokens": cfg.max_step_tokens}
-        scheduler = Scheduler(runtime, SchedulerConfig(**step))
-        st = ServerState(
-            runtime=runtime,
-            settings=cfg,
-            scheduler=scheduler,
-            pool=pool,
-            registry=registry,
-            admission=admission,
-            metrics=metrics,
-            model_id=cfg.model_id or Path(runtime.info.path).stem,
-            tool_format=tool_format,
+
+        async def build(rt: Runtime, spec: ModelSpec) -> ServerState:
+            return await _serve_model(rt, spec, hub)
+
+        async def teardown(st: ServerState) -> None:
+            await _unload_model(st, hub)
+
+        models_table = ModelTable(
+            specs,
+            build,
+            teardown,
+            models_max=tcfg.models_max,
+            idle_s=tcfg.sleep_idle_s,
+            wait_s=cfg.queue_timeout_s,
+            any_name="*" in cfg.model_aliases,
+            anthropic_any=not cfg.model_aliases,
         )
-        app.state.warmkv = st
-        _gauges(st)
-        expiry = asyncio.create_task(_expire_loop(registry))
+        hub = Hub(cfg, metrics, admission, models_table)
+        app.state.warmkv = hub
+        if runtime is not None:
+            models_table.adopt(models_table.default, await build(runtime, specs[0]))
+        _gauges(hub)
+        sweep = asyncio.create_task(_sweep_loop(hub))
         try:
             yield
         finally:
-            expiry.cancel()
+            sweep.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await expiry
-            await asyncio.to_thread(scheduler.close)
-            await asyncio.to_thread(_close_sessions, pool, registry)
+                await sweep
+            for slot in models_table.loaded():
+                st = slot.state
+                if slot.spec.pinned and st is not None:  # the caller's runtime: it closes it
+                    await asyncio.to_thread(st.scheduler.close)
+                    await asyncio.to_thread(_close_sessions, st.pool, st.registry)
+                else:
+                    await models_table.unload(slot, "server stopping")
 
     app = FastAPI(
         title="warmkv",
@@ -93,6 +114,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     app.include_router(utility_routes.router)
     app.include_router(infill_routes.router)
     app.include_router(session_routes.router)
+    app.include_router(model_routes.router)
     app.add_api_route("/health", health, methods=["GET"], tags=["ops"])
     app.add_api_route("/metrics", metrics_route, methods=["GET"], tags=["ops"], response_class=Response)
     if cfg.cors_origins:
@@ -100,7 +122,76 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
             CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["*"], allow_headers=["*"]
         )
     app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, metrics=metrics)
+    app.add_middleware(Leases)  # outermost: a lease outlives the whole response
     return app
+
+
+def _check_pool(runtime: Runtime, cfg: ServerSettings) -> int:
+    n_seq = runtime.config.n_seq_max
+    pool_size = cfg.pool_size if cfg.pool_size is not None else default_pool_size(n_seq)
+    if pool_size > n_seq:
+        raise InvalidConfig(f"pool_size={pool_size} exceeds the runtime's n_seq_max={n_seq}")
+    return pool_size
+
+
+def _pinned(runtime: Runtime, cfg: ServerSettings) -> ModelSpec:
+    """The one model of an app made from a runtime alone: never unloaded (it cannot be loaded again)."""
+    path = str(runtime.info.path)
+
+    def cannot_reload() -> Runtime:
+        raise InvalidConfig(f"{path} was loaded by the caller and cannot be loaded again")
+
+    model_id = cfg.model_id or Path(path).stem
+    aliases = tuple(a for a in cfg.model_aliases if a != "*")
+    return ModelSpec(model_id, path, cannot_reload, aliases, backend=runtime.backend.name, pinned=True)
+
+
+async def _serve_model(rt: Runtime, spec: ModelSpec, hub: Hub) -> ServerState:
+    """A loaded model's serving parts: its session pool, /v1/sessions registry and scheduler."""
+    cfg = hub.settings
+    pool_size = _check_pool(rt, cfg)
+    tool_format = rt.tool_format(cfg.tool_format)
+    log.info("%s: tool calls: %s", spec.id, tool_format.describe())
+    pool = SessionPool(rt, pool_size, hub.admission, cfg.queue_timeout_s)
+    await pool.open()
+    capacity = rt.config.n_seq_max - pool_size
+    registry = SessionRegistry(
+        rt, capacity, cfg.session_ttl_s, hub.admission, cfg.queue_timeout_s, hub.session_owner, spec.id
+    )
+    step = {} if cfg.max_step_tokens is None else {"max_step_tokens": cfg.max_step_tokens}
+    return ServerState(
+        runtime=rt,
+        settings=cfg,
+        scheduler=Scheduler(rt, SchedulerConfig(**step)),
+        pool=pool,
+        registry=registry,
+        admission=hub.admission,
+        metrics=hub.metrics,
+        model_id=spec.id,
+        tool_format=tool_format,
+        messages_log=hub.messages_log,
+        reasoning=hub.reasoning,
+        started=hub.started,
+        names=spec.names,
+        table_default=spec is hub.table.default.spec,
+    )
+
+
+async def _unload_model(st: ServerState, hub: Hub) -> None:
+    """Keep a model's warm context on disk, then close it: named sessions are snapshotted under
+    their id, pooled sessions parked to the tiers, and Runtime.close spills the memory tier."""
+    await asyncio.to_thread(st.scheduler.close)
+    for entry in st.registry.entries():
+        name = session_snapshot_name(entry.id)
+        try:
+            await asyncio.to_thread(entry.session.snapshot, name)
+            hub.parked_sessions[entry.id] = name
+        except WarmkvError as e:
+            log.warning("session %s of %s not kept across the unload: %s", entry.id, st.model_id, e)
+    parked = await asyncio.to_thread(st.pool.park_all)
+    await asyncio.to_thread(_close_sessions, st.pool, st.registry)
+    await asyncio.to_thread(st.runtime.close)
+    log.info("%s: %d pooled tokens and %d sessions kept on disk", st.model_id, parked, len(st.registry.entries()))
 
 
 def _close_sessions(pool: SessionPool, registry: SessionRegistry) -> None:
@@ -108,33 +199,68 @@ def _close_sessions(pool: SessionPool, registry: SessionRegistry) -> None:
     registry.close_all()
 
 
-def _gauges(st: ServerState) -> None:
-    """Gauges read the published stats (warmkv.stats) and the loop's own state: never the model lock."""
-    m, rt, sched = st.metrics, st.runtime, st.scheduler
-    m.gauge("warmkv_resident_sessions", "Open sessions (server pool + /v1/sessions)", lambda: rt.stats.sessions)
-    m.gauge("warmkv_user_sessions", "Sessions opened through /v1/sessions", lambda: len(st.registry))
-    m.gauge("warmkv_queue_depth", "Requests waiting for a session", lambda: st.queue_depth)
-    m.gauge("warmkv_active_streams", "Turns on the scheduler (waiting or running)", lambda: sched.stats.active)
-    m.gauge("warmkv_scheduler_waiting_turns", "Turns whose prompt is not resident yet", lambda: sched.stats.waiting)
-    m.gauge("warmkv_running_streams", "Turns decoding on the scheduler", lambda: sched.stats.running)
-    m.gauge("warmkv_kv_held_tokens", "Tokens whose KV the pool holds now", lambda: rt.stats.kv_memory.held_tokens)
-    m.gauge("warmkv_preempted_streams", "Turns waiting for KV pool room (preempted)", lambda: sched.stats.preempted)
+def _gauges(hub: Hub) -> None:
+    """Gauges read the published stats (warmkv.stats) and the loop's own state: never the model lock.
+    Each sums over the loaded models."""
+    m = hub.metrics
+
+    def total(fn: Callable[[ServerState], float]) -> Callable[[], float]:
+        return lambda: sum(fn(st) for st in hub.table.states())
+
+    m.gauge("warmkv_models_loaded", "Models loaded now", lambda: len(hub.table.loaded()))
+    m.gauge("warmkv_model_swaps", "Loads that first unloaded another model (--models-max), since start",
+            lambda: hub.table.swaps)  # fmt: skip
+    m.gauge(
+        "warmkv_resident_sessions",
+        "Open sessions (server pool + /v1/sessions)",
+        total(lambda st: st.runtime.stats.sessions),
+    )
+    m.gauge("warmkv_user_sessions", "Sessions opened through /v1/sessions", total(lambda st: len(st.registry)))
+    m.gauge("warmkv_queue_depth", "Requests waiting for a session", lambda: hub.admission.waiting)
+    m.gauge(
+        "warmkv_active_streams",
+        "Turns on the scheduler (waiting or running)",
+        total(lambda st: st.scheduler.stats.active),
+    )
+    m.gauge(
+        "warmkv_scheduler_waiting_turns",
+        "Turns whose prompt is not resident yet",
+        total(lambda st: st.scheduler.stats.waiting),
+    )
+    m.gauge("warmkv_running_streams", "Turns decoding on the scheduler", total(lambda st: st.scheduler.stats.running))
+    m.gauge(
+        "warmkv_kv_held_tokens",
+        "Tokens whose KV the pool holds now",
+        total(lambda st: st.runtime.stats.kv_memory.held_tokens),
+    )
+    m.gauge(
+        "warmkv_preempted_streams",
+        "Turns waiting for KV pool room (preempted)",
+        total(lambda st: st.scheduler.stats.preempted),
+    )
     m.gauge(
         "warmkv_preemptions", "Turns preempted because the KV pool was short, since start",
-        lambda: sched.stats.preemptions,
+        total(lambda st: st.scheduler.stats.preemptions),
     )  # fmt: skip
     m.gauge(
         "warmkv_parked_sessions", "Idle sessions whose KV moved to the tiers because the KV pool was short",
-        lambda: rt.stats.parked,
+        total(lambda st: st.runtime.stats.parked),
     )  # fmt: skip
-    m.gauge("warmkv_decode_tokens_per_second", "Aggregate decode rate over the last 5 s", sched.tokens_per_s)
+    m.gauge(
+        "warmkv_decode_tokens_per_second",
+        "Aggregate decode rate over the last 5 s",
+        total(lambda st: st.scheduler.tokens_per_s()),
+    )
 
 
-async def _expire_loop(registry: SessionRegistry) -> None:
-    period = min(max(registry.ttl_s / 4, 0.05), 30.0)
+async def _sweep_loop(hub: Hub) -> None:
+    """Expire idle /v1/sessions, and unload models idle past their keep-alive."""
+    period = min(max(hub.settings.session_ttl_s / 4, 0.05), 1.0)
     while True:
         await asyncio.sleep(period)
-        registry.expire()
+        for st in hub.table.states():
+            st.registry.expire()
+        await hub.table.expire()
 
 
 async def health(request: Request) -> dict[str, Any]:
@@ -143,7 +269,21 @@ async def health(request: Request) -> dict[str, Any]:
     The engine's figures are the stats it published after its last step (warmkv.stats): a
     probe never waits for the model lock, so it answers while a long prompt prefills.
     """
-    st = get_state(request)
+    hub: Hub = request.app.state.warmkv
+    models = [slot.describe(hub.table.idle_s) for slot in hub.table.slots]
+    loaded = hub.table.states()
+    st = hub.default or (loaded[0] if loaded else None)  # the figures below are the default model's when loaded
+    if st is None:
+        return {
+            "status": "ok",
+            "degraded": False,
+            "degraded_reason": None,
+            "model": hub.table.default.id,
+            "state": "unloaded",
+            "uptime_s": time.time() - hub.started,
+            "models": models,
+            "queue_depth": hub.admission.waiting,
+        }
     degraded = st.pool.degraded
     engine, sched = st.runtime.stats, st.scheduler.stats
     return {
@@ -171,10 +311,11 @@ async def health(request: Request) -> dict[str, Any]:
             "max_step_tokens": st.scheduler.config.max_step_tokens,
         },
         "queue_depth": st.queue_depth,
+        "models": models,
     }
 
 
 async def metrics_route(request: Request) -> Response:
     """Prometheus text format."""
-    m = get_state(request).metrics
+    m = request.app.state.warmkv.metrics
     return Response(m.render(), media_type=m.content_type)

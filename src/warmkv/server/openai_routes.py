@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -19,6 +19,7 @@ from .chat_turn import ChatInput, start_chat
 from .constraints import one_constraint
 from .errors import ApiError
 from .generation import generate
+from .model_table import ModelSlot
 from .openai_wire import ChatCollector, ChatEncoder, CompletionCollector, CompletionEncoder, Head
 from .reuse_report import report
 from .sampling import sampling_fields, usage_body
@@ -34,7 +35,7 @@ from .schemas import (
     TextCompletion,
     _Sampling,
 )
-from .state import ServerState, State
+from .state import Hub, State
 from .wire import Turn
 
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -97,19 +98,24 @@ def _format_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(st: State) -> dict[str, Any]:
-    """The served model, then each name configured for it with --model-alias."""
-    names = [st.model_id, *(a for a in st.settings.model_aliases if a not in ("*", st.model_id))]
-    return {"object": "list", "data": [_card(st, name) for name in names]}
+async def list_models(request: Request) -> dict[str, Any]:
+    """Every model this server can serve, with its status, then the names --model-alias adds to the default."""
+    hub: Hub = request.app.state.warmkv
+    data = [_card(hub, slot, slot.id) for slot in hub.table.slots]
+    default = hub.table.default
+    data += [_card(hub, default, a) for a in hub.settings.model_aliases if a not in ("*", default.id)]
+    return {"object": "list", "data": data}
 
 
 @router.get("/models/{model_id}")
-async def get_model(model_id: str, st: State) -> dict[str, Any]:
-    return _card(st, st.check_model(model_id))
+async def get_model(model_id: str, request: Request) -> dict[str, Any]:
+    hub: Hub = request.app.state.warmkv
+    return _card(hub, hub.table.find(model_id), model_id)
 
 
-def _card(st: ServerState, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": st.started, "owned_by": "warmkv"}
+def _card(hub: Hub, slot: ModelSlot, name: str) -> dict[str, Any]:
+    card = {"id": name, "object": "model", "created": hub.started, "owned_by": "warmkv"}
+    return {**card, "status": {"value": slot.status.value, **slot.describe(hub.table.idle_s)}}
 
 
 def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any]) -> ChatInput:

@@ -21,6 +21,11 @@ from .errors import ApiError, not_found
 _GONE_MEMORY = 4096  # closed ids remembered, to answer 410 rather than 404
 
 
+def session_snapshot_name(sid: str) -> str:
+    """The disk-store name a session is kept under while its model is unloaded."""
+    return f"session-{sid}"
+
+
 @dataclass
 class Entry:
     id: str
@@ -34,8 +39,19 @@ class Entry:
 
 
 class SessionRegistry:
-    def __init__(self, runtime: Runtime, capacity: int, ttl_s: float, admission: Admission, timeout_s: float) -> None:
+    def __init__(
+        self,
+        runtime: Runtime,
+        capacity: int,
+        ttl_s: float,
+        admission: Admission,
+        timeout_s: float,
+        owners: dict[str, str] | None = None,
+        model_id: str = "",
+    ) -> None:
         self._rt = runtime
+        self._owners = {} if owners is None else owners  # session id -> model id, shared by a server's models
+        self._model_id = model_id
         self.capacity = capacity
         self.ttl_s = ttl_s
         self._admission = admission
@@ -109,6 +125,7 @@ class SessionRegistry:
 
     def _drop(self, entry: Entry, why: str) -> None:
         self._entries.pop(entry.id, None)
+        self._owners.pop(entry.id, None)
         self._gone[entry.id] = why
         while len(self._gone) > _GONE_MEMORY:
             self._gone.popitem(last=False)
@@ -120,11 +137,18 @@ class SessionRegistry:
         """Drop a session whose KV is unknown after a backend failure."""
         self._drop(entry, f"evicted: {reason}")
 
-    def register(self, session: Session) -> Entry:
-        """Adopt a session made elsewhere (a fork)."""
-        entry = Entry(secrets.token_urlsafe(24), session)
+    def register(self, session: Session, sid: str | None = None) -> Entry:
+        """Adopt a session made elsewhere (a fork, or one restored under its old id)."""
+        entry = Entry(sid or secrets.token_urlsafe(24), session)
         self._entries[entry.id] = entry
+        self._owners[entry.id] = self._model_id
         return entry
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    def __contains__(self, sid: object) -> bool:
+        return sid in self._entries
 
     def expire(self) -> int:
         """Close sessions idle for longer than the TTL (never one in use)."""

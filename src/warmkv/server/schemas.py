@@ -212,11 +212,19 @@ class SnapshotRequest(_Request):
 # -- responses (for the OpenAPI schema; routes return plain dicts of this shape) ----------
 
 
+class ModelStatusCard(BaseModel):
+    """Where a model stands (llama.cpp router mode's `status.value`), and what warmkv knows of it."""
+
+    model_config = ConfigDict(extra="allow")
+    value: Literal["unloaded", "loading", "loaded", "unloading", "sleeping", "failed"]
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "warmkv"
+    status: ModelStatusCard | None = None
 
 
 class ModelList(BaseModel):

@@ -11,7 +11,7 @@ from ..reasoning import REASONING_FORMATS
 from ..tools.formats import FORMAT_NAMES
 
 LOOPBACK_NAMES = ("localhost",)
-__all__ = ["SERVE_N_SEQ_MAX", "ServerSettings", "default_pool_size", "is_loopback"]
+__all__ = ["SERVE_N_SEQ_MAX", "ServerSettings", "TableSettings", "default_pool_size", "is_loopback"]
 
 
 def default_pool_size(n_seq_max: int) -> int:
@@ -100,3 +100,19 @@ class ServerSettings:
             )
         if self.tool_format not in FORMAT_NAMES:
             raise InvalidConfig(f"tool_format must be one of {', '.join(FORMAT_NAMES)}; got {self.tool_format!r}")
+
+
+@dataclass(frozen=True)
+class TableSettings:
+    """How a server with several models keeps them: at most models_max loaded at once (the least
+    recently used idle one is unloaded for another), and each unloaded after sleep_idle_s idle
+    (None: never; a request's keep_alive overrides it for its model)."""
+
+    models_max: int | None = None
+    sleep_idle_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.models_max is not None:
+            _positive("models_max", self.models_max)
+        if self.sleep_idle_s is not None:
+            _positive("sleep_idle_s", self.sleep_idle_s, integer=False)

@@ -1,26 +1,41 @@
-"""Everything a route needs, built once per app: runtime, scheduler, pool, registry, metrics."""
+"""Everything a route needs: the server's shared parts (Hub) and, per model, its ServerState.
+
+A route asks for `State`: the state of the model its request names (the body's `model`, the
+path's model id, or the model that owns the path's session), loaded on demand, with a lease
+held until the response, a stream included, has been sent (leases.py).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
+from ..errors import WarmkvError
 from ..reasoning import parses
 from ..runtime import Runtime
 from ..scheduler import Scheduler
 from ..tools import ToolFormat
 from .admission import Admission
 from .errors import ApiError
+from .keep_alive import keep_alive_seconds
+from .leases import hold
 from .message_log import MessageLog
 from .metrics import ServerMetrics
 from .pool import SessionPool
 from .reasoning_store import ReasoningStore
 from .registry import SessionRegistry
 from .settings import ServerSettings
+
+log = logging.getLogger("warmkv.server")
+
+if TYPE_CHECKING:
+    from .model_table import ModelSlot, ModelTable
 
 
 @dataclass
@@ -37,18 +52,22 @@ class ServerState:
     messages_log: MessageLog = field(default_factory=MessageLog)  # /v1/messages fingerprints for diagnostics
     reasoning: ReasoningStore = field(default_factory=ReasoningStore)  # signed reasoning clients send back
     started: int = field(default_factory=lambda: int(time.time()))
+    names: tuple[str, ...] = ()  # more names of this model (a model table's aliases)
+    table_default: bool = True  # the table's default model: names no model answers to may reach it
 
     @property
     def aliases(self) -> tuple[str, ...]:
         """Every name of the served model: its id, its file's name and stem, and the configured aliases."""
         p = Path(self.runtime.info.path)
-        given = tuple(a for a in self.settings.model_aliases if a != "*")
-        return tuple(dict.fromkeys((self.model_id, p.name, p.stem, *given)))
+        given = tuple(a for a in self.settings.model_aliases if a != "*") if self.table_default else ()
+        return tuple(dict.fromkeys((self.model_id, p.name, p.stem, *self.names, *given)))
 
     def check_model(self, model: str, route: str = "openai") -> str:
         """The requested name (responses echo it), if it names the served model on this route; 404 otherwise."""
-        anything = "*" in self.settings.model_aliases or (route == "anthropic" and not self.settings.model_aliases)
-        if anything or model in self.aliases:
+        anything = self.table_default and (
+            "*" in self.settings.model_aliases or (route == "anthropic" and not self.settings.model_aliases)
+        )
+        if anything or model in self.aliases or model.rsplit(":", 1)[0] in self.aliases:
             return model
         raise ApiError(
             404,
@@ -68,8 +87,72 @@ class ServerState:
         return self.admission.waiting
 
 
-def get_state(request: Request) -> ServerState:
-    return request.app.state.warmkv
+@dataclass
+class Hub:
+    """What every model shares: settings, metrics, the wait queue, and the model table."""
+
+    settings: ServerSettings
+    metrics: ServerMetrics
+    admission: Admission
+    table: ModelTable
+    messages_log: MessageLog = field(default_factory=MessageLog)
+    reasoning: ReasoningStore = field(default_factory=ReasoningStore)
+    started: int = field(default_factory=lambda: int(time.time()))
+    # /v1/sessions ids -> the model that owns them; snapshot names of those whose model was unloaded
+    session_owner: dict[str, str] = field(default_factory=dict)
+    parked_sessions: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def default(self) -> ServerState | None:
+        return self.table.default.state
+
+    def slot_for(self, request: Request, body: Any) -> ModelSlot:
+        """The model a request is for: its session's, the path's model id, or the body's `model`."""
+        sid = request.path_params.get("sid")
+        if sid is not None and sid in self.session_owner:
+            return self.table.find(self.session_owner[sid])
+        name = request.path_params.get("model_id")
+        if name is None and isinstance(body, dict) and isinstance(body.get("model"), str):
+            name = body["model"]
+        path = request.url.path
+        route = "anthropic" if path.startswith("/v1/messages") else "ollama" if path.startswith("/api/") else "openai"
+        return self.table.find(name, route)
+
+
+async def _body(request: Request) -> Any:
+    one = len(request.app.state.warmkv.table.slots) == 1 and not request.url.path.startswith("/api/")
+    if request.method not in ("POST", "PUT", "PATCH") or one:
+        return None  # one model: every request is for it, and the route checks the name
+    try:
+        return await request.json()  # cached on the request: the route's own parse reuses the bytes
+    except ValueError:
+        return None  # the route's validation answers the bad body
+
+
+async def get_state(request: Request) -> ServerState:
+    """The state of the model this request is for, loaded if need be, leased until the response is sent."""
+    hub: Hub = request.app.state.warmkv
+    body = await _body(request)
+    slot = hub.slot_for(request, body)
+    keep = keep_alive_seconds(body.get("keep_alive")) if isinstance(body, dict) and "keep_alive" in body else None
+    st = await hub.table.acquire(slot, keep)
+    hold(request, lambda: hub.table.release(slot))
+    sid = request.path_params.get("sid")
+    if sid is not None and sid in hub.parked_sessions and sid not in st.registry:
+        await _restore_session(hub, st, sid)
+    return st
+
+
+async def _restore_session(hub: Hub, st: ServerState, sid: str) -> None:
+    """A /v1/sessions session kept on disk while its model was unloaded: back under its own id."""
+    name = hub.parked_sessions.pop(sid)
+    try:
+        session = await asyncio.to_thread(st.runtime.restore, name)
+    except WarmkvError as e:
+        log.warning("session %s could not be restored after its model was reloaded: %s", sid, e)
+        hub.session_owner.pop(sid, None)
+        return
+    st.registry.register(session, sid)
 
 
 State = Annotated[ServerState, Depends(get_state)]

@@ -1,0 +1,302 @@
+"""The models one server serves: load on demand, evict the least recently used, unload when idle.
+
+Each model has a slot. A loaded slot holds the model's ServerState (runtime, scheduler, session
+pool, /v1/sessions registry); every request takes a lease on it for its whole life, a stream
+included (leases.py), and a model is unloaded only when none is held. All methods run on the
+event loop; loading and unloading run in worker threads, so other models keep serving.
+
+Unloading writes the model's warm context to the disk tier first: each pooled session's exact
+full blocks are parked (Session.park), named sessions are snapshotted under their id, and
+Runtime.close spills the memory tier to disk. The same conversation, next time the model is
+loaded, restores from disk instead of prefilling. States: unloaded -> loading -> loaded ->
+(unloading) -> unloaded or sleeping (unloaded for being idle); a load that raises leaves the
+slot failed, with the file and the reason, and the next request tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from ..runtime import Runtime
+from .errors import ApiError
+from .state import ServerState
+
+log = logging.getLogger("warmkv.server")
+
+
+class ModelStatus(StrEnum):
+    UNLOADED = "unloaded"
+    LOADING = "loading"
+    LOADED = "loaded"
+    UNLOADING = "unloading"
+    SLEEPING = "sleeping"  # unloaded after its idle time
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the server can load: its id, what clients may call it, the file, and how to load it."""
+
+    id: str
+    path: str
+    load: Callable[[], Runtime] = field(compare=False, repr=False)
+    aliases: tuple[str, ...] = ()
+    backend: str = "llamacpp"
+    pinned: bool = False  # loaded by the caller: never unloaded by the table
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        p = Path(self.path)
+        return tuple(dict.fromkeys((self.id, p.name, p.stem, *self.aliases)))
+
+
+@dataclass
+class ModelSlot:
+    spec: ModelSpec
+    status: ModelStatus = ModelStatus.UNLOADED
+    state: ServerState | None = None
+    error: str | None = None
+    leases: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    loaded_at: float | None = None
+    keep_alive_s: float | None = None  # a request's keep_alive: this slot's idle time until the next one
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # held while loading or unloading
+    task: asyncio.Task[None] | None = None  # the load in progress (or last done)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while no lease is held
+    loads: int = 0
+    load_s: float = 0.0  # the last load's seconds (Ollama's load_duration)
+
+    def __post_init__(self) -> None:
+        self.idle.set()
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    def expires_in(self, default_idle_s: float | None) -> float:
+        """Seconds of idleness this slot is kept for (inf: forever)."""
+        idle = self.keep_alive_s if self.keep_alive_s is not None else default_idle_s
+        return math.inf if idle is None or idle < 0 else idle
+
+    def describe(self, default_idle_s: float | None) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "id": self.id,
+            "status": self.status.value,
+            "path": self.spec.path,
+            "backend": self.spec.backend,
+            "aliases": list(self.spec.aliases),
+            "loads": self.loads,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        if self.status is ModelStatus.LOADED:
+            keep = self.expires_in(default_idle_s)
+            out["active_requests"] = self.leases
+            out["expires_in_s"] = None if math.isinf(keep) else max(0.0, keep - (time.monotonic() - self.last_used))
+        return out
+
+
+Build = Callable[[Runtime, ModelSpec], Awaitable[ServerState]]
+Teardown = Callable[[ServerState], Awaitable[None]]
+
+
+class ModelTable:
+    """The slots, by every name each model answers to; the first model is the default."""
+
+    def __init__(
+        self,
+        specs: Sequence[ModelSpec],
+        build: Build,
+        teardown: Teardown,
+        *,
+        models_max: int | None = None,
+        idle_s: float | None = None,
+        wait_s: float = 60.0,
+        any_name: bool = False,
+        anthropic_any: bool = True,
+    ) -> None:
+        if not specs:
+            raise ValueError("a model table needs at least one model")
+        self.slots = [ModelSlot(s) for s in specs]
+        self._by_name: dict[str, ModelSlot] = {}
+        for slot in self.slots:
+            for name in slot.spec.names:
+                self._by_name.setdefault(name, slot)
+        self._build, self._teardown = build, teardown
+        self.models_max = models_max
+        self.idle_s = idle_s
+        self.wait_s = wait_s
+        self.any_name = any_name  # "*" among the aliases: unknown names go to the default model
+        self.anthropic_any = anthropic_any  # no aliases given: Anthropic clients' own names reach the default
+        self._room = asyncio.Lock()  # one eviction decision at a time
+        self.swaps = 0  # loads that first unloaded another model to make room
+
+    @property
+    def default(self) -> ModelSlot:
+        return self.slots[0]
+
+    def loaded(self) -> list[ModelSlot]:
+        return [s for s in self.slots if s.status is ModelStatus.LOADED and s.state is not None]
+
+    def unloadable(self, slot: ModelSlot) -> bool:
+        return not slot.spec.pinned
+
+    def states(self) -> list[ServerState]:
+        return [s.state for s in self.loaded() if s.state is not None]
+
+    def find(self, name: str | None, route: str = "openai") -> ModelSlot:
+        """The slot a request's model name picks; 404 naming what is served otherwise."""
+        if name is None or name == "":
+            return self.default
+        slot = self._by_name.get(name) or self._by_name.get(_untagged(name))
+        if slot is not None:
+            return slot
+        if self.any_name or (route == "anthropic" and self.anthropic_any):
+            return self.default
+        raise self.not_found(name)
+
+    def not_found(self, name: str) -> ApiError:
+        served = ", ".join(repr(s.id) for s in self.slots)
+        return ApiError(
+            404,
+            f"model {name!r} is not served here; this server serves {served} (GET /v1/models); "
+            "`warmkv serve --model-alias NAME` adds a name",
+            code="model_not_found",
+            param="model",
+        )
+
+    def adopt(self, slot: ModelSlot, state: ServerState) -> None:
+        """A model loaded before the table existed (the CLI loads the default first, to fail fast)."""
+        slot.state, slot.status, slot.loaded_at, slot.loads = state, ModelStatus.LOADED, time.monotonic(), 1
+
+    # -- leases --------------------------------------------------------------------
+
+    async def acquire(self, slot: ModelSlot, keep_alive_s: float | None = None) -> ServerState:
+        """The model's state, loaded if it was not, with a lease the caller must release.
+
+        The load runs as its own task: a request that stops waiting (timeout, client gone)
+        never cancels a load halfway, and every request for the model waits on the same one."""
+        deadline = time.monotonic() + self.wait_s
+        while not (slot.status is ModelStatus.LOADED and slot.state is not None and not slot.lock.locked()):
+            if slot.task is None or slot.task.done():
+                slot.task = asyncio.create_task(self._load(slot))
+            try:
+                await asyncio.wait_for(asyncio.shield(slot.task), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise ApiError(
+                    503, f"model {slot.id!r} did not load within {self.wait_s:g}s", code="model_loading"
+                ) from None
+        slot.leases += 1
+        slot.idle.clear()
+        slot.last_used = time.monotonic()
+        if keep_alive_s is not None:
+            slot.keep_alive_s = keep_alive_s
+        return slot.state  # type: ignore[return-value]
+
+    def release(self, slot: ModelSlot) -> None:
+        slot.leases -= 1
+        slot.last_used = time.monotonic()
+        if slot.leases == 0:
+            slot.idle.set()
+            if slot.expires_in(self.idle_s) == 0:  # keep_alive 0: unload now, not at the next sweep
+                asyncio.get_running_loop().create_task(self.unload(slot, "keep_alive 0", sleeping=True))
+
+    # -- load and unload ---------------------------------------------------------------
+
+    async def _load(self, slot: ModelSlot) -> None:
+        async with slot.lock:
+            if slot.status is ModelStatus.LOADED:
+                return
+            await self._make_room(slot)
+            slot.status, slot.error = ModelStatus.LOADING, None
+            t0 = time.perf_counter()
+            try:
+                rt = await asyncio.to_thread(slot.spec.load)
+            except Exception as e:  # a bad file must not take the server down: this model fails, others serve
+                slot.status, slot.error = ModelStatus.FAILED, f"{slot.spec.path}: {e}"
+                log.warning("model %s failed to load: %s", slot.id, slot.error)
+                raise ApiError(
+                    500, f"model {slot.id!r} failed to load from {slot.error}", code="model_load_failed"
+                ) from None
+            try:
+                slot.state = await self._build(rt, slot.spec)
+            except BaseException:
+                await asyncio.to_thread(rt.close)
+                slot.status = ModelStatus.FAILED
+                raise
+            slot.load_s = time.perf_counter() - t0
+            slot.status, slot.loaded_at, slot.last_used = ModelStatus.LOADED, time.monotonic(), time.monotonic()
+            slot.loads += 1
+            log.info("model %s loaded in %.2f s", slot.id, slot.load_s)
+
+    async def _make_room(self, slot: ModelSlot) -> None:
+        """Past --models-max, unload the least recently used other model once it is idle."""
+        if self.models_max is None:
+            return
+        async with self._room:
+            while len(self.loaded()) >= self.models_max:
+                others = sorted(
+                    (s for s in self.loaded() if s is not slot and not s.spec.pinned),
+                    key=lambda s: (s.leases > 0, s.last_used),
+                )
+                if not others:
+                    return
+                victim = others[0]
+                await victim.idle.wait()  # its streams finish first; the caller's wait is bounded
+                await self.unload(victim, "evicted for " + slot.id)
+                self.swaps += 1
+
+    async def unload(self, slot: ModelSlot, why: str, *, sleeping: bool = False) -> bool:
+        """Write the model's warm context to disk and close it, once no request holds it. False if it was not loaded."""
+        if slot.status is not ModelStatus.LOADED or slot.state is None or slot.spec.pinned:
+            return False
+        async with slot.lock:
+            if slot.status is not ModelStatus.LOADED or slot.state is None:
+                return False
+            slot.status = ModelStatus.UNLOADING
+            await slot.idle.wait()
+            state, slot.state = slot.state, None
+            t0 = time.perf_counter()
+            try:
+                await self._teardown(state)
+            finally:
+                slot.status = ModelStatus.SLEEPING if sleeping else ModelStatus.UNLOADED
+                slot.keep_alive_s = None
+                await asyncio.to_thread(_trim_heap)
+            log.info("model %s unloaded (%s) in %.2f s", slot.id, why, time.perf_counter() - t0)
+            return True
+
+    async def expire(self) -> int:
+        """Unload the models idle past their keep-alive; how many."""
+        now, n = time.monotonic(), 0
+        for slot in self.loaded():
+            if slot.leases == 0 and now - slot.last_used >= slot.expires_in(self.idle_s):
+                n += await self.unload(slot, "idle", sleeping=True)
+        return n
+
+    async def close(self) -> None:
+        for slot in self.loaded():
+            with contextlib.suppress(Exception):
+                await self.unload(slot, "server stopping")
+
+
+def _untagged(name: str) -> str:
+    """Ollama-style names carry a tag ("smollm2:latest"): the name without it."""
+    return name.rsplit(":", 1)[0] if ":" in name else name
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them otherwise): an unloaded model's
+    weights and KV should leave the process's resident memory."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
