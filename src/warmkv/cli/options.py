@@ -146,13 +146,28 @@ class RuntimeOptions:
     backend: str = "llamacpp"
     runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields given
     backend_given: dict[str, Any] = field(default_factory=dict)  # backend option names given
+    more_models: tuple[str, ...] = ()  # serve: the models after the first -m
 
     @classmethod
     def from_params(cls, values: dict[str, Any]) -> RuntimeOptions:
         by = {s.name: s for s in SPECS}
         runtime = {by[k].key: v for k, v in values.items() if v is not None and by[k].target == "runtime"}
         backend = {by[k].key: v for k, v in values.items() if v is not None and by[k].target == "backend"}
-        return cls(values.get("model"), values.get("backend") or "llamacpp", runtime, backend)
+        model = values.get("model")
+        more: tuple[str, ...] = ()
+        if isinstance(model, list | tuple):  # serve takes -m more than once
+            model, more = (model[0], tuple(model[1:])) if model else (None, ())
+        return cls(model, values.get("backend") or "llamacpp", runtime, backend, more)
+
+    def for_model(self, model: str | None, **given: Any) -> RuntimeOptions:
+        """The same options for another model; given replaces options by their flag name (a preset's)."""
+        by = {s.name: s for s in SPECS}
+        unknown = sorted(set(given) - NAMES)
+        if unknown:
+            raise InvalidConfig(f"unknown model option(s) {unknown}; valid: {sorted(NAMES - {'model'})}")
+        runtime = {**self.runtime, **{by[k].key: v for k, v in given.items() if by[k].target == "runtime"}}
+        backend = {**self.backend_given, **{by[k].key: v for k, v in given.items() if by[k].target == "backend"}}
+        return RuntimeOptions(model, given.get("backend", self.backend), runtime, backend)
 
     def config(self, **overrides: Any) -> RuntimeConfig:
         values = {**self.runtime, **overrides}
@@ -198,10 +213,11 @@ class RuntimeOptions:
         return out
 
 
-def runtime_options(**defaults: Any) -> Callable[[F], F]:
+def runtime_options(*, many_models: bool = False, **defaults: Any) -> Callable[[F], F]:
     """Give a command the shared runtime options; it receives them as `opts: RuntimeOptions`.
 
-    defaults sets a command's own default for an option (e.g. serve's n_seq_max=20).
+    defaults sets a command's own default for an option (e.g. serve's n_seq_max=20);
+    many_models lets --model be given more than once (serve).
     """
     unknown = set(defaults) - NAMES
     if unknown:
@@ -214,6 +230,8 @@ def runtime_options(**defaults: Any) -> Callable[[F], F]:
         for s in SPECS:
             default = defaults.get(s.name, "llamacpp" if s.name == "backend" else None)
             kind = s.type if s.name == "backend" else s.type | None
+            if many_models and s.name == "model":
+                kind = list[str] | None
             help_ = s.help + (f" [default: {default}]" if s.name in defaults else "")
             option = typer.Option(*s.flags, help=help_, show_default=s.name == "backend")
             shared.append(

@@ -13,7 +13,7 @@ from ..config import SERVE_N_SEQ_MAX, SERVE_PREFILL_CHUNK, SERVE_STEP_TOKENS
 from .options import RuntimeOptions, err, fail, runtime_options
 
 
-@runtime_options(n_seq_max=SERVE_N_SEQ_MAX, prefill_chunk=SERVE_PREFILL_CHUNK)
+@runtime_options(many_models=True, n_seq_max=SERVE_N_SEQ_MAX, prefill_chunk=SERVE_PREFILL_CHUNK)
 def serve(
     host: Annotated[str, typer.Option("--host", help="address to bind (non-loopback needs --api-key)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8000,
@@ -65,13 +65,32 @@ def serve(
             help="think blocks: auto (parsed into reasoning when the template thinks), deepseek (always), none",
         ),
     ] = "auto",
+    models_dir: Annotated[
+        str | None, typer.Option("--models-dir", help="also serve the GGUF files and HF model folders in DIR")
+    ] = None,
+    models_preset: Annotated[
+        str | None, typer.Option("--models-preset", help="a TOML file of models and their own options (docs/server.md)")
+    ] = None,
+    models_max: Annotated[
+        int | None,
+        typer.Option("--models-max", min=1, help="models loaded at once; the least recently used idle one unloads"),
+    ] = None,
+    sleep_idle_seconds: Annotated[
+        float | None,
+        typer.Option("--sleep-idle-seconds", min=0.001, help="unload a model idle this long (default: never)"),
+    ] = None,
     *,
     opts: RuntimeOptions,
 ) -> None:
-    """Serve the model over an OpenAI-compatible HTTP API with persistent sessions."""
+    """Serve models over OpenAI-, Anthropic- and Ollama-compatible HTTP with persistent sessions.
+
+    -m may be given more than once: the first model is the default, the others load when a
+    request names them (and unload when idle or to make room, keeping their warm context on disk)."""
     import uvicorn
 
     from ..server import ServerSettings, create_app
+    from ..server.settings import TableSettings
+    from .model_catalog import serve_specs
 
     try:
         settings = ServerSettings(
@@ -91,8 +110,12 @@ def serve(
             max_output_tokens=max_output_tokens,
             reasoning_format=reasoning_format,
         )
-        rt = opts.load()
-        app_ = create_app(rt, settings)
+        table = TableSettings(models_max=models_max, sleep_idle_s=sleep_idle_seconds)
+        specs = serve_specs(
+            opts, model_id=model_id, aliases=settings.model_aliases, models_dir=models_dir, preset=models_preset
+        )
+        rt = opts.load()  # the default model first, so that a bad one fails here, not in a request
+        app_ = create_app(rt, settings, models=specs, table=table)
     except WarmkvError as e:
         fail(e)
     handler = logging.StreamHandler()
@@ -100,10 +123,12 @@ def serve(
     logging.getLogger("warmkv").addHandler(handler)
     logging.getLogger("warmkv").setLevel(logging.INFO)
     err.print(f"serving {rt.info.name} on http://{host}:{port}/v1 (docs: /docs, metrics: /metrics)")
+    if len(specs) > 1:
+        err.print(f"models: {', '.join(s.id for s in specs)} (default: {specs[0].id}; GET /v1/models)")
     err.print(f"KV memory: {rt.kv_memory().describe()}")
     # The model, torch and the app are ~225k tracked objects, which every full collection would
     # walk (~50-100 ms) in the middle of some stream's step: move them out of the collector's reach.
     gc.collect()
     gc.freeze()
-    with rt:
-        uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+    # The app's model table owns rt from here: it unloads it when idle or when the server stops.
+    uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)

@@ -1,0 +1,215 @@
+"""Several models in one `warmkv serve`: load on demand, --models-max 1 swaps, warm across swaps from
+the disk tier, unload, sleep, a model that fails to load. The real CLI in a subprocess, with the
+default model and the real Gemma 3 270M."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from server_harness import free_port
+from warmkv.models import default_model_path
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("warmkv") is None and not Path(sys.prefix, "bin", "warmkv").exists(),
+    reason="the warmkv command is not installed",
+)
+
+DEFAULT = default_model_path().stem
+GEMMA = "gemma3-270m"
+WORKSPACE = "\n".join(
+    f"src/module_{i}.py: def handler_{i}(request): return render(request, 'page_{i}.html')" for i in range(40)
+)
+
+
+def _rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    tmp = tmp_path_factory.mktemp("models")
+    models_dir = tmp / "models"
+    models_dir.mkdir()
+    with open(default_model_path(), "rb") as f:  # a truncated copy: its load fails, the others serve on
+        (models_dir / "broken.gguf").write_bytes(f.read(1 << 20))
+    # Gemma's own options from a preset: full sliding-window KV, so that what a swap parks on disk is
+    # every full block (with the window cache, a restore resumes at a checkpoint: 1,280 of 1,858 tokens)
+    preset = tmp / "models.toml"
+    preset.write_text(f'[models."{GEMMA}"]\nmodel = "{GEMMA}"\nswa_cache = "full"\n')
+    port = free_port()
+    warmkv = str(Path(sys.prefix, "bin", "warmkv"))
+    cmd = [
+        warmkv,
+        "serve",
+        "--port",
+        str(port),
+        "-m",
+        "smollm2-135m",
+        "-m",
+        GEMMA,
+        "--models-preset",
+        str(preset),
+        "--models-dir",
+        str(models_dir),
+        "--models-max",
+        "1",
+        "--sleep-idle-seconds",
+        "5",
+        "--kv-store-dir",
+        str(tmp / "kv"),
+        "--num-ctx",
+        "4096",
+        "--n-seq-max",
+        "4",
+    ]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    log = open(tmp / "serve.log", "wb")  # noqa: SIM115 - the server writes it until the fixture ends
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("warmkv serve did not start:\n" + (tmp / "serve.log").read_text())
+        time.sleep(0.2)
+    try:
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def _status(base: str) -> dict[str, str]:
+    models = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
+    return {m["id"]: m["status"]["value"] for m in models}
+
+
+def _turn(client: OpenAI, model: str, messages: list[dict[str, str]]) -> tuple[str, float, int, int]:
+    """(reply, seconds to the first token, prompt tokens, cached tokens) of one streamed greedy turn."""
+    t0 = time.perf_counter()
+    ttft, text, usage = None, "", None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft or time.perf_counter() - t0
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return text, ttft or time.perf_counter() - t0, usage.prompt_tokens, cached or 0
+
+
+def _conversation(tag: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": f"You are a coding agent ({tag}). The workspace:\n{WORKSPACE}"},
+        {"role": "user", "content": "Which module renders page_7?"},
+    ]
+
+
+def test_models_alternate_under_models_max_one_and_stay_warm_from_disk(
+    server: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    base, _ = server
+    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
+    assert _status(base)[DEFAULT] == "loaded" and _status(base)[GEMMA] == "unloaded"
+    convs = {DEFAULT: _conversation("a"), GEMMA: _conversation("b")}
+    last_prompt: dict[str, int] = {}
+    figures = []
+    for round_ in range(2):
+        for model in (DEFAULT, GEMMA):
+            msgs = convs[model]
+            if round_ > 0:  # a swap just unloaded this model: load it (timed apart), then the turn
+                t0 = time.perf_counter()
+                r = httpx.post(f"{base}/models/load", json={"model": model}, timeout=120)
+                assert r.status_code == 200, r.text
+                load_s = time.perf_counter() - t0
+                assert _status(base) == {
+                    DEFAULT: "loaded" if model == DEFAULT else "unloaded",
+                    GEMMA: "loaded" if model == GEMMA else "unloaded",
+                    "broken": "unloaded",
+                }
+            reply, ttft, prompt, cached = _turn(client, model, msgs)
+            if round_ > 0:
+                assert cached >= 0.9 * last_prompt[model], (model, round_, cached, last_prompt[model])
+                # the same prompt, cold: a first byte no earlier prompt had, so nothing matches
+                cold_msgs = [{**msgs[0], "content": f"{round_}" + msgs[0]["content"]}, *msgs[1:]]
+                _, cold_ttft, cold_prompt, cold_cached = _turn(client, model, cold_msgs)
+                assert cold_cached <= 8 and abs(cold_prompt - prompt) <= 2  # the template's head may match
+                figures.append((model, round_, load_s, ttft, cold_ttft, cached, prompt))
+                assert ttft <= 0.2 * cold_ttft, figures
+            last_prompt[model] = prompt
+            msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"And page_{9 + round_}?"}]
+    print("\nmodel, round, load s, warm TTFT s, cold TTFT s, cached, prompt:", *figures, sep="\n")
+    health = httpx.get(f"{base}/health", timeout=10).json()
+    assert {m["id"]: m["loads"] for m in health["models"]}[DEFAULT] >= 2
+
+
+def test_a_model_that_fails_to_load_answers_an_error_and_the_others_serve(
+    server: tuple[str, subprocess.Popen[bytes]],
+) -> None:
+    base, _ = server
+    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": "broken", "messages": [{"role": "user", "content": "hi"}]},
+        timeout=120,
+    )
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["code"] == "model_load_failed" and "broken.gguf" in err["message"]
+    assert _status(base)["broken"] == "failed"
+    out = client.chat.completions.create(model=DEFAULT, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert out.choices[0].message.content is not None
+    assert (
+        httpx.post(f"{base}/v1/chat/completions", json={"model": "nope", "messages": []}, timeout=10).status_code == 404
+    )
+
+
+def test_unload_then_sleep_gives_the_memory_back(server: tuple[str, subprocess.Popen[bytes]]) -> None:
+    base, proc = server
+    client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=120)
+    for slot in (DEFAULT, GEMMA):
+        httpx.post(f"{base}/models/unload", json={"model": slot}, timeout=60).raise_for_status()
+    assert set(_status(base).values()) <= {"unloaded", "sleeping", "failed"}
+    before = _rss_kb(proc.pid)
+    client.chat.completions.create(model=GEMMA, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    loaded = _rss_kb(proc.pid)
+    assert _status(base)[GEMMA] == "loaded"
+    t0 = time.monotonic()
+    while _status(base)[GEMMA] != "sleeping":  # --sleep-idle-seconds 5
+        assert time.monotonic() - t0 < 10, "the idle model was not unloaded within 10 s"
+        time.sleep(0.25)
+    after = _rss_kb(proc.pid)
+    print(f"\nRSS: {before / 1024:.0f} MiB unloaded, {loaded / 1024:.0f} MiB loaded, {after / 1024:.0f} MiB asleep")
+    assert loaded > before
+    assert after <= 1.10 * before, (before, loaded, after)
