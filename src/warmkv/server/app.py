@@ -22,6 +22,7 @@ from . import (
     anthropic_routes,
     errors,
     infill_routes,
+    ollama_routes,
     openai_routes,
     responses_routes,
     session_routes,
@@ -92,6 +93,7 @@ def create_app(runtime: Runtime, settings: ServerSettings | None = None) -> Fast
     app.include_router(anthropic_routes.router)
     app.include_router(utility_routes.router)
     app.include_router(infill_routes.router)
+    app.include_router(ollama_routes.router)
     app.include_router(session_routes.router)
     app.add_api_route("/health", health, methods=["GET"], tags=["ops"])
     app.add_api_route("/metrics", metrics_route, methods=["GET"], tags=["ops"], response_class=Response)
