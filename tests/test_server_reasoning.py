@@ -281,3 +281,21 @@ def test_responses_reasoning_items(open_base: str) -> None:
     a = client.responses.create(input=turns, **kw).usage.input_tokens
     b = client.responses.create(input=with_text, **kw).usage.input_tokens
     assert a == b > r.usage.input_tokens + len(text.split())
+
+
+def test_ollama_thinking(open_base: str) -> None:
+    """Ollama's `think`: the reasoning comes back in message.thinking (response's `thinking` on
+    generate), streamed in pieces; think=false closes the block before the reply begins."""
+    ollama = pytest.importorskip("ollama")
+    client = ollama.Client(host=open_base)
+    assert "thinking" in client.show("smollm2").capabilities
+    msgs = [{"role": "user", "content": "Hi"}]
+    opts = {"temperature": 0, "num_predict": 10}
+    r = client.chat("smollm2", messages=msgs, think=True, options=opts)
+    assert r.message.thinking and not r.message.content and r.done_reason == "length"
+    streamed = list(client.chat("smollm2", messages=msgs, think=True, options=opts, stream=True))
+    assert "".join(c.message.thinking or "" for c in streamed) == r.message.thinking
+    g = client.generate("smollm2", "Hi", think=True, options=opts)
+    assert g.thinking == r.message.thinking and not g.response
+    off = client.chat("smollm2", messages=msgs, think=False, options=opts)
+    assert off.message.content and not off.message.thinking

@@ -23,6 +23,7 @@ from . import (
     errors,
     infill_routes,
     model_routes,
+    ollama_routes,
     openai_routes,
     responses_routes,
     session_routes,
@@ -113,6 +114,7 @@ def create_app(
     app.include_router(anthropic_routes.router)
     app.include_router(utility_routes.router)
     app.include_router(infill_routes.router)
+    app.include_router(ollama_routes.router)
     app.include_router(session_routes.router)
     app.include_router(model_routes.router)
     app.add_api_route("/health", health, methods=["GET"], tags=["ops"])

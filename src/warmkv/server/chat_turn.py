@@ -59,6 +59,7 @@ class ChatInput:
     session_key: str | None = None  # the conversation's id, if the client names it: picks the pooled session
     clamp_max_tokens: bool = False  # max_tokens past the context's end ends there (Anthropic's is mandatory)
     template_kwargs: Mapping[str, Any] | None = None  # the request's chat_template_kwargs (enable_thinking...)
+    num_ctx: int | None = None  # a context window smaller than the served one (Ollama's options.num_ctx)
 
 
 @dataclass(frozen=True)
@@ -246,7 +247,9 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
         )
     elif sampling.get("constraint") is not None:
         sampling["constraint"] = with_thinking(sampling["constraint"], thinking)
-    gen = await generate(st, prompt.text, inp.max_tokens, sampling, key=inp.session_key, clamp=inp.clamp_max_tokens)
+    gen = await generate(
+        st, prompt.text, inp.max_tokens, sampling, key=inp.session_key, clamp=inp.clamp_max_tokens, num_ctx=inp.num_ctx
+    )
     parser = ToolCallParser(fmt, inp.new_call_id) if inp.tools and inp.choice.calls else None
     splitter = None
     if parses(st.settings.reasoning_format, rt.chat_template().source):

@@ -1,4 +1,5 @@
-"""warmkv errors as OpenAI-style JSON error bodies: {"error": {message, type, param, code}}."""
+"""warmkv errors as JSON error bodies: OpenAI's {"error": {message, type, param, code}} (Anthropic's
+and Ollama's shapes on their routes)."""
 
 from __future__ import annotations
 
@@ -57,10 +58,15 @@ _ANTHROPIC_TYPES = {
     503: "overloaded_error",
 }
 ANTHROPIC_PATHS = ("/v1/messages",)
+OLLAMA_PATHS = ("/api/",)
 
 
 def is_anthropic(path: str) -> bool:
     return path.startswith(ANTHROPIC_PATHS)
+
+
+def is_ollama(path: str) -> bool:
+    return path.startswith(OLLAMA_PATHS)
 
 
 class ApiError(Exception):
@@ -92,10 +98,20 @@ class ApiError(Exception):
     def anthropic_body(self) -> dict[str, Any]:
         return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
 
+    def ollama_body(self) -> dict[str, Any]:
+        """Ollama's shape: one message (naming the field, when one is at fault); the status says the rest."""
+        named = self.param is None or self.param in self.message
+        return {"error": self.message if named else f"{self.param}: {self.message}"}
+
     def response(self, path: str = "") -> JSONResponse:
-        """OpenAI's error shape, or Anthropic's on the Anthropic routes."""
+        """OpenAI's error shape, or Anthropic's or Ollama's on their routes."""
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        body = self.anthropic_body() if is_anthropic(path) else self.body()
+        if is_anthropic(path):
+            body = self.anthropic_body()
+        elif is_ollama(path):
+            body = self.ollama_body()
+        else:
+            body = self.body()
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 

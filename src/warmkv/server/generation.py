@@ -40,12 +40,14 @@ async def generate(
     *,
     key: str | None = None,
     clamp: bool = False,
+    num_ctx: int | None = None,
 ) -> Generation:
     """Start generating after prompt (text, or a PrefixInput that carries its own tokens);
     errors before the first token raise here (4xx/5xx).
 
     key: the conversation's id, which picks its pooled session. clamp: a max_tokens past the
-    context's end is cut to the room left (an overflowing prompt is still a 400). The server's
+    context's end is cut to the room left (an overflowing prompt is still a 400). num_ctx: the
+    request's own context window, when it asks for one smaller than the runtime's. The server's
     max_output_tokens caps every request."""
     t0 = time.perf_counter()
     rt = st.runtime
@@ -57,7 +59,7 @@ async def generate(
         raise InvalidInput(f"reuse_mode: {e}", param="reuse_mode") from e
     inp = replace(PrefixInput.coerce(prompt), reuse_mode=mode)
     tokens = list(inp.tokens) if inp.tokens is not None else await run_in_threadpool(rt.tokenize, inp.text)
-    num_ctx = rt.config.num_ctx
+    num_ctx = rt.config.num_ctx if num_ctx is None else min(num_ctx, rt.config.num_ctx)
     if max_tokens is None:
         max_tokens = min(st.settings.default_max_tokens, num_ctx - len(tokens))
     elif clamp and len(tokens) < num_ctx:

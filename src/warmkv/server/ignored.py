@@ -3,9 +3,9 @@
 A harness sends fields that cannot change a local model's output: client metadata, hints
 for a hosted cache, hosted tools warmkv cannot run, reasoning controls for a model that
 does not reason. Refusing them would refuse the harness; ignoring them silently would hide
-it. So each is accepted, listed here with the reason (docs/agents.md holds the same table,
-and a test keeps the two equal), and named in `x-warmkv-ignored` on every response whose
-request set it. `anthropic-beta` values warmkv does not act on go in `x-warmkv-ignored-betas`.
+it. So each is accepted, listed here with the reason (docs/agents.md holds the same tables,
+docs/server.md Ollama's, and tests keep them equal), and named in `x-warmkv-ignored` on every
+response whose request set it. `anthropic-beta` values warmkv does not act on go in `x-warmkv-ignored-betas`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,27 @@ RESPONSES: dict[str, str] = {
     "tools.image_generation": "a hosted image model; not offered to the model",
     "tools.computer_use_preview": "a hosted computer; not offered to the model",
     "tools.mcp": "a remote MCP server the hosted API would call; not offered to the model",
+}
+
+_HOW_OLLAMA_RUNS = "how Ollama runs a model (threads, GPU layers, memory, batches); warmkv's are set at serve time"
+
+OLLAMA: dict[str, str] = {
+    "truncate": "warmkv never cuts a prompt: one past the context is a 400 naming num_ctx",
+    "shift": "warmkv never shifts the context: a reply ends at its end (done_reason length)",
+    "think": "a level (low, medium, high, max) turns thinking on: chat templates have no levels",
+    "top_logprobs": "without logprobs=true no log-probabilities come back",
+    "options": "no option changes an embedding",
+    **{
+        f"options.{name}": _HOW_OLLAMA_RUNS
+        for name in ("num_batch", "num_gpu", "main_gpu", "num_thread", "use_mmap", "use_mlock", "numa", "low_vram")
+    },
+    "options.num_keep": "tokens Ollama keeps when it shifts the context, which warmkv never does",
+    "options.draft_num_predict": "the draft length of a draft model; warmkv has none",
+    **{
+        f"options.{name}": "options Ollama itself no longer reads"
+        for name in ("f16_kv", "vocab_only", "logits_all", "embedding_only", "penalize_newline")
+    },
+    **{f"options.{name}": "tunes mirostat, which is off" for name in ("mirostat_tau", "mirostat_eta")},
 }
 
 # Betas whose features warmkv implements; every other anthropic-beta value is named as ignored.

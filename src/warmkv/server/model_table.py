@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import gc
 import logging
 import math
 import time
@@ -159,18 +160,23 @@ class ModelTable:
         if name is None or name == "":
             return self.default
         slot = self._by_name.get(name) or self._by_name.get(_untagged(name))
+        if slot is None and route == "ollama":
+            slot = next((s for s in self.slots if _ollama_key(name) in _ollama_names(s)), None)
         if slot is not None:
             return slot
         if self.any_name or (route == "anthropic" and self.anthropic_any):
             return self.default
-        raise self.not_found(name)
+        raise self.not_found(name, route)
 
-    def not_found(self, name: str) -> ApiError:
+    def not_found(self, name: str, route: str = "openai") -> ApiError:
         served = ", ".join(repr(s.id) for s in self.slots)
+        if route == "ollama":  # Ollama's own wording first: clients look for "not found"
+            message = f"model '{name}' not found; this server serves {served} (GET /api/tags)"
+        else:
+            message = f"model {name!r} is not served here; this server serves {served} (GET /v1/models)"
         return ApiError(
             404,
-            f"model {name!r} is not served here; this server serves {served} (GET /v1/models); "
-            "`warmkv serve --model-alias NAME` adds a name",
+            message + "; `warmkv serve --model-alias NAME` adds a name",
             code="model_not_found",
             param="model",
         )
@@ -290,6 +296,18 @@ class ModelTable:
                 await self.unload(slot, "server stopping")
 
 
+def _ollama_key(name: str) -> str:
+    """An Ollama name without its registry, namespace and tag, in lower case."""
+    return name.rsplit("/", 1)[-1].split(":", 1)[0].lower()
+
+
+def _ollama_names(slot: ModelSlot) -> set[str]:
+    names = {n.lower() for n in slot.spec.names}
+    if slot.state is not None:  # the GGUF's own basename, once the file has been read
+        names.add(str(slot.state.runtime.info.metadata.get("general.basename", "")).lower())
+    return names - {""}
+
+
 def _untagged(name: str) -> str:
     """Ollama-style names carry a tag ("smollm2:latest"): the name without it."""
     return name.rsplit(":", 1)[0] if ":" in name else name
@@ -297,6 +315,8 @@ def _untagged(name: str) -> str:
 
 def _trim_heap() -> None:
     """Give freed heap pages back to the OS (glibc keeps them otherwise): an unloaded model's
-    weights and KV should leave the process's resident memory."""
+    weights and KV should leave the process's resident memory. Its objects in reference cycles
+    are freed by a collection first."""
+    gc.collect()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)

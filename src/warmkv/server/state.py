@@ -63,12 +63,25 @@ class ServerState:
         return tuple(dict.fromkeys((self.model_id, p.name, p.stem, *self.names, *given)))
 
     def check_model(self, model: str, route: str = "openai") -> str:
-        """The requested name (responses echo it), if it names the served model on this route; 404 otherwise."""
+        """The requested name (responses echo it), if it names the served model on this route; 404 otherwise.
+
+        On the Ollama routes a name matches whatever its case, after its registry and namespace
+        ("library/") and its ":tag" are dropped, and the model's GGUF basename is a name too:
+        "smollm2:latest" and "SmolLM2-135M-Instruct.Q4_1:latest" name the default model.
+        """
         anything = self.table_default and (
             "*" in self.settings.model_aliases or (route == "anthropic" and not self.settings.model_aliases)
         )
-        if anything or model in self.aliases or model.rsplit(":", 1)[0] in self.aliases:
+        if anything or model in self.aliases or (route == "ollama" and self._ollama_name(model)):
             return model
+        if route == "ollama":  # Ollama's own wording first: clients look for "not found"
+            raise ApiError(
+                404,
+                f"model '{model}' not found; this server serves '{self.model_id}' (GET /api/tags); "
+                "`warmkv serve --model-alias NAME` adds a name",
+                code="model_not_found",
+                param="model",
+            )
         raise ApiError(
             404,
             f"model {model!r} is not served here; this server serves {self.model_id!r} (GET /v1/models); "
@@ -76,6 +89,11 @@ class ServerState:
             code="model_not_found",
             param="model",
         )
+
+    def _ollama_name(self, model: str) -> bool:
+        base = model.rsplit("/", 1)[-1].split(":", 1)[0].lower()
+        basename = self.runtime.info.metadata.get("general.basename", "")
+        return base in {n.lower() for n in (*self.aliases, basename) if n}
 
     @property
     def thinks(self) -> bool:
@@ -134,7 +152,8 @@ async def get_state(request: Request) -> ServerState:
     hub: Hub = request.app.state.warmkv
     body = await _body(request)
     slot = hub.slot_for(request, body)
-    keep = keep_alive_seconds(body.get("keep_alive")) if isinstance(body, dict) and "keep_alive" in body else None
+    given = body.get("keep_alive") if isinstance(body, dict) else None
+    keep = None if given is None else keep_alive_seconds(given)  # none given: the server's idle time
     st = await hub.table.acquire(slot, keep)
     hold(request, lambda: hub.table.release(slot))
     sid = request.path_params.get("sid")

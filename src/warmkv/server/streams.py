@@ -112,14 +112,19 @@ async def start_turn(
 
 
 class SSEResponse(StreamingResponse):
-    """A text/event-stream response that calls on_close however it ends (done, error, client gone)."""
+    """A streamed response (text/event-stream unless told) that calls on_close however it ends
+    (done, error, client gone)."""
 
     def __init__(
-        self, content: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str] | None = None
+        self,
+        content: AsyncIterator[bytes],
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+        media_type: str = "text/event-stream",
     ) -> None:
         super().__init__(
             content,
-            media_type="text/event-stream",
+            media_type=media_type,
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._on_close = on_close

@@ -1,4 +1,5 @@
-"""One turn to the wire: its steps through an API's encoder, streamed as SSE or collected into one body.
+"""One turn to the wire: its steps through an API's encoder, streamed (SSE; NDJSON for Ollama) or
+collected into one body.
 
 Every generating route drives its turn here, so time to first token, the error metric,
 cancelling a turn whose client left and the stream's terminator are the same for all of
@@ -116,8 +117,15 @@ class _Run:
         raise ApiError(500, "the turn ended without a final chunk", code="internal_error")
 
 
-def stream(st: ServerState, turn: Turn, encoder: Encoder, headers: dict[str, str] | None = None) -> SSEResponse:
-    """The turn as server-sent events, ended by the encoder's terminator."""
+def stream(
+    st: ServerState,
+    turn: Turn,
+    encoder: Encoder,
+    headers: dict[str, str] | None = None,
+    media_type: str = "text/event-stream",
+) -> SSEResponse:
+    """The turn's frames as they come (server-sent events, or the encoder's own framing under
+    another media_type), ended by the encoder's terminator."""
     run = _Run(st, turn, encoder)
 
     async def body() -> AsyncIterator[bytes]:
@@ -126,7 +134,7 @@ def stream(st: ServerState, turn: Turn, encoder: Encoder, headers: dict[str, str
         if encoder.terminator:
             yield encoder.terminator
 
-    return SSEResponse(body(), on_close=turn.cancel, headers=headers)
+    return SSEResponse(body(), on_close=turn.cancel, headers=headers, media_type=media_type)
 
 
 async def collect(st: ServerState, turn: Turn, encoder: Encoder, collector: Collector) -> dict[str, Any]:
