@@ -4,6 +4,7 @@ default model and the real Gemma 3 270M."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -216,3 +217,33 @@ def test_unload_then_sleep_gives_the_memory_back(server: tuple[str, subprocess.P
     print(f"\nRSS: {before / 1024:.0f} MiB unloaded, {loaded / 1024:.0f} MiB loaded, {after / 1024:.0f} MiB asleep")
     assert loaded > before
     assert after <= 1.10 * before, (before, loaded, after)
+
+
+def test_ollama_keep_alive_zero_unloads_at_once(server: tuple[str, subprocess.Popen[bytes]]) -> None:
+    import ollama
+
+    base, _ = server
+    client = ollama.Client(host=base)
+    out = client.generate(GEMMA, "Say hi.", options={"num_predict": 4, "temperature": 0}, keep_alive=0)
+    assert out.done
+    t0 = time.monotonic()
+    while _status(base)[GEMMA] == "loaded" or _status(base)[GEMMA] == "unloading":
+        assert time.monotonic() - t0 < 5, "keep_alive 0 did not unload the model"
+        time.sleep(0.05)
+    assert _status(base)[GEMMA] == "sleeping"
+    assert GEMMA + ":latest" not in {m.model for m in client.ps().models}
+    assert {m.model for m in client.list().models} >= {GEMMA + ":latest", DEFAULT + ":latest"}
+
+
+def test_warmkv_models_lists_what_the_server_can_load(server: tuple[str, subprocess.Popen[bytes]]) -> None:
+    from typer.testing import CliRunner
+
+    from warmkv.cli.app import app
+
+    base, _ = server
+    r = CliRunner().invoke(app, ["models", "--server", base, "--json"])
+    assert r.exit_code == 0, r.output
+    rows = {row["id"]: row for row in json.loads(r.output)}
+    assert rows[GEMMA]["architecture"] == "gemma3" and rows[GEMMA]["source"] == "bundled"
+    assert rows[DEFAULT]["architecture"] == "llama" and rows[DEFAULT]["size_mib"] > 50
+    assert {rows[GEMMA]["status"], rows[DEFAULT]["status"]} <= {"loaded", "unloaded", "sleeping"}

@@ -8,6 +8,7 @@ import typer
 
 from . import commands
 from .bench import bench_app
+from .models_cmd import models
 from .serve import serve
 
 app = typer.Typer(help="warmkv: keep the KV cache of a stable prefix warm across agent turns.", no_args_is_help=True)
@@ -17,6 +18,7 @@ app.command()(commands.explain)
 app.command()(commands.chat)
 app.command()(serve)
 app.command()(commands.stats)
+app.command()(models)
 app.add_typer(bench_app, name="bench")
 
 

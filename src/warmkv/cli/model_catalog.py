@@ -154,3 +154,11 @@ def _preset(path: str | None) -> dict[str, dict[str, Any]]:
     if not isinstance(models, dict) or not all(isinstance(v, dict) for v in models.values()):
         raise InvalidConfig(f"models preset {path}: expected [models.ID] tables")
     return models
+
+
+def catalog(models_dir: str | None = None) -> list[Found]:
+    """What a server here can load: the bundled models, a models directory, the Hugging Face cache."""
+    found = bundled()
+    if models_dir is not None:
+        found += scan_dir(models_dir)
+    return found + hf_cache()
