@@ -247,3 +247,21 @@ def test_warmkv_models_lists_what_the_server_can_load(server: tuple[str, subproc
     assert rows[GEMMA]["architecture"] == "gemma3" and rows[GEMMA]["source"] == "bundled"
     assert rows[DEFAULT]["architecture"] == "llama" and rows[DEFAULT]["size_mib"] > 50
     assert {rows[GEMMA]["status"], rows[DEFAULT]["status"]} <= {"loaded", "unloaded", "sleeping"}
+
+
+def test_a_named_session_survives_its_models_unload(server: tuple[str, subprocess.Popen[bytes]]) -> None:
+    base, _ = server
+    created = httpx.post(f"{base}/v1/sessions", json={"model": GEMMA}, timeout=120)
+    assert created.status_code == 200, created.text
+    sid = created.json()["id"]
+    text = f"<start_of_turn>user\n{WORKSPACE[:1500]}<end_of_turn>\n"
+    first = httpx.post(f"{base}/v1/sessions/{sid}/prefix", json={"text": text}, timeout=120).json()
+    assert first["prefilled_tokens"] > 200
+    assert httpx.post(f"{base}/models/unload", json={"model": GEMMA}, timeout=60).json()["unloaded"] is True
+    assert _status(base)[GEMMA] == "unloaded"
+    explained = httpx.get(f"{base}/v1/sessions/{sid}", timeout=120)  # loads the model, restores the session
+    assert explained.status_code == 200, explained.text
+    assert _status(base)[GEMMA] == "loaded"
+    again = httpx.post(f"{base}/v1/sessions/{sid}/prefix", json={"text": text}, timeout=120).json()
+    assert again["reused_tokens"] == first["prefix_tokens"] and again["prefilled_tokens"] == 0
+    httpx.delete(f"{base}/v1/sessions/{sid}", timeout=30).raise_for_status()
