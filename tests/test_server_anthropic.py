@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -223,7 +224,8 @@ def test_keep_volatile_shows_where_reuse_stopped(caplog: pytest.LogCaptureFixtur
         assert r.json()["usage"]["cache_read_input_tokens"] < 40  # stopped at the header, near the top
         assert any("cache miss" in rec.getMessage() for rec in caplog.records)
         metrics = httpx.get(f"{url}/metrics").text
-        assert 'warmkv_cache_misses_total{role="system"} 1.0' in metrics
+        misses = [x for x in metrics.splitlines() if x.startswith("warmkv_cache_misses_total{")]
+        assert misses == [f'warmkv_cache_misses_total{{model="{Path(rt.info.path).stem}",role="system"}} 1.0']
         assert "warmkv_reused_fraction_bucket" in metrics
     rt.close()
 

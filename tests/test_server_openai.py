@@ -224,7 +224,9 @@ def test_speculative_decoding_through_the_scheduler(client: openai.OpenAI, model
 
     def accepted() -> float:
         text = httpx.get(f"{base}/metrics").text
-        line = next(x for x in text.splitlines() if x.startswith('warmkv_draft_tokens_total{outcome="accepted"}'))
+        line = next(
+            x for x in text.splitlines() if x.startswith("warmkv_draft_tokens_total{") and 'outcome="accepted"' in x
+        )
         return float(line.split()[-1])
 
     code = "def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"

@@ -164,7 +164,7 @@ def test_metrics_and_health(http: httpx.Client) -> None:
     text = http.get("/metrics").text
     for name in (
         "warmkv_requests_total",
-        'warmkv_prompt_tokens_total{kind="reused"}',
+        'warmkv_prompt_tokens_total{kind="reused",model=',
         "warmkv_ttft_seconds_bucket",
         "warmkv_decode_tokens_per_second",
         "warmkv_cache_hit_rate",

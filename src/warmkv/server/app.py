@@ -168,7 +168,7 @@ async def _serve_model(rt: Runtime, spec: ModelSpec, hub: Hub) -> ServerState:
         pool=pool,
         registry=registry,
         admission=hub.admission,
-        metrics=hub.metrics,
+        metrics=hub.metrics.for_model(spec.id),
         model_id=spec.id,
         tool_format=tool_format,
         messages_log=hub.messages_log,

@@ -19,28 +19,29 @@ class ServerMetrics:
         self.requests = Counter("warmkv_requests", "HTTP requests", ["route", "status"], registry=r)
         self.prompt_tokens = Counter(
             "warmkv_prompt_tokens",
-            "Prompt tokens by origin: prefilled now or reused from resident KV",
-            ["kind"],
+            "Prompt tokens by model and origin: prefilled now or reused from resident KV",
+            ["model", "kind"],
             registry=r,
         )
-        self.completion_tokens = Counter("warmkv_completion_tokens", "Generated tokens", registry=r)
+        self.completion_tokens = Counter("warmkv_completion_tokens", "Generated tokens", ["model"], registry=r)
         self.draft_tokens = Counter(
-            "warmkv_draft_tokens", "Speculative decoding: drafted tokens by outcome", ["outcome"], registry=r
+            "warmkv_draft_tokens", "Speculative decoding: drafted tokens by outcome", ["model", "outcome"], registry=r
         )
-        for outcome in ("accepted", "rejected"):
-            self.draft_tokens.labels(outcome)  # exported as 0 before the first speculative decode
-        self.ttft = Histogram("warmkv_ttft_seconds", "Time to first token", buckets=_TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "warmkv_ttft_seconds", "Time to first token", ["model"], buckets=_TTFT_BUCKETS, registry=r
+        )
         self.errors = Counter("warmkv_errors", "Error responses by code", ["code"], registry=r)
         self.reused_fraction = Histogram(
             "warmkv_reused_fraction",
             "Fraction of each request's prompt tokens reused from resident KV",
+            ["model"],
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0),
             registry=r,
         )
         self.misses = Counter(
             "warmkv_cache_misses",
             "Requests whose reuse stopped before the end of the resident context, by the role of the message there",
-            ["role"],
+            ["model", "role"],
             registry=r,
         )
         self._reused = 0
@@ -53,20 +54,47 @@ class ServerMetrics:
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)
 
-    def observe_prompt(self, reused: int, prefilled: int) -> None:
-        self._reused += reused
-        self._prefilled += prefilled
-        self.prompt_tokens.labels("reused").inc(reused)
-        self.prompt_tokens.labels("prefilled").inc(prefilled)
-
-    def observe_reuse(self, fraction: float) -> None:
-        self.reused_fraction.observe(fraction)
-
-    def observe_usage(self, usage: Usage | None) -> None:
-        if usage is not None:
-            self.completion_tokens.inc(usage.completion_tokens)
-            self.draft_tokens.labels("accepted").inc(usage.accepted_tokens)
-            self.draft_tokens.labels("rejected").inc(usage.draft_tokens - usage.accepted_tokens)
+    def for_model(self, model: str) -> ModelMetrics:
+        """The series of one model (each carries a `model` label)."""
+        for outcome in ("accepted", "rejected"):  # every series is exported (as 0) from the model's load on
+            self.draft_tokens.labels(model, outcome)
+        for kind in ("reused", "prefilled"):
+            self.prompt_tokens.labels(model, kind)
+        self.completion_tokens.labels(model)
+        return ModelMetrics(self, model)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """One model's view of the server's metrics: what its requests observe, labelled with it."""
+
+    def __init__(self, metrics: ServerMetrics, model: str) -> None:
+        self.server, self.model = metrics, model
+
+    def observe_prompt(self, reused: int, prefilled: int) -> None:
+        m = self.server
+        m._reused += reused
+        m._prefilled += prefilled
+        m.prompt_tokens.labels(self.model, "reused").inc(reused)
+        m.prompt_tokens.labels(self.model, "prefilled").inc(prefilled)
+
+    def observe_reuse(self, fraction: float) -> None:
+        self.server.reused_fraction.labels(self.model).observe(fraction)
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.server.ttft.labels(self.model).observe(seconds)
+
+    def count_miss(self, role: str) -> None:
+        self.server.misses.labels(self.model, role).inc()
+
+    def count_error(self, code: str) -> None:
+        self.server.errors.labels(code).inc()
+
+    def observe_usage(self, usage: Usage | None) -> None:
+        if usage is not None:
+            m = self.server
+            m.completion_tokens.labels(self.model).inc(usage.completion_tokens)
+            m.draft_tokens.labels(self.model, "accepted").inc(usage.accepted_tokens)
+            m.draft_tokens.labels(self.model, "rejected").inc(usage.draft_tokens - usage.accepted_tokens)

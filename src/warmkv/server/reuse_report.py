@@ -96,7 +96,7 @@ def report(
     if d is not None:
         message = _message_at(d, ends)
         role = roles[message] if message is not None and message < len(roles) else None
-        st.metrics.misses.labels(role or "none").inc()
+        st.metrics.count_miss(role or "none")
     header = divergence_header(d, message, role, cause)
     if d is not None and st.settings.log_misses:
         log.warning(

@@ -26,7 +26,7 @@ from .errors import ApiError
 from .keep_alive import keep_alive_seconds
 from .leases import hold
 from .message_log import MessageLog
-from .metrics import ServerMetrics
+from .metrics import ModelMetrics, ServerMetrics
 from .pool import SessionPool
 from .reasoning_store import ReasoningStore
 from .registry import SessionRegistry
@@ -46,7 +46,7 @@ class ServerState:
     pool: SessionPool
     registry: SessionRegistry
     admission: Admission
-    metrics: ServerMetrics
+    metrics: ModelMetrics
     model_id: str
     tool_format: ToolFormat
     messages_log: MessageLog = field(default_factory=MessageLog)  # /v1/messages fingerprints for diagnostics

@@ -94,7 +94,7 @@ class _Run:
                 yield f
             async for step in self.turn.steps:
                 if self.last is None:
-                    st.metrics.ttft.observe(time.perf_counter() - self.turn.t0)
+                    st.metrics.observe_ttft(time.perf_counter() - self.turn.t0)
                 self.last = step
                 for f in enc.step(step):
                     yield f
@@ -105,7 +105,7 @@ class _Run:
                         yield f
                     return
                 err = from_warmkv(step.chunk.error)
-                st.metrics.errors.labels(err.code or "error").inc()
+                st.metrics.count_error(err.code or "error")
                 if collecting:
                     raise err
                 for f in enc.error(err, step):
