@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
 from .. import __version__
+from ..cache.remote_types import RemoteStats
 from ..errors import InvalidConfig
 from ..runtime import Runtime
 from ..scheduler import Scheduler, SchedulerConfig
@@ -128,6 +129,13 @@ def _gauges(st: ServerState) -> None:
         lambda: rt.stats.parked,
     )  # fmt: skip
     m.gauge("warmkv_decode_tokens_per_second", "Aggregate decode rate over the last 5 s", sched.tokens_per_s)
+    if rt.config.kv_remote is not None:
+
+        def remote() -> RemoteStats | None:
+            tiers = rt.tiers  # None once the runtime closed
+            return tiers.remote.stats() if tiers is not None and tiers.remote is not None else None
+
+        m.remote_tier(remote)
 
 
 async def _expire_loop(registry: SessionRegistry) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from ..cache.remote_types import RemoteStats
 from ..types import Usage
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -50,6 +53,10 @@ class ServerMetrics:
         )
         self.cache_hit_rate.set_function(lambda: self._reused / max(1, self._reused + self._prefilled))
 
+    def remote_tier(self, stats: Callable[[], RemoteStats | None]) -> None:
+        """Export the remote KV tier's counters and rates (stats: its current record, None once closed)."""
+        self.registry.register(_RemoteCollector(stats))
+
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)
 
@@ -70,3 +77,44 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+_REMOTE_COUNTS = (
+    ("hits", "Prompts restored from the remote KV tier"),
+    ("misses", "Remote KV tier probes that found nothing to read (or a value not served)"),
+    ("declined", "Remote KV tier hits not read: prefilling was expected to be faster"),
+    ("rejected", "Remote KV tier values dropped: bad crc, wrong size, manifest or tokens"),
+    ("written", "Entries spilled to the remote KV tier"),
+    ("skipped", "Remote KV tier operations not tried while the link was down"),
+)
+
+
+class _RemoteCollector(Collector):
+    """The remote tier's counters as Prometheus counters, read from its stats at each scrape."""
+
+    def __init__(self, stats: Callable[[], RemoteStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        if st is None:
+            return
+        errors = CounterMetricFamily(
+            "warmkv_kv_remote_errors",
+            "Remote KV tier operations that failed (refused, timed out, a server error), by operation",
+            labels=["op"],
+        )
+        for op, n in (("probe", st.probe_errors), ("read", st.read_errors), ("write", st.write_errors)):
+            errors.add_metric([op], n)
+        yield errors
+        for name, doc in _REMOTE_COUNTS:
+            yield CounterMetricFamily(f"warmkv_kv_remote_{name}", doc, value=getattr(st, name))
+        yield GaugeMetricFamily("warmkv_kv_remote_up", "1 while the remote KV tier answers, else 0", value=st.up)
+        rates = (
+            ("warmkv_kv_remote_read_bytes_per_second", "Remote KV tier read rate (EWMA of reads)", st.read_bytes_per_s),
+            ("warmkv_kv_remote_rtt_seconds", "Remote KV tier round trip (EWMA of probes)", st.rtt_s),
+            ("warmkv_prefill_tokens_per_second", "Prefill rate a remote read must beat", st.prefill_tokens_per_s),
+        )
+        for name, doc, value in rates:
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=value)
