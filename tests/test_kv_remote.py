@@ -12,12 +12,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
 import warmkv
 from conftest import BACKENDS
 from redis_server import RedisServer
+from server_harness import live_server
 from warmkv.cache import block_keys
 from warmkv.cache.remote_rates import RemoteRates
 from warmkv.cache.remote_store import namespace
@@ -69,6 +71,7 @@ class Seeded:
     short: list[int]
     digest: str  # the manifest digest the entries were written under
     short_key: str  # the Redis key of SHORT's value
+    long_tokens: int  # LONG's prompt tokens
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def seeded(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) 
         short_key = f"{namespace(digest)}:v:{block_keys(digest, a.tokenize(SHORT), BLOCK)[-1]}"
     # closing spilled the memory tier: to A's disk, and to Redis from the writer thread
     assert redis_server.client().exists(short_key)
-    return Seeded(long, short, digest, short_key)
+    return Seeded(long, short, digest, short_key, long_status.prefix_tokens)
 
 
 def test_second_node_restores_from_remote(seeded: Seeded, redis_server: RedisServer, tmp_path: Path) -> None:
@@ -103,6 +106,21 @@ def test_second_node_restores_from_remote(seeded: Seeded, redis_server: RedisSer
     assert "remote tier redis://127.0.0.1" in report and "1 hits" in report
     names = [k.decode() for k in redis_server.client().scan_iter(count=1000)]
     assert names and all(n.startswith(namespace(seeded.digest)) for n in names)  # one model, one namespace
+
+
+def test_server_names_the_remote_source(seeded: Seeded, redis_server: RedisServer, tmp_path: Path) -> None:
+    with load(tmp_path / "s", redis_server.url) as rt, live_server(rt, model_aliases=("*",)) as base:
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": "any", "prompt": LONG, "max_tokens": 2, "temperature": 0},
+            timeout=120,
+        )
+        metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    assert r.status_code == 200, r.text
+    assert r.headers["x-warmkv-reuse-source"] == "remote"
+    assert int(r.headers["x-warmkv-cached-tokens"]) >= seeded.long_tokens - BLOCK
+    assert "warmkv_kv_remote_hits_total 1.0" in metrics and "warmkv_kv_remote_up 1.0" in metrics
+    assert 'warmkv_kv_remote_errors_total{op="probe"} 0.0' in metrics
 
 
 def test_corrupt_value_is_dropped_and_recomputed(seeded: Seeded, redis_server: RedisServer, tmp_path: Path) -> None:
