@@ -42,11 +42,14 @@ def redis_binary() -> str:
 class RedisServer:
     """One redis-server process on 127.0.0.1:port (see the module docstring)."""
 
-    def __init__(self, directory: Path, *, port: int | None = None, maxmemory_mb: int | None = None) -> None:
+    def __init__(
+        self, directory: Path, *, port: int | None = None, maxmemory_mb: int | None = None, password: str | None = None
+    ) -> None:
         self.dir = directory
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.maxmemory_mb = maxmemory_mb
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -58,6 +61,8 @@ class RedisServer:
         args += ["--dir", str(self.dir), "--daemonize", "no", "--logfile", str(self.dir / "redis.log")]
         if self.maxmemory_mb is not None:
             args += ["--maxmemory", f"{self.maxmemory_mb}mb", "--maxmemory-policy", "allkeys-lru"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -66,7 +71,7 @@ class RedisServer:
                 raise RuntimeError(f"redis-server on port {self.port} exited with {self.proc.returncode}: {log}")
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
                 s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
+                if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (and asking for its password)
                     return self
             time.sleep(0.02)
         self.stop()
@@ -97,7 +102,7 @@ class RedisServer:
     def client(self) -> Any:
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, db=0, socket_timeout=5)
+        return redis.Redis(host="127.0.0.1", port=self.port, db=0, password=self.password, socket_timeout=5)
 
     def __enter__(self) -> RedisServer:
         return self.start()

@@ -8,6 +8,7 @@ node would.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,8 @@ from redis_server import RedisServer
 from server_harness import live_server
 from warmkv.cache import block_keys
 from warmkv.cache.remote_rates import RemoteRates
-from warmkv.cache.remote_store import namespace
+from warmkv.cache.remote_store import RemoteStore, namespace
+from warmkv.cache.remote_types import PASSWORD_ENV, RemoteConfig, parse_remote_url
 from warmkv.cli import app
 from warmkv.server.metrics import ServerMetrics
 
@@ -219,6 +221,28 @@ def test_paused_redis_costs_one_timeout(seeded: Seeded, redis_server: RedisServe
             own.resume()
     assert first is None and 0.1 < waited < 1.0
     assert st.probe_errors == 1 and st.skipped >= 1
+
+
+def test_password_from_the_url_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    digest, tokens = "e" * 64, list(range(128))
+    keys = block_keys(digest, tokens, BLOCK)
+    blob = os.urandom(4096)
+    with RedisServer(tmp_path / "redis", password="s3cret/pw") as srv:
+        plain = f"redis://127.0.0.1:{srv.port}/0"
+        monkeypatch.delenv(PASSWORD_ENV, raising=False)
+        refused = RemoteStore(RemoteConfig(plain))
+        assert not refused.put(keys, digest, tokens, blob) and refused.stats().write_errors == 1
+        in_url = RemoteStore(RemoteConfig(f"redis://:s3cret%2Fpw@127.0.0.1:{srv.port}/0"))
+        assert in_url.put(keys, digest, tokens, blob)
+        monkeypatch.setenv(PASSWORD_ENV, "s3cret/pw")
+        from_env = RemoteStore(RemoteConfig(plain))
+        found = from_env.longest_prefix(digest, tokens, keys, block_size=BLOCK, beat=0)
+        assert found is not None and found.entry is not None and bytes(found.entry.blob) == blob
+        assert "s3cret" not in repr(RemoteConfig(plain.replace("//", "//:s3cret@"))) + refused.stats().where
+        for store in (refused, in_url, from_env):
+            store.close()
+    tls = parse_remote_url("rediss://user:pw@cache.internal:6380/3")
+    assert (tls.tls, tls.host, tls.port, tls.db, tls.username) == (True, "cache.internal", 6380, 3, "user")
 
 
 @pytest.mark.skipif("native" not in BACKENDS, reason="the native engine needs torch (the native extra)")

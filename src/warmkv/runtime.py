@@ -68,7 +68,8 @@ from .turn_memory import TurnMemory
 from .types import PrefixInput, StreamChunk, Usage
 
 RECENT_PROMPTS = 8  # plain tokenizations kept: a few sessions' stable prefixes
-PREFILL_SAMPLE_TOKENS = 32  # forwards of fewer tokens (decode steps) say little about the prefill rate
+# Forwards of fewer tokens (decode steps, speculative rows of at most 33) say little about the prefill rate.
+PREFILL_SAMPLE_TOKENS = 48
 
 
 @dataclass(frozen=True)
