@@ -7,6 +7,7 @@ node would.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -221,6 +222,33 @@ def test_paused_redis_costs_one_timeout(seeded: Seeded, redis_server: RedisServe
             own.resume()
     assert first is None and 0.1 < waited < 1.0
     assert st.probe_errors == 1 and st.skipped >= 1
+
+
+def test_foreign_or_resized_values_are_dropped(redis_server: RedisServer) -> None:
+    """Values that pass the crc but are not what their keys say: never served, deleted, counted."""
+    ours, theirs, tokens = "a" * 64, "b" * 64, list(range(192))
+    keys = block_keys(ours, tokens, BLOCK)
+    store, client = RemoteStore(RemoteConfig(redis_server.url)), redis_server.client()
+    value, record = f"{namespace(ours)}:v:{keys[-1]}", f"{namespace(ours)}:b:{keys[-1]}"
+    try:
+        # another manifest's entry copied under our keys
+        assert store.put(block_keys(theirs, tokens, BLOCK), theirs, tokens, os.urandom(8192))
+        client.set(value, client.get(f"{namespace(theirs)}:v:{block_keys(theirs, tokens, BLOCK)[-1]}"))
+        for k in keys:
+            client.set(
+                f"{namespace(ours)}:b:{k}", json.dumps({"entry": keys[-1], "size": client.strlen(value), "tokens": 192})
+            )
+        assert store.longest_prefix(ours, tokens, keys, block_size=BLOCK, beat=0) is None
+        assert not client.exists(value) and not client.exists(record)
+        # our own entry, but its record says another size
+        assert store.put(keys, ours, tokens, os.urandom(8192))
+        size = client.strlen(value)
+        client.set(record, json.dumps({"entry": keys[-1], "size": size + 1, "tokens": 192}))
+        assert store.longest_prefix(ours, tokens, keys, block_size=BLOCK, beat=0) is None
+        assert not client.exists(value)
+        assert store.stats().rejected == 2 and store.stats().hits == 0
+    finally:
+        store.close()
 
 
 def test_password_from_the_url_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
