@@ -154,9 +154,11 @@ def test_read_or_prefill_is_chosen_by_rate(seeded: Seeded, redis_server: RedisSe
         status = s.ensure_prefix(SHORT)
         assert remote_stats(fast).declined == 1
     assert status.reuse_source == "none" and "would not beat prefilling" in status.reason
-    # a prefill rate any link beats: read
-    with load(tmp_path / "slow", redis_server.url, kv_remote_prefill_rate=1.0) as slow:
+    # a prefill rate any link beats: read (a node with the remote tier alone, no memory or disk tier)
+    alone = {"prefix_cache_mb": 0, "kv_store_mb": 0}
+    with load(tmp_path / "slow", redis_server.url, kv_remote_prefill_rate=1.0, **alone) as slow:
         status, reply = turn(slow, SHORT)
+        assert slow.tiers is not None and slow.tiers.store is None and slow.tiers.memory is None
     assert status.reuse_source == "remote" and reply == seeded.short
 
 
