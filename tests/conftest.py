@@ -8,6 +8,7 @@ import pytest
 
 import warmkv
 from context_checks import ContextChecks
+from redis_server import redis_server  # noqa: F401  (a fixture: a real redis-server per test module)
 
 BACKENDS = [b for b in ("llamacpp", "native") if b in warmkv.available_backends()]
 # The contract suite checks reuse of a session's own resident KV, exactly; the

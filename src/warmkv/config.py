@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from .cache.remote_types import check_prefill_rate, parse_remote_url
 from .chat import check_template_kwargs
 from .constraint import Constraint
 from .errors import InvalidConfig, InvalidInput
@@ -94,6 +95,12 @@ class RuntimeConfig:
     kv_store_dir: str | None = None
     kv_store_mb: int = 8192
     cache_block_tokens: int = 64
+    # The remote tier below the disk (Redis or Valkey, shared by several nodes): redis://HOST:PORT/DB
+    # or rediss:// (TLS); a password in the URL or in $WARMKV_KV_REMOTE_PASSWORD. None: no remote tier.
+    kv_remote: str | None = field(default=None, repr=False)  # the URL may hold a password
+    kv_remote_timeout_ms: int = 200  # connect and read timeout of a probe or read; spills get 10x
+    # Tokens/s a remote read must beat to be used; None: this runtime's measured prefill rate.
+    kv_remote_prefill_rate: float | None = None
     # Tokens prefilled between chances for other sessions' decode steps to run.
     prefill_chunk: int = 256
     # Prompt reuse: "chunks" loads the backend so KV runs can move (see REUSE_MODES).
@@ -140,6 +147,10 @@ class RuntimeConfig:
         _int("prefix_cache_mb", self.prefix_cache_mb, minimum=0)
         _int("kv_store_mb", self.kv_store_mb, minimum=0)
         _int("cache_block_tokens", self.cache_block_tokens, minimum=1, maximum=65536)
+        if self.kv_remote is not None:
+            parse_remote_url(self.kv_remote)
+        _int("kv_remote_timeout_ms", self.kv_remote_timeout_ms, minimum=1, maximum=60_000)
+        check_prefill_rate(self.kv_remote_prefill_rate, "kv_remote_prefill_rate")
         _int("prefill_chunk", self.prefill_chunk, minimum=1, maximum=1 << 16)
         _choice("reuse_mode", self.reuse_mode, REUSE_MODES)
         _int("chunk_min_tokens", self.chunk_min_tokens, minimum=MIN_CHUNK_TOKENS, maximum=self.num_ctx)

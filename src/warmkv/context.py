@@ -30,6 +30,7 @@ draft and undoing a failed prefill are all the same call.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -41,8 +42,16 @@ from .errors import SessionFatal
 class ResidentContext:
     """Tokens whose KV is in sequence `seq`, and the logits after them. Callers hold the model lock."""
 
-    def __init__(self, backend: Backend, seq: int, prefill_chunk: int, num_ctx: int) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        seq: int,
+        prefill_chunk: int,
+        num_ctx: int,
+        on_forward: Callable[[int, float], None] | None = None,
+    ) -> None:
         self._backend = backend
+        self._on_forward = on_forward  # (tokens, seconds) of each forward: the runtime's prefill rate
         self._seq = seq
         self._chunk = prefill_chunk
         self._num_ctx = num_ctx
@@ -375,11 +384,14 @@ class ResidentContext:
         """Evaluate one row of ours; a fatal backend error marks the context unusable."""
         if self._swapped is not None:
             raise self._refused("a forward while the KV is swapped out")
+        t0 = time.perf_counter()
         try:
             (logits,) = self._backend.forward([row])
         except SessionFatal as e:
             self.fail(str(e))
             raise
+        if self._on_forward is not None:
+            self._on_forward(len(row.tokens), time.perf_counter() - t0)
         return logits
 
     def eval(

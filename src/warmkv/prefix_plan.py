@@ -35,7 +35,7 @@ from .chunk_match import find_runs
 from .context import ResidentContext
 from .errors import ContextOverflow, KVCacheFull, SessionFatal, WarmkvError
 from .manifest import ContextManifest, hash_token_ids, sha256_bytes
-from .tiers import cached_kv
+from .tiers import DiskRead, cached_kv
 from .tokens import common_prefix_len
 from .types import Divergence, PrefixStatus
 
@@ -63,16 +63,6 @@ class ChunkMove:
     def stashed(self) -> tuple[int, int]:
         """(old start, length) of the KV kept for the move."""
         return self.old_start + self.recomputed, self.length - self.recomputed
-
-
-@dataclass(frozen=True)
-class DiskRead:
-    """What a disk-tier read found for a plan (None: nothing), read before the load began."""
-
-    hit: WarmHit | None
-
-    def beating(self, reused: int) -> WarmHit | None:
-        return self.hit if self.hit is not None and self.hit.n_tokens > reused else None
 
 
 @dataclass(frozen=True)
@@ -115,8 +105,8 @@ class PrefixLoad:
     def begin(self, disk: DiskRead | None = None) -> None:
         """Drop what diverged (or detach it), then restore the longest tier entry that beats the reuse.
 
-        disk: the disk tier's answer, read beforehand off the engine loop (tiers.disk_read);
-        without it a lookup reads the disk here, with the model lock let go.
+        disk: the answer of the tiers below memory (disk, remote), read beforehand off the engine loop
+        (tiers.disk_read); without it a lookup reads them here, with the model lock let go.
         """
         ctx, plan = self.ctx, self.plan
         self._t0 = time.perf_counter()
@@ -139,9 +129,12 @@ class PrefixLoad:
             tokens = list(plan.tokens)
             self._keys = tiers.keys(plan.manifest.digest, tokens)
             if disk is None:
-                hit = tiers.lookup(plan.manifest.digest, tokens, self._keys, reused)
+                disk = tiers.lookup(plan.manifest.digest, tokens, self._keys, reused)
+                hit = disk.beating(reused)
             else:  # memory first, as in lookup: it may have gained an entry while the disk was read
                 hit = tiers.lookup_memory(tokens, self._keys, reused) or disk.beating(reused)
+            if hit is None and disk.declined is not None:  # the remote tier had it: a prefill was faster
+                self.reason = f"{self.reason}; {disk.declined}"
             if hit is not None:
                 loaded = self._load(tiers, hit)
                 self.reused, self.source = len(ctx.tokens), hit.source if loaded else "none"

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from .backends import Backend, BackendOptions, KVMemory, ModelInfo, ModelState, load_backend, make_options, options_type
+from .cache.remote_types import RemoteConfig
 from .chat import ChatTemplate, TemplateChoice, check_template_kwargs, resolve_template
 from .config import REUSE_MODES, DecodeConfig, ResolvedConfig, RuntimeConfig
 from .constraint import Constraint, Guide, build_tokenizer
@@ -67,6 +68,8 @@ from .turn_memory import TurnMemory
 from .types import PrefixInput, StreamChunk, Usage
 
 RECENT_PROMPTS = 8  # plain tokenizations kept: a few sessions' stable prefixes
+# Forwards of fewer tokens (decode steps, speculative rows of at most 33) say little about the prefill rate.
+PREFILL_SAMPLE_TOKENS = 48
 
 
 @dataclass(frozen=True)
@@ -130,19 +133,24 @@ class Runtime:
         self._kept: KeptRenderer | None = None
         self.default_add_bos = backend.info.add_bos and not self.config.disable_bos
         # Warm tiers need a backend that can keep, export and import a sequence's KV.
-        self.tiers = (
-            KVTiers(
-                backend,
-                block_tokens=c.cache_block_tokens,
-                memory_mb=c.prefix_cache_mb,
-                store_dir=c.kv_store_dir,
-                store_mb=c.kv_store_mb,
-                unlocked=self.model_unlocked,
-                held=self.lock._is_owned,  # type: ignore[attr-defined]
+        try:
+            self.tiers = (
+                KVTiers(
+                    backend,
+                    block_tokens=c.cache_block_tokens,
+                    memory_mb=c.prefix_cache_mb,
+                    store_dir=c.kv_store_dir,
+                    store_mb=c.kv_store_mb,
+                    unlocked=self.model_unlocked,
+                    held=self.lock._is_owned,  # type: ignore[attr-defined]
+                    remote=_remote_config(c),
+                )
+                if callable(getattr(backend, "keep_seq", None)) and (c.prefix_cache_mb or c.kv_store_mb or c.kv_remote)
+                else None
             )
-            if callable(getattr(backend, "keep_seq", None)) and (c.prefix_cache_mb or c.kv_store_mb)
-            else None
-        )
+        except BaseException:
+            backend.close()
+            raise
         self.parked = 0  # idle sessions whose KV moved to the tiers because the pool ran short
         backend.set_reclaimer(self._reclaim)
         self._manifests = {
@@ -157,6 +165,12 @@ class Runtime:
             for bos in (False, True)
         }
         self.stats = RuntimeStats(backend.state, 0, backend.kv_memory())
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill forward ran (model lock held): the measured rate a remote tier read must beat."""
+        tiers = self.tiers
+        if tiers is not None and tokens >= PREFILL_SAMPLE_TOKENS:
+            tiers.note_prefill(tokens, seconds)
 
     def publish_stats(self) -> None:
         """Replace `stats` with what the runtime holds now (call with the model lock held)."""
@@ -625,6 +639,15 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _remote_config(c: ResolvedConfig) -> RemoteConfig | None:
+    if c.kv_remote is None:
+        return None
+    timeout = c.kv_remote_timeout_ms / 1000
+    return RemoteConfig(
+        c.kv_remote, timeout_s=timeout, write_timeout_s=timeout * 10, prefill_rate=c.kv_remote_prefill_rate
+    )
 
 
 def _decode_config(config: DecodeConfig | None, overrides: Mapping[str, Any]) -> DecodeConfig:

@@ -367,14 +367,19 @@ class Scheduler:
 
     def _evaluate(self, group: list[tuple[Job, ForwardRow]]) -> list[Outcome]:
         """One forward of the group's rows; on a failure, each row's outcome (see _outcomes)."""
+        rows = [row for _, row in group]
+        t0 = time.perf_counter()
         try:
-            logits = self._rt.backend.forward([row for _, row in group])
+            logits = self._rt.backend.forward(rows)
         except KVCacheFull as e:
             if self._preempt():
                 return [RETRY] * len(group)  # every row as it was: they run again next step
             return _outcomes(group, e)
         except WarmkvError as e:
             return _outcomes(group, e)
+        if any(job.phase is Phase.PREFILLING for job, _ in group):
+            # decode rows and prefill pieces together: a prefill rate a little low, which favours remote reads
+            self._rt.note_prefill(sum(len(r.tokens) for r in rows), time.perf_counter() - t0)
         for job, _ in group:
             job.solo = False
         return list(logits)

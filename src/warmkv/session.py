@@ -95,7 +95,9 @@ class Session:
         self._op = threading.RLock()
         self._model_lock = runtime.lock
         self._num_ctx: int = runtime.config.num_ctx
-        self.ctx = ResidentContext(runtime.backend, seq, runtime.config.prefill_chunk, self._num_ctx)
+        self.ctx = ResidentContext(
+            runtime.backend, seq, runtime.config.prefill_chunk, self._num_ctx, on_forward=runtime.note_prefill
+        )
         self._manifest: ContextManifest | None = None
         self._byte_hash: str | None = None
         self._token_hash: str | None = None
@@ -288,14 +290,13 @@ class Session:
         return load
 
     def disk_read(self, plan: PrefixPlan) -> Callable[[], DiskRead] | None:
-        """The disk-tier read begin_load would make for plan, to run on another thread first;
-        None when it would make none (call with the model lock held)."""
+        """The read of the tiers below memory (disk, remote) begin_load would make for plan, to run on
+        another thread first; None when it would make none (call with the model lock held)."""
         tiers = self._rt.tiers
         if tiers is None:
             return None
         tokens = plan.tokens
-        read = tiers.disk_read(plan.manifest.digest, tokens, tiers.keys(plan.manifest.digest, tokens), plan.reused)
-        return None if read is None else lambda: DiskRead(read())
+        return tiers.disk_read(plan.manifest.digest, tokens, tiers.keys(plan.manifest.digest, tokens), plan.reused)
 
     def finish_load(self, load: PrefixLoad) -> PrefixStatus:
         """The plan's prompt is resident: it becomes the prefix (call with the model lock held)."""

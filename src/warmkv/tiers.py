@@ -1,13 +1,15 @@
-"""Warm tiers below a session's own resident KV: the shared memory cache and the disk store.
+"""Warm tiers below a session's own resident KV: the shared memory cache, the disk store, a remote tier.
 
 A prefix computed once is kept (the backend's `keep_seq`: pinned pool blocks on
 the native engine, state bytes on llama.cpp) keyed by chained block hashes that
 start from the manifest digest, so equal keys mean equal KV. Lookup order,
 fastest first: the session's own resident tokens, the in-memory PrefixCache
 (shared by every session of the model), the on-disk KVStore (shared across
-processes and restarts). An entry evicted from memory is spilled to disk as an
-`export_seq` blob; closing the runtime spills everything. When the native KV
-pool runs short it asks for pinned blocks back (`reclaim`): LRU entries spill.
+processes and restarts), then, with `kv_remote`, the remote tier (Redis or Valkey,
+cache.remote_store: shared by every node of the model). An entry evicted from memory
+is spilled to disk as an `export_seq` blob, and to the remote tier by the same writer
+thread; closing the runtime spills everything. When the native KV pool runs short it
+asks for pinned blocks back (`reclaim`): LRU entries spill.
 
 Disk I/O runs off the model lock (see the lock order in warmkv.runtime). A spill
 queues the entry for the store's writer thread (cache.store_writer) with its KV
@@ -17,7 +19,9 @@ and writes them, and the pins are let go at the next tiers call under the lock. 
 the lock every stream would wait. When the pool runs short (`reclaim`), the copy
 runs there and then, since the blocks are needed now. `lookup` matches memory under
 the lock, then reads and verifies a disk blob with the lock let go. Entries queued
-but not yet written are disk hits too, served from the queued bytes.
+but not yet written are disk hits too, served from the queued bytes. The remote
+tier is asked after the disk, in the same read, only for more tokens than the disk
+had, and read only when reading beats prefilling them (cache.remote_rates).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backends.base import Backend, BlobKV, KeptKV, kept_cut
 from .cache import (
@@ -41,9 +45,13 @@ from .cache import (
     StoreConfig,
     block_keys,
 )
+from .cache.remote_types import RemoteConfig
 from .cache.store_writer import LazyBlob, PendingEntry, StoreWriter, blob_bytes
-from .errors import WarmkvError
+from .errors import InvalidConfig, WarmkvError
 from .tokens import common_prefix_len
+
+if TYPE_CHECKING:
+    from .cache.remote_store import RemoteStore
 
 log = logging.getLogger(__name__)
 MIN_QUEUE_BYTES = 64 << 20  # the writer's queue holds at least this much (or the memory tier's budget)
@@ -67,13 +75,27 @@ def cached_kv(entry: CacheEntry) -> CachedKV:
 
 @dataclass(frozen=True)
 class WarmHit:
-    source: str  # "memory" or "disk"
+    source: str  # "memory", "disk" or "remote"
     n_tokens: int  # tokens of `kv` that match the request
     kv: CachedKV
 
 
+@dataclass(frozen=True)
+class DiskRead:
+    """What a read of the tiers below memory (disk, then remote) found for a plan (None: nothing).
+
+    declined: why a remote hit was not read (a prefill was expected to be faster), for the reason.
+    """
+
+    hit: WarmHit | None
+    declined: str | None = None
+
+    def beating(self, reused: int) -> WarmHit | None:
+        return self.hit if self.hit is not None and self.hit.n_tokens > reused else None
+
+
 class KVTiers:
-    """Owner of the memory cache, the disk store and its writer thread, for one loaded model.
+    """Owner of the memory cache, the disk store, the remote tier and the writer thread, for one model.
 
     unlocked: a context manager that lets go of the model lock for its block (lookup's
     disk read); held: whether the calling thread holds the model lock (waits on the
@@ -91,17 +113,22 @@ class KVTiers:
         store_mb: int,
         unlocked: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
         held: Callable[[], bool] | None = None,
+        remote: RemoteConfig | None = None,
     ) -> None:
         self._backend = backend
         self.block_tokens = block_tokens
         self._unlocked = unlocked
+        # first: a missing client refuses before anything is opened
+        self.remote: RemoteStore | None = _remote_store(remote) if remote is not None else None
         self.memory = (
             PrefixCache(PrefixCacheConfig(capacity_bytes=memory_mb << 20), on_evict=self._spill) if memory_mb else None
         )
         self.store = KVStore(store_dir, StoreConfig(capacity_bytes=store_mb << 20)) if store_mb else None
         self.writer = (
-            StoreWriter(self.store, max_pending_bytes=max(memory_mb << 20, MIN_QUEUE_BYTES), held=held)
-            if self.store is not None
+            StoreWriter(
+                self.store, max_pending_bytes=max(memory_mb << 20, MIN_QUEUE_BYTES), held=held, remote=self.remote
+            )
+            if self.store is not None or self.remote is not None
             else None
         )
         self._held_back: list[PendingEntry] | None = None  # spills copied by spill_all, written by close
@@ -111,27 +138,27 @@ class KVTiers:
     def keys(self, manifest_digest: str, tokens: Sequence[int]) -> list[str]:
         return block_keys(manifest_digest, tokens, self.block_tokens)
 
-    def lookup(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> WarmHit | None:
+    def lookup(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> DiskRead:
         """The longest cached prefix of `tokens` longer than `beat` tokens, memory first.
 
-        Called with the session's op lock and the model lock held; the disk read lets go
-        of the model lock (like a prefill between chunks), so the caller's state must be
+        Called with the session's op lock and the model lock held; the disk (and remote) read lets
+        go of the model lock (like a prefill between chunks), so the caller's state must be
         consistent at this call.
         """
         hit = self.lookup_memory(tokens, keys, beat)
         if hit is not None or self.writer is None or len(keys) * self.block_tokens <= beat:
-            return hit
+            return DiskRead(hit)
         with self._unlocked():
             return self.read_disk(manifest_digest, tokens, keys, beat)
 
     def disk_read(
         self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int
-    ) -> Callable[[], WarmHit | None] | None:
-        """The disk read a lookup would make, to run on another thread; None when it makes none.
+    ) -> Callable[[], DiskRead] | None:
+        """The disk (and remote) read a lookup would make, to run on another thread; None when it makes none.
 
-        Call under the model lock: None when there is no store, the prompt is too short to beat
-        `beat`, or the memory tier already has a hit (memory wins in lookup, and reading the
-        disk then would be wasted). The read itself takes no lock (see read_disk).
+        Call under the model lock: None when there is no store nor remote tier, the prompt is too
+        short to beat `beat`, or the memory tier already has a hit (memory wins in lookup, and
+        reading below it then would be wasted). The read itself takes no lock (see read_disk).
         """
         if self.writer is None or len(keys) * self.block_tokens <= beat:
             return None
@@ -172,12 +199,31 @@ class KVTiers:
             self.memory.match(entry.keys)
         cached_kv(entry).kv.load_into(seq)
 
-    def read_disk(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> WarmHit | None:
+    def read_disk(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> DiskRead:
+        """The longest prefix longer than `beat` below memory, read and verified (without the model lock):
+        the disk tier's, or the remote tier's when it has more tokens and reading them beats a prefill."""
+        hit = self._read_store(manifest_digest, tokens, keys, beat)
+        if self.remote is None:
+            return DiskRead(hit)
+        floor = max(beat, hit.n_tokens if hit is not None else 0)
+        if len(keys) * self.block_tokens <= floor:
+            return DiskRead(hit)
+        found = self.remote.longest_prefix(manifest_digest, tokens, keys, block_size=self.block_tokens, beat=floor)
+        if found is None or found.entry is None:
+            return DiskRead(hit, found.declined if found is not None and hit is None else None)
+        kept = BlobKV(self._backend, found.entry.blob)
+        if (n := kept.cut(found.n_tokens)) > floor:
+            return DiskRead(WarmHit("remote", n, CachedKV(found.entry.tokens, kept, manifest_digest)))
+        return DiskRead(hit)
+
+    def _read_store(
+        self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int
+    ) -> WarmHit | None:
         """The disk tier's longest prefix longer than `beat`, read and verified (without the model lock).
 
         Entries still queued for the writer are found first, from their queued bytes.
         """
-        if self.writer is None or self.store is None or len(keys) * self.block_tokens <= beat:
+        if self.writer is None or len(keys) * self.block_tokens <= beat:
             return None
         queued = self.writer.pending_match(manifest_digest, tokens, keys, self.block_tokens)
         if queued is not None and queued.n_tokens > beat:
@@ -189,6 +235,8 @@ class KVTiers:
                     return WarmHit("disk", n, CachedKV(e.tokens, kept, manifest_digest))
             except WarmkvError as err:  # written meanwhile (the store has it), or its copy failed
                 log.debug("queued kv entry not readable: %s", err)
+        if self.store is None:
+            return None
         try:
             s = self.store.longest_prefix(manifest_digest, tokens, keys, block_size=self.block_tokens)
         except WarmkvError as e:  # a broken store degrades to a cold prefill, never to wrong KV
@@ -303,7 +351,14 @@ class KVTiers:
             out["disk"] = asdict(self.store.stats())
         if self.writer is not None:
             out["writer"] = asdict(self.writer.stats())
+        if self.remote is not None:
+            out["remote"] = asdict(self.remote.stats())
         return out
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill piece ran (its tokens, its forward's time): the rate a remote read must beat."""
+        if self.remote is not None:
+            self.remote.note_prefill(tokens, seconds)
 
     def spill_all(self) -> None:
         """Copy every memory entry's bytes and let go of its KV (under the model lock): close's first half."""
@@ -328,3 +383,14 @@ class KVTiers:
             self.writer.close()
         if self.store is not None:
             self.store.close()
+        if self.remote is not None:
+            self.remote.close()
+
+
+def _remote_store(config: RemoteConfig) -> RemoteStore:
+    """The remote tier's client (redis-py is imported only when a remote tier is configured)."""
+    try:
+        from .cache.remote_store import RemoteStore
+    except ImportError as e:
+        raise InvalidConfig(f"kv_remote needs the redis package ({e}): pip install 'warmkv[remote]'") from None
+    return RemoteStore(config)

@@ -90,7 +90,7 @@ class PrefixStatus:
     stable_byte_hash: str
     stable_token_hash: str
     manifest_digest: str
-    reuse_source: str  # "resident" or "none"
+    reuse_source: str  # "resident", "memory", "disk", "remote" (a tier the KV was restored from) or "none"
     reason: str
     prefill_s: float
     divergence: Divergence | None = None  # set when resident tokens past the reused prefix were dropped
@@ -189,7 +189,7 @@ class ContextReport:
     manifest: dict[str, Any] | None
     segments: tuple[dict[str, Any], ...] = field(default=())
     last_prefix: PrefixStatus | None = None
-    cache: dict[str, Any] | None = None  # the model's shared memory and disk tiers: hits, misses, bytes...
+    cache: dict[str, Any] | None = None  # the model's shared memory, disk and remote tiers: hits, misses, bytes...
     tool_format: str | None = None  # how this model's chat requests render and parse tool calls
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,4 +223,13 @@ class ContextReport:
                     f"  {tier} tier: {st['entries']} entries, {size / 2**20:.1f} MiB, "
                     f"{st['hits']} hits, {st['misses']} misses, {st['evictions']} evictions"
                 )
+        r = (self.cache or {}).get("remote")
+        if r:
+            rate = r["read_bytes_per_s"]
+            lines.append(
+                f"  remote tier {r['where']}: {'up' if r['up'] else 'down'}, {r['hits']} hits, {r['misses']} misses, "
+                f"{r['declined']} declined, {r['rejected']} rejected, "
+                f"{r['probe_errors'] + r['read_errors'] + r['write_errors']} errors"
+                + (f", reads at {rate / 1e6:.0f} MB/s" if rate else "")
+            )
         return "\n".join(lines)

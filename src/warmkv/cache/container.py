@@ -123,8 +123,10 @@ def file_crc(data: bytes) -> int:
     return crc32c.crc32c(memoryview(data)[: -_TRAILER.size]) if len(data) >= _TRAILER.size else -1
 
 
-def read_container(data: bytes) -> tuple[BlobHeader, bytes]:
-    """Parse and verify a container; raises ContainerError naming the first failed check."""
+def read_container(data: bytes, *, view: bool = False) -> tuple[BlobHeader, bytes]:
+    """Parse and verify a container; raises ContainerError naming the first failed check.
+
+    view: the payload is a view into data, not a copy (a large value read once: no second copy)."""
     if len(data) < _FIXED.size + _TRAILER.size:
         raise ContainerError(f"truncated: {len(data)} bytes < {_FIXED.size + _TRAILER.size} minimum")
     magic, version, _, head_len = _FIXED.unpack_from(data, 0)
@@ -155,7 +157,8 @@ def read_container(data: bytes) -> tuple[BlobHeader, bytes]:
         raise ContainerError(f"unreadable header: {e}") from None
     if header.kind not in KINDS or doc.get("n_tokens") != header.n_tokens:
         raise ContainerError(f"inconsistent header: kind {header.kind!r}, n_tokens {doc.get('n_tokens')}")
-    payload = bytes(memoryview(data)[start : len(data) - _TRAILER.size])
+    window = memoryview(data)[start : len(data) - _TRAILER.size]
+    payload: bytes = window if view else bytes(window)  # type: ignore[assignment]
     if len(payload) != header.payload_len:
         raise ContainerError(f"payload is {len(payload)} bytes, header says {header.payload_len}")
     if crc32c.crc32c(payload) != header.payload_crc32c:

@@ -7,10 +7,14 @@ and hands the bytes here:
 
     submit_entry(...)    a spilled prefix; never waits: dropped (and counted) when the
                          queue is full, which only costs a later cold prefill
-    put_snapshot(...)    waits for room and returns once the snapshot is durable
+    put_snapshot(...)    waits for room and returns once the snapshot is durable (needs a store)
     flush()              waits until everything queued before the call is written
     pending_match(...)   the queued, not yet written entry sharing the most full
                          blocks with a prompt: lookups see queued entries
+
+With a remote tier (remote_store), each spilled entry is also written there, after the
+disk, from this same thread: the remote tier receives what the disk tier receives. A node
+may run with the remote tier alone (store None).
 
 Calls that wait (put_snapshot, flush, close, submit_entry(wait=True)) refuse to run
 while the calling thread holds the lock named by `held` (the model lock): see the
@@ -27,12 +31,15 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidConfig, WarmkvError
 from ..tokens import common_prefix_len
 from .store import KVStore
 from .store_types import Blob, SnapshotInfo
+
+if TYPE_CHECKING:
+    from .remote_store import RemoteStore
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +121,7 @@ class _SnapshotJob:
 class WriterStats:
     queued: int  # jobs waiting or being written
     queued_bytes: int
-    written: int  # prefix entries written
+    written: int  # prefix entries written (to the disk store, else to the remote tier)
     dropped: int  # prefix entries not queued: the queue was full
     failed: int  # prefix entries the store refused (full, I/O error)
 
@@ -133,12 +140,22 @@ def _shared(a: Sequence[str], b: Sequence[str]) -> int:
 
 
 class StoreWriter:
-    """The thread writing to one KVStore; see the module docstring."""
+    """The thread writing to one KVStore and/or one remote tier; see the module docstring."""
 
-    def __init__(self, store: KVStore, *, max_pending_bytes: int, held: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self,
+        store: KVStore | None,
+        *,
+        max_pending_bytes: int,
+        held: Callable[[], bool] | None = None,
+        remote: RemoteStore | None = None,
+    ) -> None:
         if isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int) or max_pending_bytes < 1:
             raise InvalidConfig(f"max_pending_bytes must be an integer >= 1, got {max_pending_bytes!r}")
+        if store is None and remote is None:
+            raise InvalidConfig("a store writer needs a KV store, a remote tier or both")
         self.store = store
+        self.remote = remote
         self._max = max_pending_bytes
         self._held = held or (lambda: False)
         self._cond = threading.Condition()
@@ -187,6 +204,8 @@ class StoreWriter:
     ) -> SnapshotInfo:
         """KVStore.put_snapshot through the writer: returns once the snapshot is durable (or raises its error)."""
         self._check_not_held("put_snapshot")
+        if self.store is None:
+            raise WarmkvError("snapshots need the disk store (kv_store_mb > 0)")
         job = _SnapshotJob((name, manifest_digest, manifest, tokens, blob, meta))
         with self._cond:
             self._wait_room(job.nbytes)
@@ -279,6 +298,7 @@ class StoreWriter:
     def _write(self, job: PendingEntry | _SnapshotJob) -> None:
         if isinstance(job, _SnapshotJob):
             try:
+                assert self.store is not None  # put_snapshot refuses without one
                 job.info = self.store.put_snapshot(*job.args)
             except BaseException as e:  # handed to the waiting caller
                 job.error = e
@@ -286,11 +306,26 @@ class StoreWriter:
             return
         try:
             blob = blob_bytes(job.blob)
-            self.store.put(job.keys[-1], job.manifest_digest, job.tokens, blob, block_keys=job.keys)
-            self._written += 1
-        except WarmkvError as e:  # a spilled prefix that cannot be stored only costs a later prefill
+        except WarmkvError as e:  # its copy failed: nothing to write anywhere
             self._failed += 1
             log.warning("kv store write failed: %s", e)
-        except Exception:
-            self._failed += 1
-            log.exception("kv store write failed")
+            return
+        if self.store is not None:
+            try:
+                self.store.put(job.keys[-1], job.manifest_digest, job.tokens, blob, block_keys=job.keys)
+                self._written += 1
+            except WarmkvError as e:  # a spilled prefix that cannot be stored only costs a later prefill
+                self._failed += 1
+                log.warning("kv store write failed: %s", e)
+            except Exception:
+                self._failed += 1
+                log.exception("kv store write failed")
+        if self.remote is not None:  # counts and logs its own failures (remote_link)
+            try:
+                written = self.remote.put(job.keys, job.manifest_digest, job.tokens, blob)
+            except Exception:
+                written = False
+                log.exception("kv remote tier write failed")
+            if self.store is None:
+                self._written += written
+                self._failed += not written

@@ -116,6 +116,28 @@ SPECS = (
     Spec("kv_store_dir", ("--kv-store-dir",), str, "persistent KV store directory (default: user cache)", "runtime"),
     Spec("kv_store_mb", ("--kv-store-mb",), int, "persistent KV store cap, MiB (0: off)", "runtime"),
     Spec(
+        "kv_remote",
+        ("--kv-remote",),
+        str,
+        "remote KV tier shared by several nodes: redis://HOST:PORT/DB or rediss:// (Redis or Valkey; "
+        "password in the URL or $WARMKV_KV_REMOTE_PASSWORD)",
+        "runtime",
+    ),
+    Spec(
+        "kv_remote_timeout_ms",
+        ("--kv-remote-timeout-ms",),
+        int,
+        "remote KV tier: connect and read timeout, ms (default 200; spills get 10x)",
+        "runtime",
+    ),
+    Spec(
+        "kv_remote_prefill_rate",
+        ("--kv-remote-prefill-rate",),
+        float,
+        "remote KV tier: tokens/s a read must beat (default: the measured prefill rate)",
+        "runtime",
+    ),
+    Spec(
         "compute_dtype",
         ("--compute-dtype",),
         str,

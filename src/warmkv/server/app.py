@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
 from .. import __version__
+from ..cache.remote_types import RemoteStats
 from ..errors import InvalidConfig, WarmkvError
 from ..runtime import Runtime
 from ..scheduler import Scheduler, SchedulerConfig
@@ -253,6 +254,16 @@ def _gauges(hub: Hub) -> None:
         "Aggregate decode rate over the last 5 s",
         total(lambda st: st.scheduler.tokens_per_s()),
     )
+
+    def remote() -> list[tuple[str, RemoteStats]]:
+        out = []
+        for st in hub.table.states():
+            tiers = st.runtime.tiers  # None once the runtime closed
+            if tiers is not None and tiers.remote is not None:
+                out.append((st.model_id, tiers.remote.stats()))
+        return out
+
+    m.remote_tier(remote)
 
 
 async def _sweep_loop(hub: Hub) -> None:

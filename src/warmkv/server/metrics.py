@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from ..cache.remote_types import RemoteStats
 from ..types import Usage
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -50,6 +53,10 @@ class ServerMetrics:
             "warmkv_cache_hit_rate", "Reused / (reused + prefilled) prompt tokens since start", registry=r
         )
         self.cache_hit_rate.set_function(lambda: self._reused / max(1, self._reused + self._prefilled))
+
+    def remote_tier(self, stats: Callable[[], list[tuple[str, RemoteStats]]]) -> None:
+        """Export the remote KV tier's counters and rates (stats: each loaded model's, by model id)."""
+        self.registry.register(_RemoteCollector(stats))
 
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)
@@ -98,3 +105,54 @@ class ModelMetrics:
             m.completion_tokens.labels(self.model).inc(usage.completion_tokens)
             m.draft_tokens.labels(self.model, "accepted").inc(usage.accepted_tokens)
             m.draft_tokens.labels(self.model, "rejected").inc(usage.draft_tokens - usage.accepted_tokens)
+
+
+_REMOTE_COUNTS = (
+    ("hits", "Prompts restored from the remote KV tier"),
+    ("misses", "Remote KV tier probes that found nothing to read (or a value not served)"),
+    ("declined", "Remote KV tier hits not read: prefilling was expected to be faster"),
+    ("rejected", "Remote KV tier values dropped: bad crc, wrong size, manifest or tokens"),
+    ("written", "Entries spilled to the remote KV tier"),
+    ("skipped", "Remote KV tier operations not tried while the link was down"),
+)
+
+
+class _RemoteCollector(Collector):
+    """The remote tier's counters as Prometheus counters, read from each model's stats at each scrape."""
+
+    def __init__(self, stats: Callable[[], list[tuple[str, RemoteStats]]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        models = self._stats()
+        if not models:
+            return
+        errors = CounterMetricFamily(
+            "warmkv_kv_remote_errors",
+            "Remote KV tier operations that failed (refused, timed out, a server error), by operation",
+            labels=["model", "op"],
+        )
+        for model, st in models:
+            for op, n in (("probe", st.probe_errors), ("read", st.read_errors), ("write", st.write_errors)):
+                errors.add_metric([model, op], n)
+        yield errors
+        for name, doc in _REMOTE_COUNTS:
+            family = CounterMetricFamily(f"warmkv_kv_remote_{name}", doc, labels=["model"])
+            for model, st in models:
+                family.add_metric([model], getattr(st, name))
+            yield family
+        up = GaugeMetricFamily("warmkv_kv_remote_up", "1 while the remote KV tier answers, else 0", labels=["model"])
+        for model, st in models:
+            up.add_metric([model], st.up)
+        yield up
+        rates = (
+            ("warmkv_kv_remote_read_bytes_per_second", "Remote KV tier read rate (EWMA of reads)", "read_bytes_per_s"),
+            ("warmkv_kv_remote_rtt_seconds", "Remote KV tier round trip (EWMA of probes)", "rtt_s"),
+            ("warmkv_prefill_tokens_per_second", "Prefill rate a remote read must beat", "prefill_tokens_per_s"),
+        )
+        for name, doc, attr in rates:
+            family = GaugeMetricFamily(name, doc, labels=["model"])
+            for model, st in models:
+                if getattr(st, attr) is not None:
+                    family.add_metric([model], getattr(st, attr))
+            yield family

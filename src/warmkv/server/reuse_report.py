@@ -7,6 +7,9 @@ excerpt of the old and the new text there, JSON-escaped:
 
     x-warmkv-divergence: token=812; message=0; role="system"; old="cch=1a2b;..."; new="cch=9f8e;..."
 
+and x-warmkv-reuse-source: where the reused KV came from (`resident`, or the tier it was restored
+from: `memory`, `disk`, `remote`), `none` when nothing was reused.
+
 and, when reuse stopped where the chat template dropped earlier turns' reasoning, a `cause="..."`.
 
 A miss is a request whose reuse stopped before the end of what was resident (the
@@ -112,4 +115,5 @@ def report(
         "x-warmkv-chunk-reused-tokens": str(status.chunk_reused_tokens),
         "x-warmkv-recomputed-tokens": str(status.recomputed_tokens),
         "x-warmkv-divergence": header,
+        "x-warmkv-reuse-source": status.reuse_source,
     }
