@@ -48,6 +48,10 @@ if [[ ",$EXTRAS," == *",dev,"* ]]; then
         npm ci --prefix harnesses --no-audit --no-fund --loglevel=error
     fi
 fi
+# nginx and HAProxy, the proxies tests/test_fleet_proxy.py puts in front of two nodes (deploy/).
+if [[ ",$EXTRAS," == *",dev,"* ]]; then
+    scripts/install_proxies.sh
+fi
 .venv/bin/python -c "from warmkv.models import gemma3_path; gemma3_path(assemble=True)"
 # Build the native engine's C++ decode loop now rather than in the first request (~30 s, once).
 if .venv/bin/python -c "import torch" >/dev/null 2>&1; then
