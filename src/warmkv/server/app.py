@@ -34,6 +34,7 @@ from .guard import Guard
 from .leases import Leases
 from .metrics import ServerMetrics
 from .model_table import ModelSpec, ModelTable
+from .node import NodeGate
 from .pool import SessionPool
 from .registry import SessionRegistry, session_snapshot_name
 from .settings import ServerSettings, TableSettings, default_pool_size
@@ -124,6 +125,7 @@ def create_app(
             CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["*"], allow_headers=["*"]
         )
     app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, metrics=metrics)
+    app.add_middleware(NodeGate, node_id=cfg.node)  # every response names the node
     app.add_middleware(Leases)  # outermost: a lease outlives the whole response
     return app
 
@@ -278,6 +280,7 @@ async def health(request: Request) -> dict[str, Any]:
     if st is None:
         return {
             "status": "ok",
+            "node": hub.settings.node,
             "degraded": False,
             "degraded_reason": None,
             "model": hub.table.default.id,
@@ -290,6 +293,7 @@ async def health(request: Request) -> dict[str, Any]:
     engine, sched = st.runtime.stats, st.scheduler.stats
     return {
         "status": "ok",
+        "node": hub.settings.node,
         "degraded": degraded is not None,
         "degraded_reason": degraded,
         "model": st.model_id,
