@@ -301,6 +301,28 @@ def test_haproxy_hashes_keys_in_the_body_and_nginx_cannot(pair: list[Node], ngin
             assert len({node for _, node in by_body}) == 1, by_body
 
 
+def test_requests_as_sglang_router_forwards_them(pair: list[Node]) -> None:
+    """sglang-router 0.3.2 (--policy cache_aware) forwards chat and completions bodies with SGLang's
+    own flags added at their defaults: accepted, as what warmkv does anyway; other values are a 400."""
+    node = pair[0]
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}], "model": MODEL, "logprobs": False,
+        "max_completion_tokens": 4, "stream": True, "temperature": 0.0, "no_stop_trim": False,
+        "ignore_eos": False, "continue_final_message": False, "skip_special_tokens": True,
+        "separate_reasoning": True, "stream_reasoning": True, "return_hidden_states": False,
+    }  # fmt: skip
+    completion = {
+        "model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0.0, "stream": False, "echo": False,
+        "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False,
+    }  # fmt: skip
+    with httpx.Client(base_url=node.url, timeout=60) as c:
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text[-200:]
+        assert c.post("/v1/completions", json=completion).status_code == 200
+        r = c.post("/v1/completions", json={**completion, "skip_special_tokens": False})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "skip_special_tokens"
+
+
 def _key_on(base: str, node: Node, prefix: str) -> str:
     """A key the proxy at base sends to node."""
     body = {"model": MODEL, "prompt": "a", "max_tokens": 1, "temperature": 0}
