@@ -241,35 +241,36 @@ def test_answers_and_errors_name_the_node_and_the_key(pair: list[Node], nginx: s
     r = httpx.post(f"{nginx}/v1/chat/completions", json=body, headers={"X-Session-Id": "conv-err"}, timeout=30)
     assert r.status_code == 404 and r.headers["x-warmkv-routing-key"] == "conv-err" and r.headers["x-warmkv-node"]
     # A body the route never saw (400): keyed by its headers.
-    r = httpx.post(f"{node.url}/v1/messages", json={"model": "x"}, headers={"X-Claude-Code-Session-Id": "cc-1"})
-    assert r.status_code == 400 and r.headers["x-warmkv-routing-key"] == "cc-1"
-    assert r.headers["x-warmkv-node"] == node.name
-    # Claude Code's metadata.user_id, through the official client: the session_id inside it.
-    client = anthropic.Anthropic(base_url=node.url, api_key="unused")
-    user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": "cc-session-9"})
-    raw = client.messages.with_raw_response.create(
-        model=MODEL,
-        max_tokens=4,
-        messages=[{"role": "user", "content": "hi"}],
-        metadata={"user_id": user_id},
-    )
-    assert raw.headers["x-warmkv-routing-key"] == "cc-session-9"
-    assert "metadata" not in raw.headers.get("x-warmkv-ignored", "")
-    # A key in the body only (OpenAI's prompt_cache_key): the node reports it.
-    r = httpx.post(
-        f"{node.url}/v1/completions",
-        json={"model": MODEL, "prompt": "a", "max_tokens": 1, "prompt_cache_key": "pck-1", "user": "alice"},
-    )
-    assert r.status_code == 200 and r.headers["x-warmkv-routing-key"] == "pck-1"
-    response = {"model": MODEL, "input": "a", "max_output_tokens": 1, "user": "bob"}
-    r = httpx.post(f"{node.url}/v1/responses", json=response)
-    assert r.status_code == 200 and r.headers["x-warmkv-routing-key"] == "bob"
-    # No key: no header; a route that generates nothing names the node only.
-    r = httpx.post(f"{node.url}/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
-    assert "x-warmkv-routing-key" not in r.headers
-    r = httpx.get(f"{node.url}/v1/models", headers={"X-Session-Id": "k"})
-    assert r.headers["x-warmkv-node"] == node.name and "x-warmkv-routing-key" not in r.headers
-    health = httpx.get(f"{node.url}/health").json()
+    with httpx.Client(base_url=node.url, timeout=60) as c:
+        r = c.post("/v1/messages", json={"model": "x"}, headers={"X-Claude-Code-Session-Id": "cc-1"})
+        assert r.status_code == 400 and r.headers["x-warmkv-routing-key"] == "cc-1"
+        assert r.headers["x-warmkv-node"] == node.name
+        # Claude Code's metadata.user_id, through the official client: the session_id inside it.
+        client = anthropic.Anthropic(base_url=node.url, api_key="unused")
+        user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": "cc-session-9"})
+        raw = client.messages.with_raw_response.create(
+            model=MODEL,
+            max_tokens=4,
+            messages=[{"role": "user", "content": "hi"}],
+            metadata={"user_id": user_id},
+        )
+        assert raw.headers["x-warmkv-routing-key"] == "cc-session-9"
+        assert "metadata" not in raw.headers.get("x-warmkv-ignored", "")
+        # A key in the body only (OpenAI's prompt_cache_key): the node reports it.
+        r = c.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "a", "max_tokens": 1, "prompt_cache_key": "pck-1", "user": "alice"},
+        )
+        assert r.status_code == 200 and r.headers["x-warmkv-routing-key"] == "pck-1"
+        response = {"model": MODEL, "input": "a", "max_output_tokens": 1, "user": "bob"}
+        r = c.post("/v1/responses", json=response)
+        assert r.status_code == 200 and r.headers["x-warmkv-routing-key"] == "bob"
+        # No key: no header; a route that generates nothing names the node only.
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 1})
+        assert "x-warmkv-routing-key" not in r.headers
+        r = c.get("/v1/models", headers={"X-Session-Id": "k"})
+        assert r.headers["x-warmkv-node"] == node.name and "x-warmkv-routing-key" not in r.headers
+        health = c.get("/health").json()
     assert health["status"] == "ok" and health["ready"] and health["node"] == node.name
 
 
