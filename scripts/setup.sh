@@ -48,22 +48,10 @@ if [[ ",$EXTRAS," == *",dev,"* ]]; then
         npm ci --prefix harnesses --no-audit --no-fund --loglevel=error
     fi
 fi
-# The remote KV tier's tests start their own redis-server on loopback ports (tests/redis_server.py).
-if [[ ",$EXTRAS," == *",dev,"* ]] && ! command -v redis-server >/dev/null && ! command -v valkey-server >/dev/null; then
-    SUDO=""
-    if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO="sudo -n"; fi
-    if command -v apt-get >/dev/null; then
-        echo "installing redis-server (the remote KV tier's tests run it)..." >&2
-        $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1 \
-            || { $SUDO apt-get update -q >/dev/null 2>&1 \
-                && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server >/dev/null 2>&1; } \
-            || true
-    fi
-    if ! command -v redis-server >/dev/null; then
-        echo "redis-server could not be installed; the tests need it (Debian: apt-get install redis-server," >&2
-        echo "or put Redis 7 / Valkey 8 on PATH)" >&2
-        exit 1
-    fi
+# redis-server, nginx and HAProxy: the remote KV tier's and the fleet's tests start their own
+# instances on loopback ports (tests/redis_server.py, tests/test_fleet_proxy.py, deploy/).
+if [[ ",$EXTRAS," == *",dev,"* ]]; then
+    scripts/install_services.sh
 fi
 .venv/bin/python -c "from warmkv.models import gemma3_path; gemma3_path(assemble=True)"
 # Build the native engine's C++ decode loop now rather than in the first request (~30 s, once).

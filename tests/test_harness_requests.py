@@ -18,13 +18,14 @@ import pytest
 pytest.importorskip("fastapi")
 
 from warmkv.server import ignored
-from warmkv.server.anthropic_routes import _ignored, _messages, _session_key, _tools
+from warmkv.server.anthropic_routes import _ignored, _messages, _tools
 from warmkv.server.anthropic_schemas import ClearThinking, ClearToolUses, Message, MessagesRequest
 from warmkv.server.context_edits import PLACEHOLDER, apply_edits
 from warmkv.server.reasoning_store import ReasoningStore
 from warmkv.server.responses_routes import NAMESPACE_SEP, _offered, _responses_ignored
 from warmkv.server.responses_routes import _messages as responses_messages
 from warmkv.server.responses_schemas import ResponsesRequest
+from warmkv.server.routing import conversation_key, uses
 
 ROOT = Path(__file__).resolve().parent.parent
 # What _ignored reads of the server: whether the model's template thinks, and its signed reasoning.
@@ -67,12 +68,13 @@ def test_claude_code_request_validates_and_renders() -> None:
     tools, choice, _ = _tools(req)
     assert len(tools) == len(cap["body"]["tools"]) == 24 and choice.mode == "auto"
     request = _Request(cap["headers"])
-    key = _session_key(request, req)
-    assert key == cap["headers"]["x-claude-code-session-id"]
-    headers = _ignored(NOT_THINKING, req, request, key is not None)
+    user_id = req.metadata.user_id if req.metadata is not None else None
+    assert conversation_key(request.headers, metadata_user_id=user_id) == cap["headers"]["x-claude-code-session-id"]
+    keyed = uses("metadata.user_id", request.headers, metadata_user_id=user_id)
+    headers = _ignored(NOT_THINKING, req, request, keyed)
     assert headers[ignored.IGNORED_HEADER] == "thinking, output_config.effort, cache_control"
     # With a reasoning template, thinking is honored (Claude Code's is adaptive: on).
-    thinking = _ignored(THINKING, req, request, key is not None)[ignored.IGNORED_HEADER]
+    thinking = _ignored(THINKING, req, request, keyed)[ignored.IGNORED_HEADER]
     assert thinking == "output_config.effort, cache_control"
     betas = headers[ignored.BETAS_HEADER].split(", ")
     assert "claude-code-20250219" in betas and "context-management-2025-06-27" not in betas
@@ -80,11 +82,15 @@ def test_claude_code_request_validates_and_renders() -> None:
 
 
 def test_claude_code_session_id_from_metadata() -> None:
+    """Without the header, the session_id in metadata.user_id picks the pooled session; a plain
+    user_id only routes (a user, not one conversation); behind X-Session-Id it does nothing."""
     body = _fixture(f"claude-code-{_pinned('@anthropic-ai/claude-code')}.json")["body"]
-    req = MessagesRequest.model_validate(body)
-    assert _session_key(_Request({}), req) == json.loads(body["metadata"]["user_id"])["session_id"]
+    user_id = body["metadata"]["user_id"]
+    assert conversation_key({}, metadata_user_id=user_id) == json.loads(user_id)["session_id"]
+    assert conversation_key({}, metadata_user_id="not json") is None
+    assert uses("metadata.user_id", {}, metadata_user_id="not json")
+    assert not uses("metadata.user_id", {"x-session-id": "s"}, metadata_user_id="not json")
     plain = MessagesRequest.model_validate({**body, "metadata": {"user_id": "not json"}})
-    assert _session_key(_Request({}), plain) is None
     assert "metadata" in _ignored(NOT_THINKING, plain, _Request({}), False)[ignored.IGNORED_HEADER]
 
 

@@ -610,6 +610,20 @@ class Runtime:
         finally:
             lock._acquire_restore(state)
 
+    def spill_to_disk(self, timeout: float | None = None) -> tuple[int, bool]:
+        """Write the memory tier's KV to the disk store and drop it from memory, for a server about to
+        stop (or a model about to unload): (tokens queued, whether every queued write, these and earlier
+        ones, finished within timeout). Without a store: nothing moves. Not under the model lock."""
+        tiers = self.tiers
+        if tiers is None:
+            return 0, True
+        with self.lock:
+            n = tiers.spill_memory()
+        done = tiers.flush(timeout)
+        with self.lock:
+            tiers.release_written()
+        return n, done
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued KV store write is on disk; False on timeout. Not under the model lock."""
         tiers = self.tiers

@@ -339,6 +339,18 @@ class KVTiers:
         assert self.writer is not None
         return self.writer.put_snapshot(name, manifest_digest, manifest, tokens, blob, meta)
 
+    def spill_memory(self) -> int:
+        """Queue every unlocked memory entry for the disk store and drop it from memory (model lock held):
+        a node about to stop keeps its warm prefixes on disk. The tokens queued (flush waits for them);
+        0, with nothing dropped, without a store."""
+        if self.memory is None or self.writer is None:
+            return 0
+        return sum(len(cached.tokens) for cached in (e.payload for e in self.memory.clear()))  # type: ignore[attr-defined]
+
+    def release_written(self) -> int:
+        """Let go of the KV of spills already on disk (model lock held): how many."""
+        return self._release_spilled()
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued store write is done (not under the model lock); False on timeout."""
         return True if self.writer is None else self.writer.flush(timeout)

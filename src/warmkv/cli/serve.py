@@ -79,6 +79,10 @@ def serve(
         float | None,
         typer.Option("--sleep-idle-seconds", min=0.001, help="unload a model idle this long (default: never)"),
     ] = None,
+    node_id: Annotated[
+        str | None,
+        typer.Option("--node-id", help="this node's name in x-warmkv-node, behind a proxy (default: host:port)"),
+    ] = None,
     *,
     opts: RuntimeOptions,
 ) -> None:
@@ -109,6 +113,7 @@ def serve(
             log_misses=log_misses,
             max_output_tokens=max_output_tokens,
             reasoning_format=reasoning_format,
+            node_id=node_id,
         )
         table = TableSettings(models_max=models_max, sleep_idle_s=sleep_idle_seconds)
         specs = serve_specs(

@@ -22,7 +22,7 @@ from ..constraint import Constraint
 from ..errors import InvalidInput
 from ..tools import ToolChoice, ToolSpec, make_tool
 from ..tools.spec import check_unique, choice_for
-from . import ignored, wire
+from . import ignored, routing, wire
 from .anthropic_schemas import CountTokensRequest, Message, MessagesRequest
 from .anthropic_wire import MessagesCollector, MessagesEncoder
 from .chat_turn import ChatInput, ChatTurn, prompt_of, render_prompt, start_chat
@@ -115,22 +115,6 @@ def _toolu() -> str:
     return "toolu_" + secrets.token_hex(12)
 
 
-def _session_key(request: Request, req: MessagesRequest) -> str | None:
-    """The conversation's id: Claude Code's X-Claude-Code-Session-Id, or the session_id it puts
-    (as JSON) in metadata.user_id. It picks the pooled session that holds this conversation."""
-    key = request.headers.get("x-claude-code-session-id")
-    if key:
-        return key
-    user = req.metadata.user_id if req.metadata is not None else None
-    if not user:
-        return None
-    try:
-        sid = json.loads(user).get("session_id")
-    except (ValueError, AttributeError):
-        return None
-    return sid if isinstance(sid, str) and sid else None
-
-
 def _ignored(st: ServerState, req: MessagesRequest, request: Request, keyed: bool) -> dict[str, str]:
     """x-warmkv-ignored / x-warmkv-ignored-betas for what this request set without effect.
 
@@ -201,9 +185,11 @@ def _chat_input(st: ServerState, req: MessagesRequest, edited: Edited, key: str 
 @router.post("/messages")
 async def create_message(req: MessagesRequest, request: Request, st: State) -> Any:
     """Generate the assistant's next message; tool calls come back as tool_use blocks."""
+    user_id = req.metadata.user_id if req.metadata is not None else None
+    key = routing.route(request, metadata_user_id=user_id)
     model = st.check_model(req.model, route="anthropic")
-    key = _session_key(request, req)
-    ignored_headers = _ignored(st, req, request, key is not None)
+    keyed = routing.uses("metadata.user_id", request.headers, metadata_user_id=user_id)
+    ignored_headers = _ignored(st, req, request, keyed)
     edited = await _edit(st, req)
     turn = await start_chat(st, _chat_input(st, req, edited, key))
     turn.headers.update(ignored_headers)

@@ -20,6 +20,7 @@ from ..errors import InvalidConfig, WarmkvError
 from ..runtime import Runtime
 from ..scheduler import Scheduler, SchedulerConfig
 from . import (
+    admin_routes,
     anthropic_routes,
     errors,
     infill_routes,
@@ -31,11 +32,14 @@ from . import (
     utility_routes,
 )
 from .admission import Admission
+from .drain import Drain
 from .guard import Guard
 from .leases import Leases
 from .metrics import ServerMetrics
 from .model_table import ModelSpec, ModelTable
+from .node import NodeGate
 from .pool import SessionPool
+from .readiness import readiness
 from .registry import SessionRegistry, session_snapshot_name
 from .settings import ServerSettings, TableSettings, default_pool_size
 from .state import Hub, ServerState
@@ -62,6 +66,7 @@ def create_app(
         runtime.tool_format(cfg.tool_format)  # InvalidConfig-like errors before serving
     specs = list(models) or [_pinned(runtime, cfg)]  # type: ignore[arg-type]
     metrics = ServerMetrics()
+    drain = Drain()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -83,7 +88,7 @@ def create_app(
             any_name="*" in cfg.model_aliases,
             anthropic_any=not cfg.model_aliases,
         )
-        hub = Hub(cfg, metrics, admission, models_table)
+        hub = Hub(cfg, metrics, admission, models_table, drain=drain)
         app.state.warmkv = hub
         if runtime is not None:
             models_table.adopt(models_table.default, await build(runtime, specs[0]))
@@ -118,6 +123,7 @@ def create_app(
     app.include_router(ollama_routes.router)
     app.include_router(session_routes.router)
     app.include_router(model_routes.router)
+    app.include_router(admin_routes.router)
     app.add_api_route("/health", health, methods=["GET"], tags=["ops"])
     app.add_api_route("/metrics", metrics_route, methods=["GET"], tags=["ops"], response_class=Response)
     if cfg.cors_origins:
@@ -125,6 +131,7 @@ def create_app(
             CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["*"], allow_headers=["*"]
         )
     app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, metrics=metrics)
+    app.add_middleware(NodeGate, node_id=cfg.node, traffic=drain.traffic)  # every response names the node
     app.add_middleware(Leases)  # outermost: a lease outlives the whole response
     return app
 
@@ -276,19 +283,29 @@ async def _sweep_loop(hub: Hub) -> None:
         await hub.table.expire()
 
 
-async def health(request: Request) -> dict[str, Any]:
-    """Liveness plus what is in use: sessions, streams, queue; `degraded` says what runs short, and why.
+async def health(request: Request, response: Response) -> dict[str, Any]:
+    """Readiness (200 when the node can serve, 503 while it drains: server/readiness.py) plus what is
+    in use: sessions, streams, queue; `degraded` says what runs short, and why.
 
     The engine's figures are the stats it published after its last step (warmkv.stats): a
     probe never waits for the model lock, so it answers while a long prompt prefills.
     """
     hub: Hub = request.app.state.warmkv
+    ready = readiness(hub)
+    response.status_code = ready.http_status
+    fleet = {
+        "status": ready.status,
+        "ready": ready.ready,
+        "not_ready_reason": ready.reason,
+        "node": hub.settings.node,
+        "drain": hub.drain.summary,
+    }
     models = [slot.describe(hub.table.idle_s) for slot in hub.table.slots]
     loaded = hub.table.states()
     st = hub.default or (loaded[0] if loaded else None)  # the figures below are the default model's when loaded
     if st is None:
         return {
-            "status": "ok",
+            **fleet,
             "degraded": False,
             "degraded_reason": None,
             "model": hub.table.default.id,
@@ -300,7 +317,7 @@ async def health(request: Request) -> dict[str, Any]:
     degraded = st.pool.degraded
     engine, sched = st.runtime.stats, st.scheduler.stats
     return {
-        "status": "ok",
+        **fleet,
         "degraded": degraded is not None,
         "degraded_reason": degraded,
         "model": st.model_id,

@@ -27,7 +27,8 @@ MESSAGES: dict[str, str] = {
     "thinking_blocks": "thinking blocks sent back are not rendered: the model's template has no reasoning to read",
     "redacted_thinking": "a redacted_thinking block this server did not sign cannot be read; it is not rendered",
     "cache_control": "reuse is automatic: every resident token prefix is reused, marked or not",
-    "metadata": "client identity; only a session_id inside metadata.user_id is used (to pick the pooled session)",
+    "metadata": "client identity; only metadata.user_id is used, as the routing key when no header before it "
+    "names one (its session_id, when it holds one, also picks the pooled session)",
     "service_tier": "a hosted capacity tier; one local server has one",
     "speed": "a hosted serving mode; one local server has one",
     "inference_geo": "a hosted region; the model runs here",
@@ -40,7 +41,8 @@ RESPONSES: dict[str, str] = {
     "include": "reasoning.encrypted_content: the model's template has no reasoning, so there are no items to sign",
     "client_metadata": "client identity and telemetry ids",
     "metadata": "stored with a response on the hosted API; warmkv stores none",
-    "user": "client identity",
+    "user": "client identity; it changes no output, and routes the request when no X-Session-Id header nor "
+    "prompt_cache_key names the conversation",
     "safety_identifier": "client identity for hosted abuse checks",
     "service_tier": "a hosted capacity tier; one local server has one",
     "tools.web_search": "a hosted tool: the server would run it, and warmkv cannot; not offered to the model",

@@ -12,14 +12,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import Field
 from starlette.concurrency import run_in_threadpool
 
 from ..infill import ExtraFile
 from ..types import PrefixInput, StreamChunk
-from . import wire
+from . import routing, wire
 from .chat_turn import TurnStep
 from .errors import ApiError
 from .generation import Generation, generate
@@ -86,8 +86,9 @@ def _final(gen: Generation, chunk: StreamChunk, content: str, model: str) -> dic
 
 
 @router.post("/infill")
-async def infill(req: InfillRequest, st: State) -> Any:
+async def infill(req: InfillRequest, request: Request, st: State) -> Any:
     """Fill in the middle; Unsupported (400) on a model without FIM tokens."""
+    key = routing.route(request)
     model = st.check_model(req.model) if req.model is not None else st.model_id
     rt = st.runtime
     extra = [ExtraFile(c.filename, c.text) for c in req.input_extra]
@@ -96,7 +97,7 @@ async def infill(req: InfillRequest, st: State) -> Any:
         more = await run_in_threadpool(rt.tokenize, req.prompt, add_bos=False, parse_special=False)
         target = PrefixInput(text=target.text + req.prompt, tokens=(*(target.tokens or ()), *more))
     sampling = {**sampling_fields(req), "stop_token_ids": rt.fim_tokens().stops()}
-    gen = await generate(st, target, req.n_predict or req.max_tokens, sampling)
+    gen = await generate(st, target, req.n_predict or req.max_tokens, sampling, key=key)
     headers = report(st, gen.status, gen.prompt_tokens)
     encoder = _Encoder(gen, model)
     if req.stream:

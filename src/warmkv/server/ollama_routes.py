@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from ..errors import InvalidInput, Unsupported
 from ..tools import ToolChoice, openai_tools
 from ..types import PrefixInput
-from . import ignored, ollama_info, ollama_options, wire
+from . import ignored, ollama_info, ollama_options, routing, wire
 from .chat_turn import ChatInput, prompt_of, start_chat
 from .errors import ApiError
 from .generation import generate
@@ -190,9 +190,10 @@ async def _reply(
 
 
 @router.post("/api/chat")
-async def chat(req: ChatRequest, st: State) -> Any:
+async def chat(req: ChatRequest, request: Request, st: State) -> Any:
     """The next assistant message; tool calls come back whole in message.tool_calls."""
     t0 = time.perf_counter()
+    key = routing.route(request)
     model = st.check_model(req.model, route="ollama")
     keep_alive = keep_alive_seconds(req.keep_alive)
     if not req.messages:
@@ -211,7 +212,7 @@ async def chat(req: ChatRequest, st: State) -> Any:
     inp = ChatInput(
         _messages(req.messages), tools, ToolChoice("auto" if tools else "none"), max_tokens=dec.max_tokens,
         sampling={**dec.sampling, "constraint": fmt, "logprobs": lp}, clamp_max_tokens=True,
-        template_kwargs=ollama_options.thinking(st, model, req.think), num_ctx=dec.num_ctx,
+        template_kwargs=ollama_options.thinking(st, model, req.think), num_ctx=dec.num_ctx, session_key=key,
     )  # fmt: skip
     if req.debug_render_only:
         return _debug(model, {"message": {"role": "assistant", "content": ""}}, await prompt_of(st, inp))
@@ -251,10 +252,11 @@ def _check_generate(req: GenerateRequest) -> None:
 
 
 @router.post("/api/generate")
-async def generate_route(req: GenerateRequest, st: State) -> Any:
+async def generate_route(req: GenerateRequest, request: Request, st: State) -> Any:
     """A reply to prompt through the chat template (with system), the prompt as it is (raw), or
     the middle between prompt and suffix (the model's fill-in-the-middle tokens)."""
     t0 = time.perf_counter()
+    key = routing.route(request)
     model = st.check_model(req.model, route="ollama")
     keep_alive = keep_alive_seconds(req.keep_alive)
     _check_generate(req)
@@ -274,7 +276,7 @@ async def generate_route(req: GenerateRequest, st: State) -> Any:
             sampling["stop_token_ids"] = rt.fim_tokens().stops()
         if req.debug_render_only:
             return _debug(model, {"response": ""}, target if isinstance(target, str) else target.text)
-        gen = await generate(st, target, dec.max_tokens, sampling, clamp=True, num_ctx=dec.num_ctx)
+        gen = await generate(st, target, dec.max_tokens, sampling, key=key, clamp=True, num_ctx=dec.num_ctx)
         headers, turn, raw = report(st, gen.status, gen.prompt_tokens), Turn.raw(gen), True
         if dec.max_tokens is not None and gen.max_tokens < dec.max_tokens:
             headers["x-warmkv-max-tokens"] = f"{gen.max_tokens} (asked {dec.max_tokens})"
@@ -282,7 +284,7 @@ async def generate_route(req: GenerateRequest, st: State) -> Any:
         messages = [{"role": "system", "content": req.system}] if req.system else []
         inp = ChatInput(
             [*messages, {"role": "user", "content": req.prompt}], max_tokens=dec.max_tokens, sampling=sampling,
-            messages_param="prompt", clamp_max_tokens=True,
+            messages_param="prompt", clamp_max_tokens=True, session_key=key,
             template_kwargs=ollama_options.thinking(st, model, req.think), num_ctx=dec.num_ctx,
         )  # fmt: skip
         if req.debug_render_only:

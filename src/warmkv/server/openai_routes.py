@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from ..constraint import Constraint
 from ..tools import openai_choice, openai_tools
 from ..types import PrefixInput, Usage
-from . import wire
+from . import routing, wire
 from .chat_turn import ChatInput, start_chat
 from .constraints import one_constraint
 from .errors import ApiError
@@ -118,7 +118,7 @@ def _card(hub: Hub, slot: ModelSlot, name: str) -> dict[str, Any]:
     return {**card, "status": {"value": slot.status.value, **slot.describe(hub.table.idle_s)}}
 
 
-def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any]) -> ChatInput:
+def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any], key: str | None) -> ChatInput:
     tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
     raw_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -129,14 +129,15 @@ def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any]) -> ChatInp
         parallel=req.parallel_tool_calls is not False,
         max_tokens=max_tokens,
         sampling=sampling,
-        session_key=req.prompt_cache_key,
+        session_key=key,
         template_kwargs=req.chat_template_kwargs,
     )
 
 
 @router.post("/chat/completions", response_model=ChatCompletion)
-async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
+async def chat_completions(req: ChatCompletionRequest, request: Request, st: State) -> Any:
     """Chat through the model's template, with tools; a prompt sharing a prefix with a pooled session reuses its KV."""
+    key = routing.route(request, prompt_cache_key=req.prompt_cache_key, user=req.user)
     model = st.check_model(req.model)
     sampling = _sampling(req)
     if req.top_logprobs is not None and not req.logprobs:
@@ -145,7 +146,7 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
     if req.logprobs and req.tools:
         raise _unsupported("logprobs", "logprobs cannot be combined with tools")
     include_usage, continuous = _usage_options(req)
-    turn = await start_chat(st, _chat_input(req, sampling))
+    turn = await start_chat(st, _chat_input(req, sampling, key))
     head = Head(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", int(time.time()), model)
     if req.stream:
         encoder = ChatEncoder(head, turn.gen, st.runtime.backend, include_usage, continuous)
@@ -157,8 +158,9 @@ async def chat_completions(req: ChatCompletionRequest, st: State) -> Any:
 
 
 @router.post("/completions", response_model=TextCompletion)
-async def completions(req: CompletionRequest, st: State) -> Any:
+async def completions(req: CompletionRequest, request: Request, st: State) -> Any:
     """Raw text completion after prompt (no template)."""
+    key = routing.route(request, prompt_cache_key=req.prompt_cache_key, user=req.user)
     st.check_model(req.model)
     sampling = _sampling(req)
     if req.echo:
@@ -179,7 +181,7 @@ async def completions(req: CompletionRequest, st: State) -> Any:
         sampling["stop_token_ids"] = st.runtime.fim_tokens().stops()
     elif not prompt:
         raise ApiError(400, "prompt is empty", code="invalid_value", param="prompt")
-    gen = await generate(st, target, req.max_tokens, sampling)
+    gen = await generate(st, target, req.max_tokens, sampling, key=key)
     headers = report(st, gen.status, gen.prompt_tokens)
     head = Head(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), req.model)
     if req.stream:

@@ -78,6 +78,14 @@ class SessionPool:
     def waiting(self) -> int:
         return len(self._waiters)
 
+    @property
+    def settled(self) -> bool:
+        """No turn holds a session and no replacement is being opened: every session is idle or lost."""
+        return not self._opening and len(self._idle) + self._missing >= self.size
+
+    def idle_sessions(self) -> tuple[Session, ...]:
+        return tuple(self._idle)
+
     async def acquire(self, tokens: list[int], key: str | None = None) -> Session:
         """The idle session sharing the longest prefix with tokens (key's own first, others' last);
         waits (bounded) when none is idle."""

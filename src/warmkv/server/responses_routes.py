@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..constraint import Constraint
 from ..errors import InvalidInput
 from ..tools import ToolSpec, make_tool, openai_choice
 from ..tools.spec import check_unique
-from . import ignored, wire
+from . import ignored, routing, wire
 from .chat_turn import ChatInput, start_chat
 from .errors import ApiError
 from .reasoning_store import ReasoningStore
@@ -192,8 +192,9 @@ def _check(req: ResponsesRequest) -> None:
 
 
 @router.post("/responses")
-async def create_response(req: ResponsesRequest, st: State) -> Any:
+async def create_response(req: ResponsesRequest, request: Request, st: State) -> Any:
     """Generate a response; tool calls come back as function_call output items."""
+    key = routing.route(request, prompt_cache_key=req.prompt_cache_key, user=req.user)
     st.check_model(req.model)
     _check(req)
     offered = _offered(req)
@@ -209,7 +210,7 @@ async def create_response(req: ResponsesRequest, st: State) -> Any:
         max_tokens=req.max_output_tokens,
         sampling=sampling,
         messages_param="input",
-        session_key=req.prompt_cache_key,
+        session_key=key,
         template_kwargs={"enable_thinking": False} if effort == "none" else None,
     )
     ignored_headers = _responses_ignored(req, offered, st.thinks)

@@ -62,6 +62,14 @@ class _Sampling(_Request):
     prompt_cache_key: str | None = None  # picks the pooled session that last served this key (chat)
     safety_identifier: str | None = None
     store: Literal[False] | None = None  # nothing is stored; store=true is refused
+    # SGLang's router (deploy/README.md) adds these to every chat and completions request it forwards,
+    # at these values, which are what warmkv does anyway; any other value is a 400 naming the field.
+    no_stop_trim: Literal[False] | None = None
+    continue_final_message: Literal[False] | None = None
+    skip_special_tokens: Literal[True] | None = None
+    separate_reasoning: Literal[True] | None = None
+    stream_reasoning: Literal[True] | None = None
+    return_hidden_states: Literal[False] | None = None
 
 
 class ContentPart(_Request):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import re
+import socket
 from dataclasses import dataclass
 
 from ..config import SERVE_N_SEQ_MAX, SESSIONS_RESERVED
@@ -11,6 +13,8 @@ from ..reasoning import REASONING_FORMATS
 from ..tools.formats import FORMAT_NAMES
 
 LOOPBACK_NAMES = ("localhost",)
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+NODE_ID = re.compile(r"[\x21-\x7e]([\x20-\x7e]{0,126}[\x21-\x7e])?")  # printable ASCII: a header value
 __all__ = ["SERVE_N_SEQ_MAX", "ServerSettings", "TableSettings", "default_pool_size", "is_loopback"]
 
 
@@ -69,6 +73,15 @@ class ServerSettings:
     max_step_tokens: int | None = None
     # Replies' think blocks: auto (parsed out when the template thinks), deepseek (always) or none.
     reasoning_format: str = "auto"
+    node_id: str | None = None  # this node's name in x-warmkv-node; None: host:port
+
+    @property
+    def node(self) -> str:
+        """node_id, or host:port (the machine's name for a wildcard host: 0.0.0.0 names no node)."""
+        if self.node_id is not None:
+            return self.node_id
+        host = socket.gethostname() if self.host in WILDCARD_HOSTS else self.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
@@ -98,6 +111,8 @@ class ServerSettings:
             raise InvalidConfig(
                 f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}; got {self.reasoning_format!r}"
             )
+        if self.node_id is not None and (not isinstance(self.node_id, str) or not NODE_ID.fullmatch(self.node_id)):
+            raise InvalidConfig(f"node_id must be 1-128 printable ASCII characters, got {self.node_id!r}")
         if self.tool_format not in FORMAT_NAMES:
             raise InvalidConfig(f"tool_format must be one of {', '.join(FORMAT_NAMES)}; got {self.tool_format!r}")
 

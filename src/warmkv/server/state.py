@@ -22,6 +22,7 @@ from ..runtime import Runtime
 from ..scheduler import Scheduler
 from ..tools import ToolFormat
 from .admission import Admission
+from .drain import Drain
 from .errors import ApiError
 from .keep_alive import keep_alive_seconds
 from .leases import hold
@@ -119,6 +120,7 @@ class Hub:
     # /v1/sessions ids -> the model that owns them; snapshot names of those whose model was unloaded
     session_owner: dict[str, str] = field(default_factory=dict)
     parked_sessions: dict[str, str] = field(default_factory=dict)
+    drain: Drain = field(default_factory=Drain)  # POST /admin/drain; its Traffic counts generating requests
 
     @property
     def default(self) -> ServerState | None:
