@@ -16,7 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from .. import __version__
 from ..cache.remote_types import RemoteStats
-from ..errors import InvalidConfig, WarmkvError
+from ..errors import InvalidConfig
 from ..runtime import Runtime
 from ..scheduler import Scheduler, SchedulerConfig
 from . import (
@@ -32,7 +32,7 @@ from . import (
     utility_routes,
 )
 from .admission import Admission
-from .drain import Drain
+from .drain import Drain, offload
 from .guard import Guard
 from .leases import Leases
 from .metrics import ServerMetrics
@@ -40,7 +40,7 @@ from .model_table import ModelSpec, ModelTable
 from .node import NodeGate
 from .pool import SessionPool
 from .readiness import readiness
-from .registry import SessionRegistry, session_snapshot_name
+from .registry import SNAPSHOT_PREFIX, SessionRegistry
 from .settings import ServerSettings, TableSettings, default_pool_size
 from .state import Hub, ServerState
 
@@ -188,20 +188,18 @@ async def _serve_model(rt: Runtime, spec: ModelSpec, hub: Hub) -> ServerState:
 
 
 async def _unload_model(st: ServerState, hub: Hub) -> None:
-    """Keep a model's warm context on disk, then close it: named sessions are snapshotted under
-    their id, pooled sessions parked to the tiers, and Runtime.close spills the memory tier."""
+    """Keep a model's warm context on disk, then close it: the same offload as a drain (pooled
+    sessions parked, named ones snapshotted under their id, the memory tier written to disk)."""
     await asyncio.to_thread(st.scheduler.close)
-    for entry in st.registry.entries():
-        name = session_snapshot_name(entry.id)
-        try:
-            await asyncio.to_thread(entry.session.snapshot, name)
-            hub.parked_sessions[entry.id] = name
-        except WarmkvError as e:
-            log.warning("session %s of %s not kept across the unload: %s", entry.id, st.model_id, e)
-    parked = await asyncio.to_thread(st.pool.park_all)
+    done = await offload(st.pool, st.registry, st.runtime, hub.settings.queue_timeout_s)
+    for name in done.snapshots:
+        hub.parked_sessions[name.removeprefix(SNAPSHOT_PREFIX)] = name
+    for why in done.skipped:
+        log.warning("%s: not kept across the unload: %s", st.model_id, why)
     await asyncio.to_thread(_close_sessions, st.pool, st.registry)
     await asyncio.to_thread(st.runtime.close)
-    log.info("%s: %d pooled tokens and %d sessions kept on disk", st.model_id, parked, len(st.registry.entries()))
+    log.info("%s: %d tokens kept in the tiers, %d sessions snapshotted", st.model_id, done.kept_tokens,
+             len(done.snapshots))  # fmt: skip
 
 
 def _close_sessions(pool: SessionPool, registry: SessionRegistry) -> None:

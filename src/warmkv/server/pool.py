@@ -204,13 +204,6 @@ class SessionPool:
                 fut.set_exception(self._unavailable())
         self._waiters = []
 
-    def park_all(self) -> int:
-        """Move every idle session's KV to the tiers (a worker thread, before the model unloads);
-        the tokens freed. The next request sharing a parked prefix restores it from there."""
-        rt = self._rt
-        with rt.lock:
-            return sum(s.park() for s in self._idle)
-
     def close(self) -> None:
         for fut in self._waiters:
             fut.cancel()

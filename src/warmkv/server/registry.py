@@ -21,9 +21,12 @@ from .errors import ApiError, not_found
 _GONE_MEMORY = 4096  # closed ids remembered, to answer 410 rather than 404
 
 
+SNAPSHOT_PREFIX = "session-"
+
+
 def session_snapshot_name(sid: str) -> str:
-    """The disk-store name a session is kept under while its model is unloaded."""
-    return f"session-{sid}"
+    """The disk-store name a session is kept under while its model is unloaded (or the node drains)."""
+    return SNAPSHOT_PREFIX + sid
 
 
 @dataclass
