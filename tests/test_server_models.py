@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 DEFAULT = default_model_path().stem
 GEMMA = "gemma3-270m"
 WORKSPACE = "\n".join(
-    f"src/module_{i}.py: def handler_{i}(request): return render(request, 'page_{i}.html')" for i in range(40)
+    f"src/module_{i}.py: def handler_{i}(request): return render(request, 'page_{i}.html')" for i in range(25)
 )
 
 
