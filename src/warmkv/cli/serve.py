@@ -75,6 +75,12 @@ def serve(
         int | None,
         typer.Option("--models-max", min=1, help="models loaded at once; the least recently used idle one unloads"),
     ] = None,
+    models_memory_mb: Annotated[
+        int | None,
+        typer.Option(
+            "--models-memory-mb", min=1, help="weights plus KV of the loaded models; past it the LRU idle one unloads"
+        ),
+    ] = None,
     sleep_idle_seconds: Annotated[
         float | None,
         typer.Option("--sleep-idle-seconds", min=0.001, help="unload a model idle this long (default: never)"),
@@ -115,7 +121,7 @@ def serve(
             reasoning_format=reasoning_format,
             node_id=node_id,
         )
-        table = TableSettings(models_max=models_max, sleep_idle_s=sleep_idle_seconds)
+        table = TableSettings(models_max=models_max, sleep_idle_s=sleep_idle_seconds, memory_mb=models_memory_mb)
         specs = serve_specs(
             opts, model_id=model_id, aliases=settings.model_aliases, models_dir=models_dir, preset=models_preset
         )

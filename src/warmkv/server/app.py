@@ -83,6 +83,7 @@ def create_app(
             build,
             teardown,
             models_max=tcfg.models_max,
+            memory_budget=None if tcfg.memory_mb is None else tcfg.memory_mb << 20,
             idle_s=tcfg.sleep_idle_s,
             wait_s=cfg.queue_timeout_s,
             any_name="*" in cfg.model_aliases,

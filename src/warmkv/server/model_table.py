@@ -121,6 +121,7 @@ class ModelTable:
         teardown: Teardown,
         *,
         models_max: int | None = None,
+        memory_budget: int | None = None,
         idle_s: float | None = None,
         wait_s: float = 60.0,
         any_name: bool = False,
@@ -135,6 +136,7 @@ class ModelTable:
                 self._by_name.setdefault(name, slot)
         self._build, self._teardown = build, teardown
         self.models_max = models_max
+        self.memory_budget = memory_budget  # bytes: weights plus KV of the loaded models
         self.idle_s = idle_s
         self.wait_s = wait_s
         self.any_name = any_name  # "*" among the aliases: unknown names go to the default model
@@ -245,20 +247,28 @@ class ModelTable:
             slot.loads += 1
             log.info("model %s loaded in %.2f s", slot.id, slot.load_s)
 
+    def _over(self, slot: ModelSlot) -> bool:
+        """Whether loading slot now would pass --models-max or the memory budget."""
+        loaded = [s for s in self.loaded() if s is not slot]
+        if self.models_max is not None and len(loaded) >= self.models_max:
+            return True
+        if self.memory_budget is None:
+            return False
+        return sum(_footprint(s) for s in loaded) + _file_bytes(slot.spec.path) > self.memory_budget
+
     async def _make_room(self, slot: ModelSlot) -> None:
-        """Past --models-max, unload the least recently used other model once it is idle."""
-        if self.models_max is None:
-            return
+        """Past --models-max or the memory budget, unload the least recently used other models,
+        each once it is idle (the caller's wait for its load is bounded)."""
         async with self._room:
-            while len(self.loaded()) >= self.models_max:
+            while self._over(slot):
                 others = sorted(
                     (s for s in self.loaded() if s is not slot and not s.spec.pinned),
                     key=lambda s: (s.leases > 0, s.last_used),
                 )
                 if not others:
-                    return
+                    return  # nothing can go: load past the limit rather than refuse
                 victim = others[0]
-                await victim.idle.wait()  # its streams finish first; the caller's wait is bounded
+                await victim.idle.wait()  # its streams finish first
                 await self.unload(victim, "evicted for " + slot.id)
                 self.swaps += 1
 
@@ -294,6 +304,22 @@ class ModelTable:
         for slot in self.loaded():
             with contextlib.suppress(Exception):
                 await self.unload(slot, "server stopping")
+
+
+def _file_bytes(path: str) -> int:
+    p = Path(path)
+    try:
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+    except OSError:
+        return 0
+
+
+def _footprint(slot: ModelSlot) -> int:
+    """A loaded model's memory: its weights (the file's size) and its KV allocation."""
+    st = slot.state
+    if st is None:
+        return 0
+    return st.runtime.info.size_bytes + st.runtime.stats.kv_memory.bytes
 
 
 def _ollama_key(name: str) -> str:

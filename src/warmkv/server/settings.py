@@ -120,14 +120,18 @@ class ServerSettings:
 @dataclass(frozen=True)
 class TableSettings:
     """How a server with several models keeps them: at most models_max loaded at once (the least
-    recently used idle one is unloaded for another), and each unloaded after sleep_idle_s idle
+    recently used idle one is unloaded for another), within memory_mb of weights and KV when
+    set, and each unloaded after sleep_idle_s idle
     (None: never; a request's keep_alive overrides it for its model)."""
 
     models_max: int | None = None
     sleep_idle_s: float | None = None
+    memory_mb: int | None = None  # weights plus KV of the loaded models; past it the LRU idle one unloads
 
     def __post_init__(self) -> None:
         if self.models_max is not None:
             _positive("models_max", self.models_max)
+        if self.memory_mb is not None:
+            _positive("memory_mb", self.memory_mb)
         if self.sleep_idle_s is not None:
             _positive("sleep_idle_s", self.sleep_idle_s, integer=False)
