@@ -186,3 +186,69 @@ def test_a_load_that_fails_names_the_file_and_the_next_request_tries_again(tmp_p
         assert b.status is ModelStatus.LOADED and b.error is None
 
     _run(go())
+
+
+def test_loads_at_once_never_pass_models_max(tmp_path: Path) -> None:
+    f = _Fakes(tmp_path, {"x": 10, "a": 10, "b": 10})
+    t = f.table(models_max=1)
+    peak = 0
+
+    async def build(rt: _Runtime, spec: ModelSpec) -> Any:
+        nonlocal peak
+        held = [s for s in t.slots if s.status in (ModelStatus.LOADED, ModelStatus.LOADING, ModelStatus.UNLOADING)]
+        peak = max(peak, len(held))
+        await asyncio.sleep(0.02)
+        return _State(rt)
+
+    t._build = build
+
+    async def go() -> None:
+        x, a, b = t.slots
+        await t.acquire(x)
+        t.release(x)
+
+        async def use(slot: Any) -> None:
+            await t.acquire(slot)
+            await asyncio.sleep(0.01)
+            t.release(slot)
+
+        await asyncio.gather(use(a), use(b), use(a), use(b))
+        assert peak == 1 and len(t.loaded()) == 1
+
+    _run(go())
+
+
+def test_a_busy_model_is_not_taken_from_its_requests(tmp_path: Path) -> None:
+    f = _Fakes(tmp_path, {"a": 10, "b": 10})
+    t = f.table(models_max=1, wait_s=0.3)
+
+    async def go() -> None:
+        a, b = t.slots
+        await t.acquire(a)  # a stream that outlasts b's wait
+        with pytest.raises(ApiError) as e:
+            await t.acquire(b)
+        assert e.value.status == 503 and e.value.code == "model_busy"
+        assert a.status is ModelStatus.LOADED and f.unloads == []
+        await t.acquire(a)  # a stays usable meanwhile
+        t.release(a)
+        t.release(a)
+
+    _run(go())
+
+
+def test_keep_alive_zero_does_not_unload_under_a_newer_request(tmp_path: Path) -> None:
+    f = _Fakes(tmp_path, {"a": 10})
+    t = f.table()
+
+    async def go() -> None:
+        (a,) = t.slots
+        await t.acquire(a, keep_alive_s=0)
+        t.release(a)  # schedules the unload
+        await t.acquire(a, keep_alive_s=300)  # a new request, at once
+        await asyncio.sleep(0.02)
+        assert a.status is ModelStatus.LOADED and f.unloads == []
+        t.release(a)
+        await asyncio.sleep(0.02)
+        assert a.status is ModelStatus.LOADED  # kept for 5 minutes now
+
+    _run(go())

@@ -118,17 +118,24 @@ def serve_specs(
     given = tuple(a for a in aliases if a != "*") + ((bundled_name,) if bundled_name else ())
     specs[default_id] = _spec(default_id, opts, given)
     paths = {str(first)}
+
+    def add(mid: str, p: Path, given: str) -> None:
+        if str(p) in paths:
+            return  # the same file twice: one model
+        if mid in specs:
+            raise InvalidConfig(
+                f"two models would be called {mid!r}: {specs[mid].path} and {p}; "
+                "serve one of them from a --models-preset table with another id"
+            )
+        specs[mid] = _spec(mid, opts.for_model(given))
+        paths.add(str(p))
+
     for m in opts.more_models:
         p = resolve_model(m)
-        mid = m if m in MODEL_NAMES else p.stem if p.is_file() else p.name  # a bundled model by its name
-        if str(p) not in paths:
-            specs.setdefault(mid, _spec(mid, opts.for_model(m)))
-            paths.add(str(p))
+        add(m if m in MODEL_NAMES else p.stem if p.is_file() else p.name, p, m)  # a bundled model by its name
     if models_dir is not None:
         for f in scan_dir(models_dir):
-            if str(f.path) not in paths:
-                specs.setdefault(f.id, _spec(f.id, opts.for_model(str(f.path))))
-                paths.add(str(f.path))
+            add(f.id, f.path, str(f.path))
     for mid, table in _preset(preset).items():
         table = dict(table)
         model = table.pop("model", None)
@@ -139,7 +146,8 @@ def serve_specs(
         extra = table.pop("aliases", [])
         if not isinstance(extra, list) or not all(isinstance(a, str) and a for a in extra):
             raise InvalidConfig(f"models preset: [models.{mid}] aliases must be a list of names")
-        specs[mid] = _spec(mid, opts.for_model(model, **table), tuple(extra))
+        kept = specs[mid].aliases if mid in specs else ()  # a preset adds names, it never takes one away
+        specs[mid] = _spec(mid, opts.for_model(model, **table), tuple(dict.fromkeys((*kept, *extra))))
     return list(specs.values())
 
 

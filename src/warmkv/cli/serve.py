@@ -125,7 +125,8 @@ def serve(
         specs = serve_specs(
             opts, model_id=model_id, aliases=settings.model_aliases, models_dir=models_dir, preset=models_preset
         )
-        rt = opts.load()  # the default model first, so that a bad one fails here, not in a request
+        with err.status(f"loading {specs[0].id}..."):  # the default first: a bad one fails here, not in a request
+            rt = specs[0].load()
         app_ = create_app(rt, settings, models=specs, table=table)
     except WarmkvError as e:
         fail(e)

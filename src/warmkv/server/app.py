@@ -36,11 +36,11 @@ from .drain import Drain, offload
 from .guard import Guard
 from .leases import Leases
 from .metrics import ServerMetrics
-from .model_table import ModelSpec, ModelTable
+from .model_table import ModelSpec, ModelTable, name_map
 from .node import NodeGate
 from .pool import SessionPool
 from .readiness import readiness
-from .registry import SNAPSHOT_PREFIX, SessionRegistry
+from .registry import SNAPSHOT_PREFIX, SessionRegistry, session_snapshot_name
 from .settings import ServerSettings, TableSettings, default_pool_size
 from .state import Hub, ServerState
 
@@ -65,6 +65,7 @@ def create_app(
         _check_pool(runtime, cfg)
         runtime.tool_format(cfg.tool_format)  # InvalidConfig-like errors before serving
     specs = list(models) or [_pinned(runtime, cfg)]  # type: ignore[arg-type]
+    name_map(specs)  # two models with one name: InvalidConfig before serving
     metrics = ServerMetrics()
     drain = Drain()
 
@@ -106,8 +107,7 @@ def create_app(
                 if slot.spec.pinned and st is not None:  # the caller's runtime: it closes it
                     await asyncio.to_thread(st.scheduler.close)
                     await asyncio.to_thread(_close_sessions, st.pool, st.registry)
-                else:
-                    await models_table.unload(slot, "server stopping")
+            await models_table.close()
 
     app = FastAPI(
         title="warmkv",
@@ -191,14 +191,20 @@ async def _serve_model(rt: Runtime, spec: ModelSpec, hub: Hub) -> ServerState:
 async def _unload_model(st: ServerState, hub: Hub) -> None:
     """Keep a model's warm context on disk, then close it: the same offload as a drain (pooled
     sessions parked, named ones snapshotted under their id, the memory tier written to disk)."""
-    await asyncio.to_thread(st.scheduler.close)
-    done = await offload(st.pool, st.registry, st.runtime, hub.settings.queue_timeout_s)
-    for name in done.snapshots:
-        hub.parked_sessions[name.removeprefix(SNAPSHOT_PREFIX)] = name
-    for why in done.skipped:
-        log.warning("%s: not kept across the unload: %s", st.model_id, why)
-    await asyncio.to_thread(_close_sessions, st.pool, st.registry)
-    await asyncio.to_thread(st.runtime.close)
+    try:
+        await asyncio.to_thread(st.scheduler.close)
+        done = await offload(st.pool, st.registry, st.runtime, hub.settings.queue_timeout_s)
+        kept = {name.removeprefix(SNAPSHOT_PREFIX) for name in done.snapshots}
+        for sid in kept:
+            hub.parked_sessions[sid] = (session_snapshot_name(sid), time.monotonic())
+        for entry in st.registry.entries():  # a session not kept is gone: its id must not reload the model
+            if entry.id not in kept:
+                hub.session_owner.pop(entry.id, None)
+        for why in done.skipped:
+            log.warning("%s: not kept across the unload: %s", st.model_id, why)
+        await asyncio.to_thread(_close_sessions, st.pool, st.registry)
+    finally:  # whatever failed above, the model's memory is given back
+        await asyncio.to_thread(st.runtime.close)
     log.info("%s: %d tokens kept in the tiers, %d sessions snapshotted", st.model_id, done.kept_tokens,
              len(done.snapshots))  # fmt: skip
 
@@ -277,9 +283,13 @@ async def _sweep_loop(hub: Hub) -> None:
     period = min(max(hub.settings.session_ttl_s / 4, 0.05), 1.0)
     while True:
         await asyncio.sleep(period)
-        for st in hub.table.states():
-            st.registry.expire()
-        await hub.table.expire()
+        try:
+            for st in hub.table.states():
+                st.registry.expire()
+            hub.expire_parked_sessions()
+            await hub.table.expire()
+        except Exception:  # one failure must not end expiry and idle unloads for good
+            log.exception("the sweep of idle sessions and models failed")
 
 
 async def health(request: Request, response: Response) -> dict[str, Any]:

@@ -25,7 +25,7 @@ def _hub(request: Request) -> Hub:
 async def load_model(req: ModelRequest, request: Request) -> dict[str, Any]:
     """Load a model now (evicting the least recently used idle one past --models-max)."""
     hub = _hub(request)
-    slot = hub.table.find(req.model)
+    slot = hub.table.exact(req.model)
     await hub.table.acquire(slot)
     hub.table.release(slot)
     return {"success": True, "model": slot.describe(hub.table.idle_s)}
@@ -35,7 +35,7 @@ async def load_model(req: ModelRequest, request: Request) -> dict[str, Any]:
 async def unload_model(req: ModelRequest, request: Request) -> dict[str, Any]:
     """Unload a model once its running requests finish; its warm context goes to the disk tier first."""
     hub = _hub(request)
-    slot = hub.table.find(req.model)
+    slot = hub.table.exact(req.model)
     if slot.spec.pinned:
         raise ApiError(400, f"model {slot.id!r} was loaded by the embedding program and cannot be unloaded",
                        code="invalid_value", param="model")  # fmt: skip

@@ -22,17 +22,19 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from ..errors import InvalidConfig
 from ..runtime import Runtime
 from .errors import ApiError
 from .state import ServerState
 
 log = logging.getLogger("warmkv.server")
+_ROOM_POLL_S = 0.05  # a load waiting for room looks again this often
 
 
 class ModelStatus(StrEnum):
@@ -130,10 +132,8 @@ class ModelTable:
         if not specs:
             raise ValueError("a model table needs at least one model")
         self.slots = [ModelSlot(s) for s in specs]
-        self._by_name: dict[str, ModelSlot] = {}
-        for slot in self.slots:
-            for name in slot.spec.names:
-                self._by_name.setdefault(name, slot)
+        names = name_map(specs)
+        self._by_name = {name: self.slots[i] for name, i in names.items()}
         self._build, self._teardown = build, teardown
         self.models_max = models_max
         self.memory_budget = memory_budget  # bytes: weights plus KV of the loaded models
@@ -142,6 +142,7 @@ class ModelTable:
         self.any_name = any_name  # "*" among the aliases: unknown names go to the default model
         self.anthropic_any = anthropic_any  # no aliases given: Anthropic clients' own names reach the default
         self._room = asyncio.Lock()  # one eviction decision at a time
+        self._tasks: set[asyncio.Task[Any]] = set()  # unloads started by a request's end (keep_alive 0)
         self.swaps = 0  # loads that first unloaded another model to make room
 
     @property
@@ -156,6 +157,13 @@ class ModelTable:
 
     def states(self) -> list[ServerState]:
         return [s.state for s in self.loaded() if s.state is not None]
+
+    def exact(self, name: str) -> ModelSlot:
+        """The slot a name (or its untagged form) names, with no catch-all: for loads and unloads."""
+        slot = self._by_name.get(name) or self._by_name.get(_untagged(name))
+        if slot is None:
+            raise self.not_found(name)
+        return slot
 
     def find(self, name: str | None, route: str = "openai") -> ModelSlot:
         """The slot a request's model name picks; 404 naming what is served otherwise."""
@@ -201,9 +209,11 @@ class ModelTable:
             try:
                 await asyncio.wait_for(asyncio.shield(slot.task), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
-                raise ApiError(
-                    503, f"model {slot.id!r} did not load within {self.wait_s:g}s", code="model_loading"
-                ) from None
+                if slot.status is ModelStatus.LOADING:
+                    raise ApiError(
+                        503, f"model {slot.id!r} did not load within {self.wait_s:g}s", code="model_loading"
+                    ) from None
+                raise self._no_room(slot) from None
         slot.leases += 1
         slot.idle.clear()
         slot.last_used = time.monotonic()
@@ -217,7 +227,19 @@ class ModelTable:
         if slot.leases == 0:
             slot.idle.set()
             if slot.expires_in(self.idle_s) == 0:  # keep_alive 0: unload now, not at the next sweep
-                asyncio.get_running_loop().create_task(self.unload(slot, "keep_alive 0", sleeping=True))
+                self._background(self.unload(slot, "keep_alive 0", sleeping=True, only_if_idle=True))
+
+    def _background(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run coro on the loop, kept and logged: an unload's failure is never lost."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                log.error("model table: %s", t.exception(), exc_info=t.exception())
+
+        task.add_done_callback(done)
 
     # -- load and unload ---------------------------------------------------------------
 
@@ -225,8 +247,7 @@ class ModelTable:
         async with slot.lock:
             if slot.status is ModelStatus.LOADED:
                 return
-            await self._make_room(slot)
-            slot.status, slot.error = ModelStatus.LOADING, None
+            await self._make_room(slot)  # marks the slot LOADING once there is room
             t0 = time.perf_counter()
             try:
                 rt = await asyncio.to_thread(slot.spec.load)
@@ -238,46 +259,78 @@ class ModelTable:
                 ) from None
             try:
                 slot.state = await self._build(rt, slot.spec)
-            except BaseException:
+            except BaseException as e:
                 await asyncio.to_thread(rt.close)
-                slot.status = ModelStatus.FAILED
+                slot.status, slot.error = ModelStatus.FAILED, f"{slot.spec.path}: {type(e).__name__}: {e}"
                 raise
             slot.load_s = time.perf_counter() - t0
             slot.status, slot.loaded_at, slot.last_used = ModelStatus.LOADED, time.monotonic(), time.monotonic()
             slot.loads += 1
             log.info("model %s loaded in %.2f s", slot.id, slot.load_s)
 
+    def _held(self, slot: ModelSlot) -> list[ModelSlot]:
+        """The other models that hold memory now: loaded, loading, or being unloaded."""
+        busy = (ModelStatus.LOADED, ModelStatus.LOADING, ModelStatus.UNLOADING)
+        return [s for s in self.slots if s is not slot and s.status in busy]
+
     def _over(self, slot: ModelSlot) -> bool:
         """Whether loading slot now would pass --models-max or the memory budget."""
-        loaded = [s for s in self.loaded() if s is not slot]
-        if self.models_max is not None and len(loaded) >= self.models_max:
+        held = self._held(slot)
+        if self.models_max is not None and len(held) >= self.models_max:
             return True
         if self.memory_budget is None:
             return False
-        return sum(_footprint(s) for s in loaded) + _file_bytes(slot.spec.path) > self.memory_budget
+        return sum(_footprint(s) for s in held) + _file_bytes(slot.spec.path) > self.memory_budget
 
     async def _make_room(self, slot: ModelSlot) -> None:
-        """Past --models-max or the memory budget, unload the least recently used other models,
-        each once it is idle (the caller's wait for its load is bounded)."""
-        async with self._room:
-            while self._over(slot):
-                others = sorted(
-                    (s for s in self.loaded() if s is not slot and not s.spec.pinned),
-                    key=lambda s: (s.leases > 0, s.last_used),
+        """Past --models-max or the memory budget, unload the least recently used idle other model,
+        again until the new one fits; then mark slot LOADING (under the room lock, so that the next
+        decision counts it). A model in use is never taken from its requests: the load waits for
+        one to go idle, at most wait_s, and then answers 503."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            async with self._room:
+                if not self._over(slot):
+                    slot.status, slot.error = ModelStatus.LOADING, None
+                    return
+                movable = [s for s in self._held(slot) if not s.spec.pinned]
+                if not movable:  # only models the table may not unload: load past the limit
+                    slot.status, slot.error = ModelStatus.LOADING, None
+                    return
+                idle = sorted(
+                    (s for s in movable if s.status is ModelStatus.LOADED and s.leases == 0 and not s.lock.locked()),
+                    key=lambda s: s.last_used,
                 )
-                if not others:
-                    return  # nothing can go: load past the limit rather than refuse
-                victim = others[0]
-                await victim.idle.wait()  # its streams finish first
-                await self.unload(victim, "evicted for " + slot.id)
-                self.swaps += 1
+                if idle:
+                    if await self.unload(idle[0], "evicted for " + slot.id, only_if_idle=True):
+                        self.swaps += 1
+                    continue
+            if time.monotonic() >= deadline:
+                raise self._no_room(slot)
+            await asyncio.sleep(_ROOM_POLL_S)
 
-    async def unload(self, slot: ModelSlot, why: str, *, sleeping: bool = False) -> bool:
-        """Write the model's warm context to disk and close it, once no request holds it. False if it was not loaded."""
+    def _no_room(self, slot: ModelSlot) -> ApiError:
+        busy = ", ".join(repr(s.id) for s in self._held(slot))
+        return ApiError(
+            503,
+            f"model {slot.id!r} needs room, and the loaded models ({busy}) stayed in use for "
+            f"{self.wait_s:g}s (--models-max {self.models_max}, --models-memory-mb)",
+            code="model_busy",
+        )
+
+    async def unload(self, slot: ModelSlot, why: str, *, sleeping: bool = False, only_if_idle: bool = False) -> bool:
+        """Write the model's warm context to disk and close it. An explicit unload waits for the
+        requests that hold the model (new ones wait for it to load again); an eviction or an idle
+        unload (only_if_idle) gives up if a request took the model meanwhile, or its keep-alive was
+        extended. False when nothing was unloaded."""
         if slot.status is not ModelStatus.LOADED or slot.state is None or slot.spec.pinned:
             return False
         async with slot.lock:
             if slot.status is not ModelStatus.LOADED or slot.state is None:
+                return False
+            if only_if_idle and (
+                slot.leases > 0 or (sleeping and time.monotonic() - slot.last_used < slot.expires_in(self.idle_s))
+            ):
                 return False
             slot.status = ModelStatus.UNLOADING
             await slot.idle.wait()
@@ -297,13 +350,32 @@ class ModelTable:
         now, n = time.monotonic(), 0
         for slot in self.loaded():
             if slot.leases == 0 and now - slot.last_used >= slot.expires_in(self.idle_s):
-                n += await self.unload(slot, "idle", sleeping=True)
+                n += await self.unload(slot, "idle", sleeping=True, only_if_idle=True)
         return n
 
     async def close(self) -> None:
+        pending = [*self._tasks, *(s.task for s in self.slots if s.task is not None and not s.task.done())]
+        if pending:  # loads and unloads in flight finish first: none leaks a runtime or stops mid-spill
+            await asyncio.gather(*pending, return_exceptions=True)
         for slot in self.loaded():
-            with contextlib.suppress(Exception):
+            try:
                 await self.unload(slot, "server stopping")
+            except Exception:  # the others are still written to disk and closed
+                log.exception("model %s: unloading at shutdown failed", slot.id)
+
+
+def name_map(specs: Sequence[ModelSpec]) -> dict[str, int]:
+    """Every name a model answers to -> its index; InvalidConfig when two models share one."""
+    out: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        for name in spec.names:
+            j = out.setdefault(name, i)
+            if j != i:
+                raise InvalidConfig(
+                    f"two models answer to {name!r}: {specs[j].path} ({specs[j].id}) and "
+                    f"{spec.path} ({spec.id}); give one another id or alias"
+                )
+    return out
 
 
 def _file_bytes(path: str) -> int:
@@ -317,8 +389,8 @@ def _file_bytes(path: str) -> int:
 def _footprint(slot: ModelSlot) -> int:
     """A loaded model's memory: its weights (the file's size) and its KV allocation."""
     st = slot.state
-    if st is None:
-        return 0
+    if st is None:  # loading, or being unloaded: its file is what it holds, at least
+        return _file_bytes(slot.spec.path)
     return st.runtime.info.size_bytes + st.runtime.stats.kv_memory.bytes
 
 

@@ -73,7 +73,13 @@ class ServerState:
         anything = self.table_default and (
             "*" in self.settings.model_aliases or (route == "anthropic" and not self.settings.model_aliases)
         )
-        if anything or model in self.aliases or (route == "ollama" and self._ollama_name(model)):
+        untagged = model.rsplit(":", 1)[0]  # "name:tag", as the model table reads it on every route
+        if (
+            anything
+            or model in self.aliases
+            or untagged in self.aliases
+            or (route == "ollama" and self._ollama_name(model))
+        ):
             return model
         if route == "ollama":  # Ollama's own wording first: clients look for "not found"
             raise ApiError(
@@ -119,8 +125,18 @@ class Hub:
     started: int = field(default_factory=lambda: int(time.time()))
     # /v1/sessions ids -> the model that owns them; snapshot names of those whose model was unloaded
     session_owner: dict[str, str] = field(default_factory=dict)
-    parked_sessions: dict[str, str] = field(default_factory=dict)
+    parked_sessions: dict[str, tuple[str, float]] = field(default_factory=dict)  # id -> (snapshot, parked at)
+    restoring: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # one restore per id at a time
     drain: Drain = field(default_factory=Drain)  # POST /admin/drain; its Traffic counts generating requests
+
+    def expire_parked_sessions(self) -> int:
+        """Forget sessions parked (their model unloaded) for longer than the session TTL."""
+        cutoff = time.monotonic() - self.settings.session_ttl_s
+        old = [sid for sid, (_, at) in self.parked_sessions.items() if at < cutoff]
+        for sid in old:
+            del self.parked_sessions[sid]
+            self.session_owner.pop(sid, None)
+        return len(old)
 
     @property
     def default(self) -> ServerState | None:
@@ -159,20 +175,28 @@ async def get_state(request: Request) -> ServerState:
     st = await hub.table.acquire(slot, keep)
     hold(request, lambda: hub.table.release(slot))
     sid = request.path_params.get("sid")
-    if sid is not None and sid in hub.parked_sessions and sid not in st.registry:
-        await _restore_session(hub, st, sid)
+    if sid is not None and sid not in st.registry and (sid in hub.parked_sessions or sid in hub.restoring):
+        task = hub.restoring.get(sid)
+        if task is None:
+            task = hub.restoring[sid] = asyncio.create_task(_restore_session(hub, st, sid))
+            task.add_done_callback(lambda _: hub.restoring.pop(sid, None))
+        await asyncio.shield(task)  # requests for the same session wait for the one restore
     return st
 
 
 async def _restore_session(hub: Hub, st: ServerState, sid: str) -> None:
-    """A /v1/sessions session kept on disk while its model was unloaded: back under its own id."""
-    name = hub.parked_sessions.pop(sid)
+    """A /v1/sessions session kept on disk while its model was unloaded: back under its own id.
+    It stays parked until the restore succeeds; a restore that fails forgets it (the route's 404)."""
+    name, _ = hub.parked_sessions[sid]
     try:
+        st.registry.check_room()
         session = await asyncio.to_thread(st.runtime.restore, name)
-    except WarmkvError as e:
+    except (WarmkvError, ApiError) as e:
         log.warning("session %s could not be restored after its model was reloaded: %s", sid, e)
+        hub.parked_sessions.pop(sid, None)
         hub.session_owner.pop(sid, None)
         return
+    hub.parked_sessions.pop(sid, None)
     st.registry.register(session, sid)
 
 
