@@ -113,7 +113,7 @@ def serve_specs(
     """The models one server serves, the default first; InvalidConfig names a bad entry."""
     first = resolve_model(opts.model)
     specs: dict[str, ModelSpec] = {}
-    default_id = model_id or first.stem
+    default_id = model_id or (first.name if first.is_dir() else first.stem)  # "Qwen2.5-0.5B-Instruct", not "Qwen2.5-0"
     bundled_name = MODEL_NAMES[0] if opts.model is None else opts.model if opts.model in MODEL_NAMES else None
     given = tuple(a for a in aliases if a != "*") + ((bundled_name,) if bundled_name else ())
     specs[default_id] = _spec(default_id, opts, given)

@@ -19,6 +19,9 @@ def models(
     server: Annotated[
         str | None, typer.Option("--server", help="a running warmkv server (http://HOST:PORT): its models' status")
     ] = None,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", envvar="WARMKV_API_KEY", help="the server's key, if it has one")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """List the models `warmkv serve` can load: bundled, in a models directory, in the Hugging Face cache."""
@@ -28,8 +31,11 @@ def models(
         fail(e)
     status: dict[str, str] = {}
     if server is not None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         try:
-            data = httpx.get(server.rstrip("/") + "/v1/models", timeout=10).json()["data"]
+            r = httpx.get(server.rstrip("/") + "/v1/models", headers=headers, timeout=10)
+            r.raise_for_status()
+            data = r.json()["data"]
         except (httpx.HTTPError, ValueError, KeyError) as e:
             err.print(f"[bold red]error:[/] {server}: {e}")
             raise typer.Exit(2) from None
