@@ -289,6 +289,28 @@ def test_native_engine_shares_through_remote(seeded: Seeded, redis_server: Redis
     assert warm == cold
 
 
+def test_write_through_shares_a_prefix_before_any_spill(redis_server: RedisServer, tmp_path: Path) -> None:
+    prompt = note(7) + "Keep every answer short and cite the file it came from. " * 20
+    for backend in ("llamacpp",):
+        with load(tmp_path / f"{backend}-a", redis_server.url, backend=backend) as a:
+            with a.session() as s:
+                cold = s.ensure_prefix(prompt)
+            assert a.tiers is not None and a.tiers.flush(30)  # A still runs: nothing was evicted nor spilled
+            sent = a.tiers.writer.stats() if a.tiers.writer else None
+            with load(tmp_path / f"{backend}-b", redis_server.url, backend=backend) as b, b.session() as s:
+                warm = s.ensure_prefix(prompt)
+            # the same blocks computed again (a read declined): the writer asks first, sends nothing
+            with load(tmp_path / f"{backend}-c", redis_server.url, backend=backend, kv_remote_prefill_rate=1e12) as c:
+                with c.session() as s:
+                    again = s.ensure_prefix(prompt)
+                assert c.tiers is not None and c.tiers.flush(30) and c.tiers.writer is not None
+                dup = c.tiers.writer.stats()
+        assert cold.reuse_source == "none" and again.reuse_source == "none"
+        assert sent is not None and (sent.through_sent, sent.through_dropped, sent.through_failed) == (1, 0, 0)
+        assert warm.reuse_source == "remote" and warm.reused_tokens == cold.prefix_tokens // BLOCK * BLOCK
+        assert (dup.through_sent, dup.through_present) == (0, 1)
+
+
 def test_serve_flag_is_checked() -> None:
     r = CliRunner().invoke(app, ["serve", "--kv-remote", "http://127.0.0.1:6379/0"])
     assert r.exit_code == 2 and "kv_remote" in r.output and "Traceback" not in r.output

@@ -224,6 +224,23 @@ class RemoteStore:
 
     # -- writes ----------------------------------------------------------------
 
+    def holds(self, entry: str, manifest_digest: str) -> bool | None:
+        """Whether the server holds the entry's value (one round trip); None when the link is down."""
+        if not self.link.ready():
+            return None
+        try:
+            held = bool(self._write.exists(f"{namespace(manifest_digest)}:v:{entry}"))
+        except LINK_ERRORS as e:
+            self.link.failed("write", e)
+            return None
+        except RedisError as e:
+            self.link.error("write", e)
+            return None
+        self.link.ok()
+        if held:
+            self._count("present")
+        return held
+
     def put(self, keys: Sequence[str], manifest_digest: str, tokens: Sequence[int], blob: Blob) -> bool:
         """Write a spilled entry (keys: its block keys, the last one names it): the value unless the
         server holds it already, then its block records. False when skipped or failed."""

@@ -16,6 +16,13 @@ With a remote tier (remote_store), each spilled entry is also written there, aft
 disk, from this same thread: the remote tier receives what the disk tier receives. A node
 may run with the remote tier alone (store None).
 
+    submit_through(...)  write-through: a prefix the memory tier just remembered goes to the
+                         remote tier only (the disk receives it when it is spilled), so other
+                         nodes can reuse it at once and it outlives this node. At most
+                         `max_through` wait at a time, within the same byte budget; more are
+                         dropped and counted. The writer asks the remote tier whether it holds the
+                         entry before copying the KV: an entry is never sent twice.
+
 Calls that wait (put_snapshot, flush, close, submit_entry(wait=True)) refuse to run
 while the calling thread holds the lock named by `held` (the model lock): see the
 lock order in warmkv.runtime. The writer thread itself takes no lock but its own
@@ -97,6 +104,7 @@ class PendingEntry:
     manifest_digest: str
     tokens: tuple[int, ...]
     blob: Blob | LazyBlob
+    through: bool = False  # write-through: to the remote tier only, and not a queued disk hit
 
 
 @dataclass(frozen=True)
@@ -124,6 +132,11 @@ class WriterStats:
     written: int  # prefix entries written (to the disk store, else to the remote tier)
     dropped: int  # prefix entries not queued: the queue was full
     failed: int  # prefix entries the store refused (full, I/O error)
+    through_queued: int = 0  # write-throughs waiting or being sent
+    through_sent: int = 0  # write-throughs the remote tier received
+    through_present: int = 0  # write-throughs the remote tier held already (not copied nor sent)
+    through_dropped: int = 0  # write-throughs not queued: max_through or the byte budget was reached
+    through_failed: int = 0  # write-throughs whose copy or send failed (the link was down)
 
 
 def _yield_to_steps() -> None:
@@ -149,6 +162,7 @@ class StoreWriter:
         max_pending_bytes: int,
         held: Callable[[], bool] | None = None,
         remote: RemoteStore | None = None,
+        max_through: int = 4,
     ) -> None:
         if isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int) or max_pending_bytes < 1:
             raise InvalidConfig(f"max_pending_bytes must be an integer >= 1, got {max_pending_bytes!r}")
@@ -164,6 +178,8 @@ class StoreWriter:
         self._bytes = 0  # of queued jobs and the one being written
         self._submitted = self._finished = 0
         self._written = self._dropped = self._failed = 0
+        self._max_through = max_through
+        self._through = dict.fromkeys(("queued", "sent", "present", "dropped", "failed"), 0)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="warmkv-store-writer", daemon=True)
         self._thread.start()
@@ -191,6 +207,19 @@ class StoreWriter:
                 return False
             self._pending[entry.keys[-1]] = entry
             self._push(entry, _nbytes(blob))
+        return True
+
+    def submit_through(self, keys: Sequence[str], manifest_digest: str, tokens: Sequence[int], blob: LazyBlob) -> bool:
+        """Queue a write-through of a remembered prefix to the remote tier; never waits. False (dropped,
+        counted) without a remote tier, when closed, or when max_through or the byte budget is reached."""
+        with self._cond:
+            if self.remote is None or self._closed:
+                return False
+            if self._through["queued"] >= self._max_through or not self._fits(blob.nbytes):
+                self._through["dropped"] += 1
+                return False
+            self._through["queued"] += 1
+            self._push(PendingEntry(tuple(keys), manifest_digest, tuple(tokens), blob, through=True), blob.nbytes)
         return True
 
     def put_snapshot(
@@ -244,7 +273,19 @@ class StoreWriter:
     def stats(self) -> WriterStats:
         with self._cond:
             queued = self._submitted - self._finished
-            return WriterStats(queued, self._bytes, self._written, self._dropped, self._failed)
+            t = self._through
+            return WriterStats(
+                queued,
+                self._bytes,
+                self._written,
+                self._dropped,
+                self._failed,
+                t["queued"],
+                t["sent"],
+                t["present"],
+                t["dropped"],
+                t["failed"],
+            )
 
     def close(self) -> None:
         """Write everything queued, then stop the thread. Idempotent."""
@@ -285,6 +326,7 @@ class StoreWriter:
             with self._cond:
                 self._queue.popleft()
                 if isinstance(job, PendingEntry):
+                    self._through["queued"] -= job.through
                     if self._pending.get(job.keys[-1]) is job:
                         del self._pending[job.keys[-1]]
                     self._bytes -= _nbytes(job.blob)
@@ -303,6 +345,9 @@ class StoreWriter:
             except BaseException as e:  # handed to the waiting caller
                 job.error = e
             job.done.set()
+            return
+        if job.through:
+            self._write_through(job)
             return
         try:
             blob = blob_bytes(job.blob)
@@ -329,3 +374,24 @@ class StoreWriter:
             if self.store is None:
                 self._written += written
                 self._failed += not written
+
+    def _write_through(self, job: PendingEntry) -> None:
+        """Send a remembered prefix to the remote tier unless it holds it already (asked before the copy)."""
+        assert self.remote is not None
+        outcome = "failed"
+        try:
+            held = self.remote.holds(job.keys[-1], job.manifest_digest)
+            if held:
+                outcome = "present"
+            elif held is False:
+                outcome = (
+                    "sent"
+                    if self.remote.put(job.keys, job.manifest_digest, job.tokens, blob_bytes(job.blob))
+                    else "failed"
+                )
+        except WarmkvError as e:  # its copy failed (the tiers let go of the KV first: closing, pool short)
+            log.debug("kv write-through not sent: %s", e)
+        except Exception:
+            log.exception("kv remote tier write-through failed")
+        with self._cond:
+            self._through[outcome] += 1
