@@ -22,6 +22,8 @@ may run with the remote tier alone (store None).
                          `max_through` wait at a time, within the same byte budget; more are
                          dropped and counted. The writer asks the remote tier whether it holds the
                          entry before copying the KV: an entry is never sent twice.
+    submit_session(...)  a named session's latest copy, for the remote tier; never waits. A copy
+                         still queued for the same session is replaced (only the latest matters).
 
 Calls that wait (put_snapshot, flush, close, submit_entry(wait=True)) refuse to run
 while the calling thread holds the lock named by `held` (the model lock): see the
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidConfig, WarmkvError
 from ..tokens import common_prefix_len
 from .store import KVStore
-from .store_types import Blob, SnapshotInfo
+from .store_types import Blob, Snapshot, SnapshotInfo
 
 if TYPE_CHECKING:
     from .remote_store import RemoteStore
@@ -125,6 +127,17 @@ class _SnapshotJob:
         return len(self.args[4])
 
 
+@dataclass
+class _SessionCopy:
+    sid: str
+    snap: Snapshot
+    taken: bool = False  # the writer has started on it: a newer copy is queued apart
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.snap.blob)
+
+
 @dataclass(frozen=True)
 class WriterStats:
     queued: int  # jobs waiting or being written
@@ -137,6 +150,8 @@ class WriterStats:
     through_present: int = 0  # write-throughs the remote tier held already (not copied nor sent)
     through_dropped: int = 0  # write-throughs not queued: max_through or the byte budget was reached
     through_failed: int = 0  # write-throughs whose copy or send failed (the link was down)
+    sessions_replaced: int = 0  # session copies replaced by a newer one before they were sent
+    sessions_dropped: int = 0  # session copies not queued: the byte budget was reached
 
 
 def _yield_to_steps() -> None:
@@ -173,13 +188,15 @@ class StoreWriter:
         self._max = max_pending_bytes
         self._held = held or (lambda: False)
         self._cond = threading.Condition()
-        self._queue: deque[PendingEntry | _SnapshotJob] = deque()
+        self._queue: deque[PendingEntry | _SnapshotJob | _SessionCopy] = deque()
         self._pending: dict[str, PendingEntry] = {}  # last block key -> entry, until it is written
         self._bytes = 0  # of queued jobs and the one being written
         self._submitted = self._finished = 0
         self._written = self._dropped = self._failed = 0
         self._max_through = max_through
         self._through = dict.fromkeys(("queued", "sent", "present", "dropped", "failed"), 0)
+        self._sessions: dict[str, _SessionCopy] = {}  # session id -> its queued copy, not taken yet
+        self._session_n = {"replaced": 0, "dropped": 0}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="warmkv-store-writer", daemon=True)
         self._thread.start()
@@ -220,6 +237,25 @@ class StoreWriter:
                 return False
             self._through["queued"] += 1
             self._push(PendingEntry(tuple(keys), manifest_digest, tuple(tokens), blob, through=True), blob.nbytes)
+        return True
+
+    def submit_session(self, sid: str, snap: Snapshot) -> bool:
+        """Queue a session's latest copy for the remote tier; never waits. False (counted) without a
+        remote tier, when closed, or when the byte budget is reached."""
+        with self._cond:
+            if self.remote is None or self._closed:
+                return False
+            queued = self._sessions.get(sid)
+            if queued is not None and not queued.taken:
+                self._bytes += len(snap.blob) - queued.nbytes
+                queued.snap = snap
+                self._session_n["replaced"] += 1
+                return True
+            if not self._fits(len(snap.blob)):
+                self._session_n["dropped"] += 1
+                return False
+            job = self._sessions[sid] = _SessionCopy(sid, snap)
+            self._push(job, job.nbytes)
         return True
 
     def put_snapshot(
@@ -285,6 +321,8 @@ class StoreWriter:
                 t["present"],
                 t["dropped"],
                 t["failed"],
+                self._session_n["replaced"],
+                self._session_n["dropped"],
             )
 
     def close(self) -> None:
@@ -308,7 +346,7 @@ class StoreWriter:
     def _wait_room(self, nbytes: int) -> None:
         self._cond.wait_for(lambda: self._closed or self._fits(nbytes))
 
-    def _push(self, job: PendingEntry | _SnapshotJob, nbytes: int) -> None:
+    def _push(self, job: PendingEntry | _SnapshotJob | _SessionCopy, nbytes: int) -> None:
         self._queue.append(job)
         self._bytes += nbytes
         self._submitted += 1
@@ -322,6 +360,10 @@ class StoreWriter:
                 if not self._queue:
                     return  # closed and drained
                 job = self._queue[0]  # stays counted in _bytes until written
+                if isinstance(job, _SessionCopy):
+                    job.taken = True
+                    if self._sessions.get(job.sid) is job:
+                        del self._sessions[job.sid]
             self._write(job)
             with self._cond:
                 self._queue.popleft()
@@ -337,7 +379,14 @@ class StoreWriter:
                 self._finished += 1
                 self._cond.notify_all()
 
-    def _write(self, job: PendingEntry | _SnapshotJob) -> None:
+    def _write(self, job: PendingEntry | _SnapshotJob | _SessionCopy) -> None:
+        if isinstance(job, _SessionCopy):
+            assert self.remote is not None  # submit_session refuses without one
+            try:
+                self.remote.put_session(job.sid, job.snap)  # counts and logs its own failures
+            except Exception:
+                log.exception("kv remote tier session write failed")
+            return
         if isinstance(job, _SnapshotJob):
             try:
                 assert self.store is not None  # put_snapshot refuses without one

@@ -31,6 +31,7 @@ from .metrics import ModelMetrics, ServerMetrics
 from .pool import SessionPool
 from .reasoning_store import ReasoningStore
 from .registry import SessionRegistry
+from .session_share import restore_shared, shares
 from .settings import ServerSettings
 
 log = logging.getLogger("warmkv.server")
@@ -121,6 +122,7 @@ class Hub:
     session_owner: dict[str, str] = field(default_factory=dict)
     parked_sessions: dict[str, str] = field(default_factory=dict)
     drain: Drain = field(default_factory=Drain)  # POST /admin/drain; its Traffic counts generating requests
+    restoring: dict[str, asyncio.Future[None]] = field(default_factory=dict)  # session ids read from the remote tier
 
     @property
     def default(self) -> ServerState | None:
@@ -159,8 +161,11 @@ async def get_state(request: Request) -> ServerState:
     st = await hub.table.acquire(slot, keep)
     hold(request, lambda: hub.table.release(slot))
     sid = request.path_params.get("sid")
-    if sid is not None and sid in hub.parked_sessions and sid not in st.registry:
-        await _restore_session(hub, st, sid)
+    if sid is not None and sid not in st.registry:
+        if sid in hub.parked_sessions:
+            await _restore_session(hub, st, sid)
+        elif sid not in hub.session_owner and not st.registry.closed_here(sid) and shares(st):
+            await restore_shared(hub, st, sid)
     return st
 
 
