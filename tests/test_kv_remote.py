@@ -25,8 +25,9 @@ from server_harness import live_server
 from warmkv.cache import block_keys
 from warmkv.cache.container import read_container
 from warmkv.cache.remote_rates import RemoteRates
-from warmkv.cache.remote_store import RemoteStore, namespace
+from warmkv.cache.remote_store import RemoteStore, namespace, session_key
 from warmkv.cache.remote_types import PASSWORD_ENV, RemoteConfig, parse_remote_url
+from warmkv.cache.store_types import Snapshot
 from warmkv.cli import app
 from warmkv.server.metrics import ServerMetrics
 
@@ -252,6 +253,29 @@ def test_foreign_or_resized_values_are_dropped(redis_server: RedisServer) -> Non
         assert store.longest_prefix(ours, tokens, keys, block_size=BLOCK, beat=0) is None
         assert not client.exists(value)
         assert store.stats().rejected == 2 and store.stats().hits == 0
+    finally:
+        store.close()
+
+
+def test_session_copies_are_checked_and_keyed_by_the_ids_hash(redis_server: RedisServer) -> None:
+    ours, sid = "c" * 64, "Nm4s3cr3t-session-id"
+    snap = Snapshot("", ours, {"digest": ours}, tuple(range(100)), os.urandom(4096), {"prefix_len": 100}, 0.0)
+    store, client = RemoteStore(RemoteConfig(redis_server.url)), redis_server.client()
+    name = f"{namespace(ours)}:s:{session_key(sid)}"
+    try:
+        assert store.put_session(sid, snap)
+        assert not any(sid in k.decode() for k in client.scan_iter(count=1000))  # the id is never stored
+        got = store.get_session(sid, ours)
+        assert got is not None and (got.tokens, got.blob, dict(got.meta)) == (snap.tokens, snap.blob, snap.meta)
+        assert store.get_session(sid, "d" * 64) is None  # another model's manifest: not found
+        assert store.get_session("another-id", ours) is None
+        client.setrange(name, client.strlen(name) // 2, b"\x5a\x5a\x5a\x5a")  # a few bytes of the KV
+        assert store.get_session(sid, ours) is None and not client.exists(name)  # dropped, never restored
+        assert store.put_session(sid, snap)
+        store.delete_session(sid, ours)
+        assert not client.exists(name)
+        st = store.stats()
+        assert (st.sessions_written, st.sessions_read, st.sessions_rejected) == (2, 1, 1)
     finally:
         store.close()
 
