@@ -23,9 +23,11 @@ from conftest import BACKENDS
 from redis_server import RedisServer
 from server_harness import live_server
 from warmkv.cache import block_keys
+from warmkv.cache.container import read_container
 from warmkv.cache.remote_rates import RemoteRates
-from warmkv.cache.remote_store import RemoteStore, namespace
+from warmkv.cache.remote_store import RemoteStore, namespace, session_key
 from warmkv.cache.remote_types import PASSWORD_ENV, RemoteConfig, parse_remote_url
+from warmkv.cache.store_types import Snapshot
 from warmkv.cli import app
 from warmkv.server.metrics import ServerMetrics
 
@@ -134,11 +136,12 @@ def test_corrupt_value_is_dropped_and_recomputed(seeded: Seeded, redis_server: R
     with load(tmp_path / "c", redis_server.url) as c:
         status, reply = turn(c, SHORT)
         st = remote_stats(c)
-        assert not client.exists(key)  # dropped, never served
     assert status.reuse_source == "none" and status.reused_tokens == 0
     assert reply == seeded.short
     assert (st.rejected, st.hits) == (1, 0)
-    assert client.strlen(key) == size  # closing c spilled its recomputed entry back
+    # dropped, never served; c's recomputed entry was written through in its place, and it checks out
+    assert client.strlen(key) == size
+    read_container(client.get(key))
 
 
 def test_other_kv_type_never_reads_these_entries(seeded: Seeded, redis_server: RedisServer, tmp_path: Path) -> None:
@@ -254,6 +257,29 @@ def test_foreign_or_resized_values_are_dropped(redis_server: RedisServer) -> Non
         store.close()
 
 
+def test_session_copies_are_checked_and_keyed_by_the_ids_hash(redis_server: RedisServer) -> None:
+    ours, sid = "c" * 64, "Nm4s3cr3t-session-id"
+    snap = Snapshot("", ours, {"digest": ours}, tuple(range(100)), os.urandom(4096), {"prefix_len": 100}, 0.0)
+    store, client = RemoteStore(RemoteConfig(redis_server.url)), redis_server.client()
+    name = f"{namespace(ours)}:s:{session_key(sid)}"
+    try:
+        assert store.put_session(sid, snap)
+        assert not any(sid in k.decode() for k in client.scan_iter(count=1000))  # the id is never stored
+        got = store.get_session(sid, ours)
+        assert got is not None and (got.tokens, got.blob, dict(got.meta)) == (snap.tokens, snap.blob, snap.meta)
+        assert store.get_session(sid, "d" * 64) is None  # another model's manifest: not found
+        assert store.get_session("another-id", ours) is None
+        client.setrange(name, client.strlen(name) // 2, b"\x5a\x5a\x5a\x5a")  # a few bytes of the KV
+        assert store.get_session(sid, ours) is None and not client.exists(name)  # dropped, never restored
+        assert store.put_session(sid, snap)
+        store.delete_session(sid, ours)
+        assert not client.exists(name)
+        st = store.stats()
+        assert (st.sessions_written, st.sessions_read, st.sessions_rejected) == (2, 1, 1)
+    finally:
+        store.close()
+
+
 def test_password_from_the_url_or_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     digest, tokens = "e" * 64, list(range(128))
     keys = block_keys(digest, tokens, BLOCK)
@@ -287,6 +313,28 @@ def test_native_engine_shares_through_remote(seeded: Seeded, redis_server: Redis
     assert cold_status.reuse_source == "none"
     assert status.reuse_source == "remote" and status.reused_tokens == status.prefix_tokens // BLOCK * BLOCK
     assert warm == cold
+
+
+def test_write_through_shares_a_prefix_before_any_spill(redis_server: RedisServer, tmp_path: Path) -> None:
+    prompt = note(7) + "Keep every answer short and cite the file it came from. " * 20
+    for backend in ("llamacpp",):
+        with load(tmp_path / f"{backend}-a", redis_server.url, backend=backend) as a:
+            with a.session() as s:
+                cold = s.ensure_prefix(prompt)
+            assert a.tiers is not None and a.tiers.flush(30)  # A still runs: nothing was evicted nor spilled
+            sent = a.tiers.writer.stats() if a.tiers.writer else None
+            with load(tmp_path / f"{backend}-b", redis_server.url, backend=backend) as b, b.session() as s:
+                warm = s.ensure_prefix(prompt)
+            # the same blocks computed again (a read declined): the writer asks first, sends nothing
+            with load(tmp_path / f"{backend}-c", redis_server.url, backend=backend, kv_remote_prefill_rate=1e12) as c:
+                with c.session() as s:
+                    again = s.ensure_prefix(prompt)
+                assert c.tiers is not None and c.tiers.flush(30) and c.tiers.writer is not None
+                dup = c.tiers.writer.stats()
+        assert cold.reuse_source == "none" and again.reuse_source == "none"
+        assert sent is not None and (sent.through_sent, sent.through_dropped, sent.through_failed) == (1, 0, 0)
+        assert warm.reuse_source == "remote" and warm.reused_tokens == cold.prefix_tokens // BLOCK * BLOCK
+        assert (dup.through_sent, dup.through_present) == (0, 1)
 
 
 def test_serve_flag_is_checked() -> None:

@@ -47,6 +47,7 @@ import numpy as np
 
 from .backends import Backend, BackendOptions, KVMemory, ModelInfo, ModelState, load_backend, make_options, options_type
 from .cache.remote_types import RemoteConfig
+from .cache.store_types import Snapshot
 from .chat import ChatTemplate, TemplateChoice, check_template_kwargs, resolve_template
 from .config import REUSE_MODES, DecodeConfig, ResolvedConfig, RuntimeConfig
 from .constraint import Constraint, Guide, build_tokenizer
@@ -307,7 +308,13 @@ class Runtime:
         tiers = self.tiers
         if tiers is None or tiers.store is None:
             raise Unsupported("restore", NO_STORE)
-        snap = tiers.store.get_snapshot(name)
+        return self.restore_snapshot(tiers.store.get_snapshot(name))
+
+    def restore_snapshot(self, snap: Snapshot) -> Session:
+        """A new session holding a verified snapshot's context (read from the disk store or the remote
+        tier); ManifestMismatch unless it was taken under this runtime's manifest. Not under the model lock."""
+        self._check_loaded()
+        name = snap.name
         manifest = next((m for m in self._manifests.values() if m.digest == snap.manifest_digest), None)
         if manifest is None:
             theirs = dict(snap.manifest)

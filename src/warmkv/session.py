@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .backends.base import exact_cut
+from .cache.store_types import Snapshot
 from .config import DecodeConfig
 from .context import ResidentContext
 from .decode_state import DecodeState
@@ -531,20 +532,36 @@ class Session:
                 tiers = self._rt.tiers
                 if tiers is None or tiers.store is None:
                     raise Unsupported("snapshot", NO_STORE)
-                ctx = self.ctx
-                if self._manifest is None or not ctx.tokens:
+                if self._manifest is None or not self.ctx.tokens:
                     raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
-                ctx.settle()
-                self._publish()
-                meta = {
-                    "prefix_len": ctx.prefix_len,
-                    "suffix_end": ctx.suffix_end,
-                    "byte_hash": self._byte_hash,
-                    "exact_end": ctx.exact_end,  # a restore keeps moved KV out of exact reuse
-                }
-                blob = self._backend.export_seq(self._seq)
-                m, tokens = self._manifest, list(ctx.tokens)
-            return tiers.write_snapshot(name, m.digest, m.to_dict(), tokens, blob, meta)
+                snap = self._copy(name)
+            return tiers.write_snapshot(
+                name, snap.manifest_digest, dict(snap.manifest), snap.tokens, snap.blob, dict(snap.meta)
+            )
+
+    def capture(self, name: str = "") -> Snapshot | None:
+        """The resident context as an in-memory snapshot (tokens, KV, manifest), for a copy kept
+        elsewhere (the remote tier); None when the session is empty, closed or failed. The KV is
+        copied under the model lock; storing it is the caller's, without the lock."""
+        with self._op, self._model_lock:
+            if self._closed or self.ctx.fatal or self._manifest is None or not self.ctx.tokens:
+                return None
+            return self._copy(name)
+
+    def _copy(self, name: str) -> Snapshot:
+        """Settle and copy the resident context (op lock and model lock held)."""
+        ctx, m = self.ctx, self._manifest
+        assert m is not None
+        ctx.settle()
+        self._publish()
+        meta = {
+            "prefix_len": ctx.prefix_len,
+            "suffix_end": ctx.suffix_end,
+            "byte_hash": self._byte_hash,
+            "exact_end": ctx.exact_end,  # a restore keeps moved KV out of exact reuse
+        }
+        blob = self._backend.export_seq(self._seq)
+        return Snapshot(name, m.digest, m.to_dict(), tuple(ctx.tokens), bytes(blob), meta, time.time())
 
     def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
         """Load a snapshot's KV into this (fresh) session."""

@@ -8,7 +8,10 @@ fastest first: the session's own resident tokens, the in-memory PrefixCache
 processes and restarts), then, with `kv_remote`, the remote tier (Redis or Valkey,
 cache.remote_store: shared by every node of the model). An entry evicted from memory
 is spilled to disk as an `export_seq` blob, and to the remote tier by the same writer
-thread; closing the runtime spills everything. When the native KV pool runs short it
+thread; closing the runtime spills everything. With a remote tier, an entry the memory
+tier takes is also written through to it at once (StoreWriter.submit_through), so other
+nodes reuse it without waiting for an eviction and it outlives this node; its KV stays
+kept until the writer has copied it (or skipped it: the server held it already). When the native KV pool runs short it
 asks for pinned blocks back (`reclaim`): LRU entries spill.
 
 Disk I/O runs off the model lock (see the lock order in warmkv.runtime). A spill
@@ -134,6 +137,8 @@ class KVTiers:
         self._held_back: list[PendingEntry] | None = None  # spills copied by spill_all, written by close
         # Spilled entries whose KV is still kept until the writer has copied it (model lock held to touch).
         self._spilling: deque[tuple[CachedKV, LazyBlob]] = deque()
+        # Memory entries being written through to the remote tier, by id(CachedKV): let go only once copied.
+        self._through: dict[int, tuple[CachedKV, LazyBlob]] = {}
 
     def keys(self, manifest_digest: str, tokens: Sequence[int]) -> list[str]:
         return block_keys(manifest_digest, tokens, self.block_tokens)
@@ -272,6 +277,10 @@ class KVTiers:
             return
         if not result.inserted:
             cached.kv.release()
+        elif self.remote is not None and self.writer is not None:
+            blob = LazyBlob(cached.kv.to_bytes_unlocked, cached.kv.nbytes)
+            if self.writer.submit_through(keys, manifest_digest, tokens, blob):
+                self._through[id(cached)] = (cached, blob)
 
     def reclaim(self) -> bool:
         """Give pool blocks back (the backend's KV pool is short): spills already copied first,
@@ -288,20 +297,32 @@ class KVTiers:
         cached, blob = self._spilling.popleft()
         with contextlib.suppress(WarmkvError):  # not copied: the writer counts it as failed
             blob.get()
-        cached.kv.release()
+        self._let_go(cached, now=True)
 
     def _release_spilled(self) -> int:
         """Let go of the KV of spills the writer has copied (model lock held); how many."""
         done = [s for s in self._spilling if s[1].done]
         for s in done:
             self._spilling.remove(s)
-            s[0].kv.release()
+            self._let_go(s[0])
+        self._through = {k: v for k, v in self._through.items() if not v[1].done}
         return len(done)
+
+    def _let_go(self, cached: CachedKV, *, now: bool = False) -> None:
+        """Release cached's KV (model lock held), unless its write-through has not been copied yet:
+        then once it has (now=False), or at once with the write-through called off (now=True)."""
+        through = self._through.pop(id(cached), None)
+        if through is not None and not through[1].done:
+            if not now:
+                self._spilling.append(through)
+                return
+            through[1].drop()  # waits for a copy under way; the writer then sends nothing or its copy
+        cached.kv.release()
 
     def _spill(self, evicted: EvictedEntry) -> None:
         cached: CachedKV = evicted.payload  # type: ignore[assignment]
         if evicted.reason == "superseded":  # its tokens live on in the longer entry that replaced it
-            cached.kv.release()
+            self._let_go(cached)
         else:
             self._queue(evicted.keys, cached)
 
@@ -317,13 +338,13 @@ class KVTiers:
             try:
                 self._held_back.append(PendingEntry(tuple(keys), kv.manifest_digest, kv.tokens, kv.kv.to_bytes()))
             finally:
-                kv.kv.release()
+                self._let_go(kv, now=True)
             return
         blob = LazyBlob(kv.kv.to_bytes_unlocked, kv.kv.nbytes)
         if self.writer.submit_entry(keys, kv.manifest_digest, kv.tokens, blob):
             self._spilling.append((kv, blob))
         else:
-            kv.kv.release()
+            self._let_go(kv)
             log.info("kv store writer queue full: a %d-token prefix was not spilled", len(kv.tokens))
 
     def write_snapshot(

@@ -8,6 +8,9 @@ models or engines never share a key):
     warmkv:kv1:<manifest digest[:32]>:b:<block key>   block record: JSON {"entry", "size", "tokens"},
                                                       one per full block of the entry
 
+    warmkv:kv1:<manifest digest[:32]>:s:<sha256(session id)>   a named session's latest copy: a
+                                                      "snapshot" container (tokens, KV, manifest, meta)
+
 Entry and block keys are the tiers' chained block hashes (block_hash.py): a block key covers every
 token before it, so one record says the whole chain up to it exists. Writes (`put`, from the store
 writer thread) send the value first and the block records after it, so a record never names a
@@ -17,6 +20,10 @@ record names, if the read is worth it (remote_rates), and check it: its size aga
 its crc32c, its key, manifest and tokens. A value failing a check is deleted with its records and
 counted, never served; the caller prefills instead.
 
+A session is stored under the hash of its id: the id is the capability to use it, and whoever can
+list the server's keys must not learn it. A session copy is read whole and checked (crc32c, its
+key, its manifest) like a value; one failing a check is deleted, never restored.
+
 The server evicts: run it with `maxmemory` and `maxmemory-policy allkeys-lru`. A record whose
 value was evicted is deleted when a probe finds it (a miss). Link failures go to RemoteLink:
 one warning per outage, back-off, and the operations meanwhile are skipped.
@@ -24,6 +31,7 @@ one warning per outage, back-off, and the operations meanwhile are skipped.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import threading
@@ -43,7 +51,7 @@ from .container import ContainerError, make_header, read_container, write_contai
 from .remote_link import RemoteLink, log
 from .remote_rates import RemoteRates
 from .remote_types import RemoteConfig, RemoteStats
-from .store_types import Blob, StoreEntry
+from .store_types import Blob, Snapshot, StoreEntry
 
 PREFIX = "warmkv:kv1"
 LINK_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)  # the link, not the request: back off
@@ -69,6 +77,11 @@ class RemoteMatch:
     entry: StoreEntry | None
     n_tokens: int
     declined: str | None = None
+
+
+def session_key(sid: str) -> str:
+    """The name a session's copy is stored under: its id's hash, never the id."""
+    return hashlib.sha256(sid.encode()).hexdigest()
 
 
 def _record(raw: bytes) -> Record | None:
@@ -110,7 +123,21 @@ class RemoteStore:
         self._write = redis.Redis(**common, socket_timeout=config.write_timeout_s)
         self._lock = threading.Lock()
         self._n = dict.fromkeys(
-            ("probes", "hits", "misses", "declined", "rejected", "dangling", "written", "present", "read_bytes"), 0
+            (
+                "probes",
+                "hits",
+                "misses",
+                "declined",
+                "rejected",
+                "dangling",
+                "written",
+                "present",
+                "read_bytes",
+                "sessions_written",
+                "sessions_read",
+                "sessions_rejected",
+            ),
+            0,
         )
 
     def _count(self, name: str, k: int = 1) -> None:
@@ -224,6 +251,23 @@ class RemoteStore:
 
     # -- writes ----------------------------------------------------------------
 
+    def holds(self, entry: str, manifest_digest: str) -> bool | None:
+        """Whether the server holds the entry's value (one round trip); None when the link is down."""
+        if not self.link.ready():
+            return None
+        try:
+            held = bool(self._write.exists(f"{namespace(manifest_digest)}:v:{entry}"))
+        except LINK_ERRORS as e:
+            self.link.failed("write", e)
+            return None
+        except RedisError as e:
+            self.link.error("write", e)
+            return None
+        self.link.ok()
+        if held:
+            self._count("present")
+        return held
+
     def put(self, keys: Sequence[str], manifest_digest: str, tokens: Sequence[int], blob: Blob) -> bool:
         """Write a spilled entry (keys: its block keys, the last one names it): the value unless the
         server holds it already, then its block records. False when skipped or failed."""
@@ -252,6 +296,65 @@ class RemoteStore:
             return False
         self.link.ok()
         return True
+
+    # -- session copies ------------------------------------------------------------
+
+    def put_session(self, sid: str, snap: Snapshot) -> bool:
+        """Write (replace) a session's copy; False when skipped or failed (counted by the link)."""
+        if not self.link.ready():
+            return False
+        key = session_key(sid)
+        buf = io.BytesIO()
+        header = make_header("snapshot", key, snap.manifest_digest, snap.tokens, snap.blob, snap.meta, snap.manifest)
+        write_container(buf, header, snap.blob)
+        try:
+            self._write.set(f"{namespace(snap.manifest_digest)}:s:{key}", buf.getbuffer())
+        except LINK_ERRORS as e:
+            self.link.failed("write", e)
+            return False
+        except RedisError as e:
+            self.link.error("write", e)
+            return False
+        self.link.ok()
+        self._count("sessions_written")
+        return True
+
+    def get_session(self, sid: str, manifest_digest: str) -> Snapshot | None:
+        """A session's verified copy under this manifest, named by its id; None when absent, bad or unreachable."""
+        if not self.link.ready():
+            return None
+        key = session_key(sid)
+        name = f"{namespace(manifest_digest)}:s:{key}"
+        try:
+            value = self._read.get(name)
+        except LINK_ERRORS as e:
+            self.link.failed("read", e)
+            return None
+        except RedisError as e:
+            self.link.error("read", e)
+            return None
+        self.link.ok()
+        if value is None:
+            return None
+        try:
+            header, payload = read_container(value)
+            bad = None
+            if header.kind != "snapshot" or header.key != key or header.manifest_digest != manifest_digest:
+                bad = f"it holds {header.kind} {header.key[:16]} under manifest {header.manifest_digest[:16]}"
+        except ContainerError as e:
+            bad = str(e)
+        if bad is not None:
+            self._count("sessions_rejected")
+            log.warning("kv remote tier %s: dropped a session copy: %s", self.link.where, bad)
+            self._delete([name])
+            return None
+        self._count("sessions_read")
+        return Snapshot("", manifest_digest, header.manifest or {}, header.tokens, bytes(payload), header.meta, 0.0)
+
+    def delete_session(self, sid: str, manifest_digest: str) -> None:
+        """Forget a closed session's copy (best effort)."""
+        if self.link.ready():
+            self._delete([f"{namespace(manifest_digest)}:s:{session_key(sid)}"])
 
     # -- introspection -----------------------------------------------------------
 

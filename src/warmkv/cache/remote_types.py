@@ -141,6 +141,9 @@ class RemoteStats:
     read_errors: int
     write_errors: int
     read_bytes: int
+    sessions_written: int  # session copies sent (one per operation that changed a session)
+    sessions_read: int  # session copies read by a node that did not know the session
+    sessions_rejected: int  # session copies that failed a check (deleted, not restored)
     read_bytes_per_s: float | None  # EWMA of real reads, round trip taken out
     rtt_s: float | None  # EWMA of probe round trips
     prefill_tokens_per_s: float | None  # what a read must beat: measured EWMA, or the configured rate

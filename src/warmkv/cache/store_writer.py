@@ -16,6 +16,15 @@ With a remote tier (remote_store), each spilled entry is also written there, aft
 disk, from this same thread: the remote tier receives what the disk tier receives. A node
 may run with the remote tier alone (store None).
 
+    submit_through(...)  write-through: a prefix the memory tier just remembered goes to the
+                         remote tier only (the disk receives it when it is spilled), so other
+                         nodes can reuse it at once and it outlives this node. At most
+                         `max_through` wait at a time, within the same byte budget; more are
+                         dropped and counted. The writer asks the remote tier whether it holds the
+                         entry before copying the KV: an entry is never sent twice.
+    submit_session(...)  a named session's latest copy, for the remote tier; never waits. A copy
+                         still queued for the same session is replaced (only the latest matters).
+
 Calls that wait (put_snapshot, flush, close, submit_entry(wait=True)) refuse to run
 while the calling thread holds the lock named by `held` (the model lock): see the
 lock order in warmkv.runtime. The writer thread itself takes no lock but its own
@@ -36,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidConfig, WarmkvError
 from ..tokens import common_prefix_len
 from .store import KVStore
-from .store_types import Blob, SnapshotInfo
+from .store_types import Blob, Snapshot, SnapshotInfo
 
 if TYPE_CHECKING:
     from .remote_store import RemoteStore
@@ -97,6 +106,7 @@ class PendingEntry:
     manifest_digest: str
     tokens: tuple[int, ...]
     blob: Blob | LazyBlob
+    through: bool = False  # write-through: to the remote tier only, and not a queued disk hit
 
 
 @dataclass(frozen=True)
@@ -117,6 +127,17 @@ class _SnapshotJob:
         return len(self.args[4])
 
 
+@dataclass
+class _SessionCopy:
+    sid: str
+    snap: Snapshot
+    taken: bool = False  # the writer has started on it: a newer copy is queued apart
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.snap.blob)
+
+
 @dataclass(frozen=True)
 class WriterStats:
     queued: int  # jobs waiting or being written
@@ -124,6 +145,13 @@ class WriterStats:
     written: int  # prefix entries written (to the disk store, else to the remote tier)
     dropped: int  # prefix entries not queued: the queue was full
     failed: int  # prefix entries the store refused (full, I/O error)
+    through_queued: int = 0  # write-throughs waiting or being sent
+    through_sent: int = 0  # write-throughs the remote tier received
+    through_present: int = 0  # write-throughs the remote tier held already (not copied nor sent)
+    through_dropped: int = 0  # write-throughs not queued: max_through or the byte budget was reached
+    through_failed: int = 0  # write-throughs whose copy or send failed (the link was down)
+    sessions_replaced: int = 0  # session copies replaced by a newer one before they were sent
+    sessions_dropped: int = 0  # session copies not queued: the byte budget was reached
 
 
 def _yield_to_steps() -> None:
@@ -149,6 +177,7 @@ class StoreWriter:
         max_pending_bytes: int,
         held: Callable[[], bool] | None = None,
         remote: RemoteStore | None = None,
+        max_through: int = 4,
     ) -> None:
         if isinstance(max_pending_bytes, bool) or not isinstance(max_pending_bytes, int) or max_pending_bytes < 1:
             raise InvalidConfig(f"max_pending_bytes must be an integer >= 1, got {max_pending_bytes!r}")
@@ -159,11 +188,15 @@ class StoreWriter:
         self._max = max_pending_bytes
         self._held = held or (lambda: False)
         self._cond = threading.Condition()
-        self._queue: deque[PendingEntry | _SnapshotJob] = deque()
+        self._queue: deque[PendingEntry | _SnapshotJob | _SessionCopy] = deque()
         self._pending: dict[str, PendingEntry] = {}  # last block key -> entry, until it is written
         self._bytes = 0  # of queued jobs and the one being written
         self._submitted = self._finished = 0
         self._written = self._dropped = self._failed = 0
+        self._max_through = max_through
+        self._through = dict.fromkeys(("queued", "sent", "present", "dropped", "failed"), 0)
+        self._sessions: dict[str, _SessionCopy] = {}  # session id -> its queued copy, not taken yet
+        self._session_n = {"replaced": 0, "dropped": 0}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="warmkv-store-writer", daemon=True)
         self._thread.start()
@@ -191,6 +224,38 @@ class StoreWriter:
                 return False
             self._pending[entry.keys[-1]] = entry
             self._push(entry, _nbytes(blob))
+        return True
+
+    def submit_through(self, keys: Sequence[str], manifest_digest: str, tokens: Sequence[int], blob: LazyBlob) -> bool:
+        """Queue a write-through of a remembered prefix to the remote tier; never waits. False (dropped,
+        counted) without a remote tier, when closed, or when max_through or the byte budget is reached."""
+        with self._cond:
+            if self.remote is None or self._closed:
+                return False
+            if self._through["queued"] >= self._max_through or not self._fits(blob.nbytes):
+                self._through["dropped"] += 1
+                return False
+            self._through["queued"] += 1
+            self._push(PendingEntry(tuple(keys), manifest_digest, tuple(tokens), blob, through=True), blob.nbytes)
+        return True
+
+    def submit_session(self, sid: str, snap: Snapshot) -> bool:
+        """Queue a session's latest copy for the remote tier; never waits. False (counted) without a
+        remote tier, when closed, or when the byte budget is reached."""
+        with self._cond:
+            if self.remote is None or self._closed:
+                return False
+            queued = self._sessions.get(sid)
+            if queued is not None and not queued.taken:
+                self._bytes += len(snap.blob) - queued.nbytes
+                queued.snap = snap
+                self._session_n["replaced"] += 1
+                return True
+            if not self._fits(len(snap.blob)):
+                self._session_n["dropped"] += 1
+                return False
+            job = self._sessions[sid] = _SessionCopy(sid, snap)
+            self._push(job, job.nbytes)
         return True
 
     def put_snapshot(
@@ -244,7 +309,21 @@ class StoreWriter:
     def stats(self) -> WriterStats:
         with self._cond:
             queued = self._submitted - self._finished
-            return WriterStats(queued, self._bytes, self._written, self._dropped, self._failed)
+            t = self._through
+            return WriterStats(
+                queued,
+                self._bytes,
+                self._written,
+                self._dropped,
+                self._failed,
+                t["queued"],
+                t["sent"],
+                t["present"],
+                t["dropped"],
+                t["failed"],
+                self._session_n["replaced"],
+                self._session_n["dropped"],
+            )
 
     def close(self) -> None:
         """Write everything queued, then stop the thread. Idempotent."""
@@ -267,7 +346,7 @@ class StoreWriter:
     def _wait_room(self, nbytes: int) -> None:
         self._cond.wait_for(lambda: self._closed or self._fits(nbytes))
 
-    def _push(self, job: PendingEntry | _SnapshotJob, nbytes: int) -> None:
+    def _push(self, job: PendingEntry | _SnapshotJob | _SessionCopy, nbytes: int) -> None:
         self._queue.append(job)
         self._bytes += nbytes
         self._submitted += 1
@@ -281,10 +360,15 @@ class StoreWriter:
                 if not self._queue:
                     return  # closed and drained
                 job = self._queue[0]  # stays counted in _bytes until written
+                if isinstance(job, _SessionCopy):
+                    job.taken = True
+                    if self._sessions.get(job.sid) is job:
+                        del self._sessions[job.sid]
             self._write(job)
             with self._cond:
                 self._queue.popleft()
                 if isinstance(job, PendingEntry):
+                    self._through["queued"] -= job.through
                     if self._pending.get(job.keys[-1]) is job:
                         del self._pending[job.keys[-1]]
                     self._bytes -= _nbytes(job.blob)
@@ -295,7 +379,14 @@ class StoreWriter:
                 self._finished += 1
                 self._cond.notify_all()
 
-    def _write(self, job: PendingEntry | _SnapshotJob) -> None:
+    def _write(self, job: PendingEntry | _SnapshotJob | _SessionCopy) -> None:
+        if isinstance(job, _SessionCopy):
+            assert self.remote is not None  # submit_session refuses without one
+            try:
+                self.remote.put_session(job.sid, job.snap)  # counts and logs its own failures
+            except Exception:
+                log.exception("kv remote tier session write failed")
+            return
         if isinstance(job, _SnapshotJob):
             try:
                 assert self.store is not None  # put_snapshot refuses without one
@@ -303,6 +394,9 @@ class StoreWriter:
             except BaseException as e:  # handed to the waiting caller
                 job.error = e
             job.done.set()
+            return
+        if job.through:
+            self._write_through(job)
             return
         try:
             blob = blob_bytes(job.blob)
@@ -329,3 +423,24 @@ class StoreWriter:
             if self.store is None:
                 self._written += written
                 self._failed += not written
+
+    def _write_through(self, job: PendingEntry) -> None:
+        """Send a remembered prefix to the remote tier unless it holds it already (asked before the copy)."""
+        assert self.remote is not None
+        outcome = "failed"
+        try:
+            held = self.remote.holds(job.keys[-1], job.manifest_digest)
+            if held:
+                outcome = "present"
+            elif held is False:
+                outcome = (
+                    "sent"
+                    if self.remote.put(job.keys, job.manifest_digest, job.tokens, blob_bytes(job.blob))
+                    else "failed"
+                )
+        except WarmkvError as e:  # its copy failed (the tiers let go of the KV first: closing, pool short)
+            log.debug("kv write-through not sent: %s", e)
+        except Exception:
+            log.exception("kv remote tier write-through failed")
+        with self._cond:
+            self._through[outcome] += 1

@@ -112,7 +112,10 @@ _REMOTE_COUNTS = (
     ("misses", "Remote KV tier probes that found nothing to read (or a value not served)"),
     ("declined", "Remote KV tier hits not read: prefilling was expected to be faster"),
     ("rejected", "Remote KV tier values dropped: bad crc, wrong size, manifest or tokens"),
-    ("written", "Entries spilled to the remote KV tier"),
+    ("written", "Entries written to the remote KV tier (written through, or spilled)"),
+    ("present", "Entries the remote KV tier held already: neither copied nor sent again"),
+    ("sessions_written", "Named sessions' copies written to the remote KV tier"),
+    ("sessions_read", "Named sessions restored from the remote KV tier by a node that did not know them"),
     ("skipped", "Remote KV tier operations not tried while the link was down"),
 )
 

@@ -150,6 +150,10 @@ class SessionRegistry:
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
+    def closed_here(self, sid: str) -> bool:
+        """Whether this node closed, expired or evicted the id (it answers 410, restores nothing)."""
+        return sid in self._gone
+
     def __contains__(self, sid: object) -> bool:
         return sid in self._entries
 

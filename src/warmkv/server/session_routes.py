@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, BackgroundTasks, Body
 from starlette.concurrency import run_in_threadpool
 
 from ..config import DecodeConfig
@@ -24,6 +24,7 @@ from .openai_routes import ERRORS
 from .registry import Entry
 from .sampling import sampling_fields, usage_body
 from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
+from .session_share import forget, share, shares
 from .state import ServerState, State
 from .streams import SSE_DONE, ChunkStream, start_turn
 from .wire import Frame, Turn, chunk_steps
@@ -94,7 +95,7 @@ async def create_session(st: State, body: Annotated[dict[str, Any] | None, Body(
 
 
 @router.post("/{sid}/prefix", operation_id="session_prefix", openapi_extra=_SAME_SESSION)
-async def ensure_prefix(sid: str, req: PrefixRequest, st: State) -> dict[str, Any]:
+async def ensure_prefix(sid: str, req: PrefixRequest, st: State, after: BackgroundTasks) -> dict[str, Any]:
     """Make the resident KV equal this prefix, prefilling only the divergent tail (PrefixStatus)."""
     inp = PrefixInput(
         text=req.text,
@@ -105,22 +106,30 @@ async def ensure_prefix(sid: str, req: PrefixRequest, st: State) -> dict[str, An
     )
     status = await _call(st, sid, Session.ensure_prefix, inp)
     st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
+    _share_after(st, sid, after)
     return status.to_dict()
 
 
+def _share_after(st: ServerState, sid: str, after: BackgroundTasks) -> None:
+    """With a remote tier, copy the session there once the response is sent (session_share)."""
+    if shares(st):
+        after.add_task(run_in_threadpool, share, st, sid)
+
+
 @router.post("/{sid}/suffix", operation_id="session_suffix", openapi_extra=_SAME_SESSION)
-async def prefill_suffix(sid: str, req: SuffixRequest, st: State) -> dict[str, Any]:
+async def prefill_suffix(sid: str, req: SuffixRequest, st: State, after: BackgroundTasks) -> dict[str, Any]:
     """Prefill the volatile part after the prefix (SuffixStatus); the prefix KV is untouched."""
     inp = SuffixInput(
         text=req.text, append=req.append, parse_special=req.parse_special, manifest_digest=req.manifest_digest
     )
     status = await _call(st, sid, Session.prefill_suffix, inp)
     st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
+    _share_after(st, sid, after)
     return status.to_dict()
 
 
 @router.post("/{sid}/decode", operation_id="session_decode", responses=_SSE, openapi_extra=_SAME_SESSION)
-async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
+async def decode(sid: str, req: DecodeRequest, st: State, after: BackgroundTasks) -> Any:
     """Generate: SSE of {text, token_ids} deltas, the last with finish_reason and usage; or one JSON."""
     cfg = DecodeConfig(
         max_tokens=req.max_tokens,
@@ -149,6 +158,7 @@ async def decode(sid: str, req: DecodeRequest, st: State) -> Any:
         st.registry.unlock(entry)
         raise
     turn = Turn(chunk_steps(stream), stream.cancel, t0)
+    _share_after(st, sid, after)  # runs once the stream (or the body) has been sent
     if req.stream:
         return wire.stream(st, turn, _Encoder())
     return await wire.collect(st, turn, _Encoder(), _Collector(req.logprobs is not None))
@@ -205,8 +215,10 @@ async def explain(sid: str, st: State) -> dict[str, Any]:
 
 @router.delete("/{sid}", operation_id="session_close")
 async def close_session(sid: str, st: State) -> dict[str, Any]:
-    """Close the session and free its KV; a running decode on it is cancelled."""
+    """Close the session and free its KV (and its copy in the remote tier); a running decode on it is cancelled."""
     st.registry.close(sid)
+    if shares(st):
+        await run_in_threadpool(forget, st, sid)
     return {"id": sid, "object": "session.deleted", "deleted": True}
 
 

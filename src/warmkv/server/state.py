@@ -31,6 +31,7 @@ from .metrics import ModelMetrics, ServerMetrics
 from .pool import SessionPool
 from .reasoning_store import ReasoningStore
 from .registry import SessionRegistry
+from .session_share import restore_shared, shares
 from .settings import ServerSettings
 
 log = logging.getLogger("warmkv.server")
@@ -126,8 +127,9 @@ class Hub:
     # /v1/sessions ids -> the model that owns them; snapshot names of those whose model was unloaded
     session_owner: dict[str, str] = field(default_factory=dict)
     parked_sessions: dict[str, tuple[str, float]] = field(default_factory=dict)  # id -> (snapshot, parked at)
-    restoring: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # one restore per id at a time
     drain: Drain = field(default_factory=Drain)  # POST /admin/drain; its Traffic counts generating requests
+    # sessions being restored (from the disk store after an unload, or the remote tier): one per id
+    restoring: dict[str, asyncio.Future[None]] = field(default_factory=dict)
 
     def expire_parked_sessions(self) -> int:
         """Forget sessions parked (their model unloaded) for longer than the session TTL."""
@@ -175,12 +177,15 @@ async def get_state(request: Request) -> ServerState:
     st = await hub.table.acquire(slot, keep)
     hold(request, lambda: hub.table.release(slot))
     sid = request.path_params.get("sid")
-    if sid is not None and sid not in st.registry and (sid in hub.parked_sessions or sid in hub.restoring):
-        task = hub.restoring.get(sid)
-        if task is None:
-            task = hub.restoring[sid] = asyncio.create_task(_restore_session(hub, st, sid))
-            task.add_done_callback(lambda _: hub.restoring.pop(sid, None))
-        await asyncio.shield(task)  # requests for the same session wait for the one restore
+    if sid is not None and sid not in st.registry:
+        if sid in hub.parked_sessions or sid in hub.restoring:
+            task = hub.restoring.get(sid)
+            if task is None:
+                task = hub.restoring[sid] = asyncio.ensure_future(_restore_session(hub, st, sid))
+                task.add_done_callback(lambda _: hub.restoring.pop(sid, None))
+            await asyncio.shield(task)  # requests for the same session wait for the one restore
+        elif sid not in hub.session_owner and not st.registry.closed_here(sid) and shares(st):
+            await restore_shared(hub, st, sid)
     return st
 
 
