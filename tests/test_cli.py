@@ -86,6 +86,8 @@ def test_bench_coding_loop_small(tmp_path: Path) -> None:
             "4",
             "--num-ctx",
             "1024",
+            "--workspaces",  # two interleave as four do (the default), at half the turns
+            "2",
             "--json",
             str(out),
         ],
@@ -96,6 +98,11 @@ def test_bench_coding_loop_small(tmp_path: Path) -> None:
     assert all(t["tokens_equal"] for t in data["turns"])
     assert data["turns"][0]["reused_tokens"] == 0 and data["turns"][1]["reused_tokens"] >= 350
     assert set(data["summary"]) >= {"warm_over_cold", "warm_over_peer"}
+    ws = data["workspaces"]
+    assert [(row["turn"], row["workspace"]) for row in ws["rows"]] == [(t, w) for t in (1, 2, 3) for w in (0, 1)]
+    # the second workspace's first turn reuses the system part the first one computed (memory tier)
+    assert ws["rows"][0]["reused_tokens"] == 0 and ws["rows"][1]["reused_tokens"] > 0
+    assert ws["prefilled_over_unique"] < 1.5, ws
     # piped output keeps whole cells: at rich's default 80 columns these headers wrapped
     assert "warm TTFT s" in r.output and "tokens equal" in r.output, r.output
 
