@@ -6,7 +6,10 @@
 // decode step of a small model is otherwise ~1,500 tiny ATen calls, whose fixed costs outweighed
 // their work.
 
-#include <torch/extension.h>
+// ATen and torch's pybind11 casters, not <torch/extension.h>: its torch/all.h (autograd, nn, optim)
+// took ~12 s of each build's ~55 (2 cores), and a build runs on a machine's first model load.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -56,7 +59,7 @@ Tensor huge_page_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   void* p = nullptr;
   if (bytes >= 2 * kHuge && posix_memalign(&p, kHuge, bytes) == 0) {
     madvise(p, bytes & ~(kHuge - 1), MADV_HUGEPAGE);  // a hint: refused, the memory is plain pages
-    return torch::from_blob(p, sizes, [](void* q) { std::free(q); }, opts);
+    return at::from_blob(p, sizes, [](void* q) { std::free(q); }, opts);
   }
 #endif
   return at::empty(sizes, opts);
