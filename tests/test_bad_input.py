@@ -137,9 +137,10 @@ def test_unknown_backend_option_is_typed() -> None:
 
 def test_backend_option_by_keyword_is_checked_against_the_backend() -> None:
     with pytest.raises(warmkv.InvalidConfig, match=r"unknown runtime option\(s\) \['compute_dtype'\] for backend"):
-        warmkv.Runtime.load(compute_dtype="int4")
-    with pytest.raises(warmkv.InvalidConfig, match="compute_dtype must be one of"):
-        warmkv.Runtime.load(backend="native", compute_dtype="int3")
+        warmkv.Runtime.load(backend="llamacpp", compute_dtype="int4")
+    for backend in ("native", "auto"):  # auto: a native option picks native, which checks it
+        with pytest.raises(warmkv.InvalidConfig, match="compute_dtype must be one of"):
+            warmkv.Runtime.load(backend=backend, compute_dtype="int3")
 
 
 @pytest.mark.parametrize("value", [0, -1, True, 2.5])

@@ -21,7 +21,7 @@ SOURCE = (Path(__file__).parent.parent / "src" / "warmkv" / "session.py").read_t
 
 @pytest.fixture(scope="module")
 def chunk_rt() -> Iterator[warmkv.Runtime]:
-    runtime = warmkv.Runtime.load(num_ctx=1024, n_seq_max=2, reuse_mode="chunks", **NO_TIERS)
+    runtime = warmkv.Runtime.load(backend="llamacpp", num_ctx=1024, n_seq_max=2, reuse_mode="chunks", **NO_TIERS)
     yield runtime
     runtime.close()
 
@@ -161,7 +161,7 @@ def test_a_new_session_moves_runs_out_of_the_memory_tier(backend: str) -> None:
 
 
 def test_exact_runtime_refuses_chunks() -> None:
-    with warmkv.Runtime.load(num_ctx=256, n_seq_max=1, **NO_TIERS) as rt, rt.session() as s:
+    with warmkv.Runtime.load(backend="llamacpp", num_ctx=256, n_seq_max=1, **NO_TIERS) as rt, rt.session() as s:
         with pytest.raises(Unsupported, match="reuse_mode='exact'"):
             s.ensure_prefix(PrefixInput("hello", reuse_mode="chunks"))
         with pytest.raises(InvalidInput) as e:

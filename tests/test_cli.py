@@ -140,7 +140,7 @@ def test_run_on_native_int4_and_bad_native_options(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "device must be" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, [*args, *native, "--compute-dtype", "int3"])
     assert r.exit_code == 2 and "compute_dtype" in r.output and "Traceback" not in r.output
-    r = runner.invoke(app, [*args, "--compute-dtype", "int4"])  # llama.cpp takes no such option
+    r = runner.invoke(app, [*args, "--backend", "llamacpp", "--compute-dtype", "int4"])  # not a llama.cpp option
     assert r.exit_code == 2 and "compute_dtype" in r.output and "Traceback" not in r.output
 
 
@@ -171,7 +171,7 @@ def test_explain_on_native_takes_the_same_options_as_serve(tmp_path: Path) -> No
     r = runner.invoke(app, ["explain", "--prefix-file", str(prefix), "--backend", "native", "--cpp-decode", "maybe"])
     assert r.exit_code == 2 and "cpp_decode must be one of" in r.output and "Traceback" not in r.output
     r = runner.invoke(
-        app, ["explain", "--prefix-file", str(prefix), "--kv-cache-mb", "16"]
+        app, ["explain", "--prefix-file", str(prefix), "--backend", "llamacpp", "--kv-cache-mb", "16"]
     )  # llama.cpp: no such option
     assert r.exit_code == 2 and "kv_cache_mb" in r.output and "Traceback" not in r.output
 

@@ -67,7 +67,9 @@ def decode_some(s: warmkv.Session) -> None:
 
 def test_restore_fork_close_snapshot_and_decode_at_once(tmp_path: Path) -> None:
     # A ~1,000-token prefix is ~20 MiB of llama.cpp state: the memory tier holds one, the other spills.
-    rt = warmkv.Runtime.load(num_ctx=1024, n_seq_max=8, kv_store_dir=str(tmp_path / "kv"), prefix_cache_mb=24)
+    rt = warmkv.Runtime.load(
+        backend="llamacpp", num_ctx=1024, n_seq_max=8, kv_store_dir=str(tmp_path / "kv"), prefix_cache_mb=24
+    )
     with rt.session() as base:
         base.ensure_prefix(SYSTEM + FILES_A)
         base.prefill_suffix(USER_A)

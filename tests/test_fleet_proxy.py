@@ -65,7 +65,7 @@ class Node:
 
 @contextmanager
 def _node(api_key: str | None = None, **runtime: object) -> Iterator[Node]:
-    rt = warmkv.Runtime.load(num_ctx=1024, n_seq_max=4, **{**NO_TIERS, **runtime})  # type: ignore[arg-type]
+    rt = warmkv.Runtime.load(backend="llamacpp", num_ctx=1024, n_seq_max=4, **{**NO_TIERS, **runtime})  # type: ignore[arg-type]
     try:
         with live_server(rt, pool_size=2, api_key=api_key) as url:
             yield Node(url, rt)

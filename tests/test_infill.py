@@ -76,7 +76,7 @@ def test_infill_routes(fim_model: Path) -> None:
     from server_harness import live_server
 
     with (
-        warmkv.Runtime.load(str(fim_model), num_ctx=512, n_seq_max=2, **NO_TIERS) as rt,
+        warmkv.Runtime.load(str(fim_model), backend="llamacpp", num_ctx=512, n_seq_max=2, **NO_TIERS) as rt,
         live_server(rt, pool_size=1) as base,
     ):
         body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 4, "temperature": 0,
@@ -103,7 +103,10 @@ def test_infill_on_the_default_model_is_a_400() -> None:
 
     from server_harness import live_server
 
-    with warmkv.Runtime.load(num_ctx=256, n_seq_max=1, **NO_TIERS) as rt, live_server(rt, pool_size=1) as base:
+    with (
+        warmkv.Runtime.load(backend="llamacpp", num_ctx=256, n_seq_max=1, **NO_TIERS) as rt,
+        live_server(rt, pool_size=1) as base,
+    ):
         r = httpx.post(f"{base}/infill", json={"input_prefix": "a", "input_suffix": "b"}, timeout=120)
         assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
         model = httpx.get(f"{base}/v1/models").json()["data"][0]["id"]

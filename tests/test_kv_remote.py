@@ -52,7 +52,9 @@ def note(i: int) -> str:
 
 
 def load(store: Path, url: str | None, **kw: object) -> warmkv.Runtime:
-    return warmkv.Runtime.load(num_ctx=1280, n_seq_max=2, kv_store_dir=str(store), kv_remote=url, **kw)
+    return warmkv.Runtime.load(
+        backend="llamacpp", num_ctx=1280, n_seq_max=2, kv_store_dir=str(store), kv_remote=url, **kw
+    )
 
 
 def turn(rt: warmkv.Runtime, prefix: str) -> tuple[warmkv.PrefixStatus, list[int]]:

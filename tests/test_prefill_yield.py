@@ -13,7 +13,7 @@ PROMPT = "<|im_start|>user\nCount from one to one hundred.<|im_end|>\n<|im_start
 
 
 def test_long_prefill_lets_running_streams_step() -> None:
-    rt = warmkv.Runtime.load(num_ctx=2048, prefill_chunk=64, prefix_cache_mb=0, kv_store_mb=0)
+    rt = warmkv.Runtime.load(backend="llamacpp", num_ctx=2048, prefill_chunk=64, prefix_cache_mb=0, kv_store_mb=0)
     scheduler = Scheduler(rt, SchedulerConfig(max_step_tokens=64))
     try:
         with rt.session() as streaming, rt.session() as prefilling:

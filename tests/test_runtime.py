@@ -150,7 +150,7 @@ def test_chat_rejects_bad_messages(rt: warmkv.Runtime) -> None:
 
 
 def test_lifecycle_cold_warm_active_unloaded() -> None:
-    r = warmkv.Runtime.load(num_ctx=64, n_seq_max=1)
+    r = warmkv.Runtime.load(backend="llamacpp", num_ctx=64, n_seq_max=1)
     assert r.state is ModelState.WARM
     s = r.session()
     assert r.state is ModelState.ACTIVE

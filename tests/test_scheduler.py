@@ -22,7 +22,7 @@ MULTIBYTE = "<|im_start|>user\nSay 你好世界 three times.<|im_end|>\n<|im_sta
 
 @pytest.fixture(scope="module")
 def lrt() -> warmkv.Runtime:
-    with warmkv.Runtime.load(num_ctx=512, n_seq_max=3, prefill_chunk=16, **NO_TIERS) as rt:
+    with warmkv.Runtime.load(backend="llamacpp", num_ctx=512, n_seq_max=3, prefill_chunk=16, **NO_TIERS) as rt:
         yield rt
 
 

@@ -39,7 +39,7 @@ SLACK = 8
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
-    rt = warmkv.Runtime.load(num_ctx=4096, n_seq_max=4, prefix_cache_mb=0, kv_store_mb=0)
+    rt = warmkv.Runtime.load(backend="llamacpp", num_ctx=4096, n_seq_max=4, prefix_cache_mb=0, kv_store_mb=0)
     with live_server(rt, pool_size=2, api_key=KEY, log_misses=True) as url:
         yield url
     rt.close()
@@ -211,7 +211,7 @@ def test_volatile_billing_header_is_stripped(base: str) -> None:
 
 
 def test_keep_volatile_shows_where_reuse_stopped(caplog: pytest.LogCaptureFixture) -> None:
-    rt = warmkv.Runtime.load(num_ctx=2048, n_seq_max=2, prefix_cache_mb=0, kv_store_mb=0)
+    rt = warmkv.Runtime.load(backend="llamacpp", num_ctx=2048, n_seq_max=2, prefix_cache_mb=0, kv_store_mb=0)
     with live_server(rt, pool_size=1, keep_volatile=True, log_misses=True) as url:
         httpx.post(f"{url}/v1/messages", json=_claude_code_request(1, "Fix the bug."), timeout=120)
         with caplog.at_level(logging.WARNING, logger="warmkv.server"):

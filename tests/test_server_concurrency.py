@@ -65,7 +65,9 @@ def test_default_server_starts_six_streams_before_any_ends(backend: str) -> None
 
 
 def test_kv_memory_counts_every_sequence() -> None:
-    with warmkv.Runtime.load(num_ctx=256, n_seq_max=3, kv_cache_type="f16", prefix_cache_mb=0, kv_store_mb=0) as rt:
+    with warmkv.Runtime.load(
+        backend="llamacpp", num_ctx=256, n_seq_max=3, kv_cache_type="f16", prefix_cache_mb=0, kv_store_mb=0
+    ) as rt:
         kv = rt.kv_memory()
         # SmolLM2-135M: 30 layers x 3 KV heads x (64 + 64) dims x 2 bytes per token.
         assert kv.bytes_per_token == 30 * 3 * 128 * 2

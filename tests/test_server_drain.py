@@ -41,7 +41,9 @@ CHAT = {
 
 
 def _runtime(store: Path) -> warmkv.Runtime:
-    return warmkv.Runtime.load(num_ctx=1024, n_seq_max=4, prefix_cache_mb=64, kv_store_mb=256, kv_store_dir=str(store))
+    return warmkv.Runtime.load(
+        backend="llamacpp", num_ctx=1024, n_seq_max=4, prefix_cache_mb=64, kv_store_mb=256, kv_store_dir=str(store)
+    )
 
 
 def test_drain_finishes_streams_parks_and_writes_kv(tmp_path: Path) -> None:

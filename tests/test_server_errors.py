@@ -24,7 +24,7 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def http() -> Iterator[httpx.Client]:
-    rt = warmkv.Runtime.load(num_ctx=512, n_seq_max=2)
+    rt = warmkv.Runtime.load(backend="llamacpp", num_ctx=512, n_seq_max=2)
     with live_server(rt, pool_size=1) as base, httpx.Client(base_url=base, timeout=120) as c:
         yield c
     rt.close()

@@ -32,7 +32,7 @@ def _prompt(topic: str) -> str:
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
-    rt = warmkv.Runtime.load(num_ctx=1024, n_seq_max=8)
+    rt = warmkv.Runtime.load(backend="llamacpp", num_ctx=1024, n_seq_max=8)
     with live_server(rt, pool_size=4, max_queue=32) as url:
         yield url
     rt.close()

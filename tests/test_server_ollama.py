@@ -52,7 +52,7 @@ CALLED = [
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
-    rt = warmkv.Runtime.load(num_ctx=NUM_CTX, n_seq_max=3, prefix_cache_mb=0, kv_store_mb=0)
+    rt = warmkv.Runtime.load(backend="llamacpp", num_ctx=NUM_CTX, n_seq_max=3, prefix_cache_mb=0, kv_store_mb=0)
     with live_server(rt, pool_size=2) as url:
         yield url
     rt.close()

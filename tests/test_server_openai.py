@@ -19,7 +19,7 @@ SYSTEM = "You are a careful assistant for a Python repository. " + " ".join(
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[openai.OpenAI]:
-    rt = warmkv.Runtime.load(num_ctx=2048, n_seq_max=4)
+    rt = warmkv.Runtime.load(backend="llamacpp", num_ctx=2048, n_seq_max=4)
     with live_server(rt, pool_size=2) as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
     rt.close()
@@ -176,7 +176,7 @@ def test_embeddings_match_the_runtime(client: openai.OpenAI, model: str) -> None
     got = np.array([d.embedding for d in r.data], dtype=np.float32)
     assert got.shape == (2, 576) and [d.index for d in r.data] == [0, 1]
     assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
-    with warmkv.Runtime.load(num_ctx=512, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0) as rt:
+    with warmkv.Runtime.load(backend="llamacpp", num_ctx=512, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0) as rt:
         assert np.allclose(got, rt.embed(texts), atol=1e-5)  # the same numbers as the API
         ids, other = (rt.tokenize(t, parse_special=False) for t in texts)
     assert r.usage.prompt_tokens == r.usage.total_tokens == len(ids) + len(other)

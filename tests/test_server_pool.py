@@ -21,7 +21,7 @@ COMPLETION = {"model": "m", "prompt": "<|im_start|>user\nHi<|im_end|>\n", "max_t
 
 @pytest.fixture(scope="module")
 def rt() -> Iterator[warmkv.Runtime]:
-    runtime = warmkv.Runtime.load(num_ctx=512, n_seq_max=2, prefix_cache_mb=0, kv_store_mb=0)
+    runtime = warmkv.Runtime.load(backend="llamacpp", num_ctx=512, n_seq_max=2, prefix_cache_mb=0, kv_store_mb=0)
     yield runtime
     runtime.close()
 

@@ -34,7 +34,7 @@ NEW_SESSION = ("/v1/sessions", "/v1/sessions/{sid}/fork")
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
     # Tiers on (in the tests' private cache dir), so snapshots reach the disk store.
-    runtime = warmkv.Runtime.load(num_ctx=1024, n_seq_max=6)
+    runtime = warmkv.Runtime.load(backend="llamacpp", num_ctx=1024, n_seq_max=6)
     try:
         with live_server(runtime, pool_size=1) as url:
             yield url

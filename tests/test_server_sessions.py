@@ -21,7 +21,7 @@ TURN = "<|im_start|>user\nWhat should a test check?<|im_end|>\n<|im_start|>assis
 
 @pytest.fixture(scope="module")
 def rt() -> Iterator[warmkv.Runtime]:
-    runtime = warmkv.Runtime.load(num_ctx=2048, n_seq_max=4)
+    runtime = warmkv.Runtime.load(backend="llamacpp", num_ctx=2048, n_seq_max=4)
     yield runtime
     runtime.close()
 

@@ -36,7 +36,7 @@ CALL_MAX = 48  # room for a whole call
 @pytest.fixture(scope="module")
 def http() -> Iterator[httpx.Client]:
     with (
-        warmkv.Runtime.load(num_ctx=2048, n_seq_max=4, **NO_TIERS) as rt,
+        warmkv.Runtime.load(backend="llamacpp", num_ctx=2048, n_seq_max=4, **NO_TIERS) as rt,
         live_server(rt, pool_size=2) as base,
         httpx.Client(base_url=base, timeout=300) as c,
     ):
@@ -258,7 +258,10 @@ def fim_base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     path: Path = tmp_path_factory.mktemp("fim") / "tiny-fim.f16.gguf"
     write_f16(Shape("tiny-fim", 64, 2, 4, 2, 128, 10000.0), path, extra_control=FIM)
-    with warmkv.Runtime.load(str(path), num_ctx=512, n_seq_max=2, **NO_TIERS) as rt, live_server(rt, pool_size=1) as b:
+    with (
+        warmkv.Runtime.load(str(path), backend="llamacpp", num_ctx=512, n_seq_max=2, **NO_TIERS) as rt,
+        live_server(rt, pool_size=1) as b,
+    ):
         yield b
 
 

@@ -106,7 +106,9 @@ class Stream:
 @pytest.fixture()
 def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[warmkv.Runtime]:
     monkeypatch.setattr(warmkv.tiers, "KVStore", SlowStore)
-    r = warmkv.Runtime.load(num_ctx=2048, n_seq_max=4, kv_store_dir=str(tmp_path / "kv"), prefix_cache_mb=0)
+    r = warmkv.Runtime.load(
+        backend="llamacpp", num_ctx=2048, n_seq_max=4, kv_store_dir=str(tmp_path / "kv"), prefix_cache_mb=0
+    )
     yield r
     r.close()
 

@@ -235,7 +235,10 @@ def test_a_bug_in_a_step_rolls_back_the_load_and_marks_the_session(monkeypatch: 
     source = (SYSTEM + "".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(60)))[:1000]
     files = f"<|im_start|>user\nHere are the files:\n```\n{source}\n```<|im_end|>\n"
     ask = "<|im_start|>user\nWhat does f7 do?<|im_end|>\n<|im_start|>assistant\n"
-    with warmkv.Runtime.load(num_ctx=1024, n_seq_max=1, reuse_mode="chunks", **NO_TIERS) as rt, rt.session() as s:
+    with (
+        warmkv.Runtime.load(backend="llamacpp", num_ctx=1024, n_seq_max=1, reuse_mode="chunks", **NO_TIERS) as rt,
+        rt.session() as s,
+    ):
         s.ensure_prefix(SYSTEM + files + ask)
         released: list[object] = []
         stash_runs = rt.backend.stash_runs

@@ -24,7 +24,7 @@ FILES_B = "## lib/b.py\n```python\ndef perimeter(w, h):\n    return 2 * (w + h)\
 
 
 def load(store: Path, **kw: object) -> warmkv.Runtime:
-    return warmkv.Runtime.load(num_ctx=1024, n_seq_max=3, kv_store_dir=str(store), **kw)
+    return warmkv.Runtime.load(backend="llamacpp", num_ctx=1024, n_seq_max=3, kv_store_dir=str(store), **kw)
 
 
 @pytest.fixture()
@@ -69,7 +69,7 @@ def test_second_session_prefills_only_its_own_part(rt: warmkv.Runtime) -> None:
 
 
 def cold_tokens_uncached(b_text: str) -> list[int]:
-    with warmkv.Runtime.load(num_ctx=1024, prefix_cache_mb=0, kv_store_mb=0) as plain:
+    with warmkv.Runtime.load(backend="llamacpp", num_ctx=1024, prefix_cache_mb=0, kv_store_mb=0) as plain:
         return cold_tokens(plain, b_text, USER_A)
 
 
@@ -113,7 +113,7 @@ def test_fork_diverges_independently(rt: warmkv.Runtime) -> None:
             got_a, got_b = greedy_tokens(parent), greedy_tokens(child)
         finally:
             child.close()
-    plain = warmkv.Runtime.load(num_ctx=1024, prefix_cache_mb=0, kv_store_mb=0)
+    plain = warmkv.Runtime.load(backend="llamacpp", num_ctx=1024, prefix_cache_mb=0, kv_store_mb=0)
     with plain:
         assert got_a == cold_tokens(plain, SYSTEM, USER_A)
         assert got_b == cold_tokens(plain, SYSTEM, USER_B)
@@ -122,7 +122,7 @@ def test_fork_diverges_independently(rt: warmkv.Runtime) -> None:
 SNAPSHOT_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, warmkv
-    rt = warmkv.Runtime.load(num_ctx=1024, n_seq_max=3, kv_store_dir=sys.argv[1])
+    rt = warmkv.Runtime.load(backend="llamacpp", num_ctx=1024, n_seq_max=3, kv_store_dir=sys.argv[1])
     s = rt.session()
     s.ensure_prefix(sys.argv[2])
     s.prefill_suffix(sys.argv[3])
@@ -170,7 +170,7 @@ def test_restore_refused_across_manifests(store: Path, tmp_path: Path, other: di
         at = data.find(b"Smollm2 135M")
         data[at : at + 7] = b"Smollm9"
         model.write_bytes(bytes(data))
-    with warmkv.Runtime.load(model, num_ctx=1024, kv_store_dir=str(store), **opts) as other_rt:
+    with warmkv.Runtime.load(model, backend="llamacpp", num_ctx=1024, kv_store_dir=str(store), **opts) as other_rt:
         with pytest.raises(warmkv.ManifestMismatch, match="another manifest"):
             other_rt.restore("m1")
         assert other_rt.sessions == []
@@ -190,7 +190,10 @@ def test_snapshot_bad_input(rt: warmkv.Runtime) -> None:
 
 
 def test_tiers_disabled_is_typed() -> None:
-    with warmkv.Runtime.load(num_ctx=256, prefix_cache_mb=0, kv_store_mb=0) as plain, plain.session() as s:
+    with (
+        warmkv.Runtime.load(backend="llamacpp", num_ctx=256, prefix_cache_mb=0, kv_store_mb=0) as plain,
+        plain.session() as s,
+    ):
         s.ensure_prefix("hello world")
         with pytest.raises(warmkv.Unsupported):
             s.snapshot("x")

@@ -34,6 +34,7 @@ condition then, and a step holds the model lock.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -45,7 +46,18 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Backend, BackendOptions, KVMemory, ModelInfo, ModelState, load_backend, make_options, options_type
+from .backends import (
+    Backend,
+    BackendOptions,
+    KVMemory,
+    ModelInfo,
+    ModelState,
+    available_backends,
+    load_backend,
+    make_options,
+    options_type,
+)
+from .backends.choose import AUTO, BackendChoice, choose_backend
 from .cache.remote_types import RemoteConfig
 from .cache.store_types import Snapshot
 from .chat import ChatTemplate, TemplateChoice, check_template_kwargs, resolve_template
@@ -68,6 +80,7 @@ from .tools import resolve as resolve_tool_format
 from .turn_memory import TurnMemory
 from .types import PrefixInput, StreamChunk, Usage
 
+log = logging.getLogger(__name__)
 RECENT_PROMPTS = 8  # plain tokenizations kept: a few sessions' stable prefixes
 # Forwards of fewer tokens (decode steps, speculative rows of at most 33) say little about the prefill rate.
 PREFILL_SAMPLE_TOKENS = 48
@@ -96,8 +109,9 @@ def _has_chatml(backend: Backend) -> bool:
 class Runtime:
     """One loaded model. Use :meth:`load`; close it (or use `with`) when done."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, choice: BackendChoice | None = None) -> None:
         self.backend = backend
+        self.backend_choice = choice or BackendChoice(backend.name, "asked for")
         if backend.config.reuse_mode == "chunks":
             why = backend.chunk_support()
             if why is not None:
@@ -219,19 +233,24 @@ class Runtime:
         cls,
         model: str | os.PathLike[str] | None = None,
         *,
-        backend: str = "llamacpp",
+        backend: str = AUTO,
         config: RuntimeConfig | None = None,
         backend_options: BackendOptions | Mapping[str, Any] | None = None,
         **options: Any,
     ) -> Runtime:
         """Load a model (default: the bundled SmolLM2-135M-Instruct GGUF).
 
+        backend is "native", "llamacpp" or "auto" (the default: native where its C++ loop runs the
+        model on 4-bit weights, llama.cpp otherwise; `backend_choice` says which and why).
         Options are RuntimeConfig fields (num_ctx=8192, kv_cache_type="q8_0", ...) and the
         backend's own (NativeOptions: compute_dtype, device, cpp_decode, kv_cache_mb;
         LlamaCppOptions: use_mmap, use_mlock), by name or as backend_options (a record or a mapping).
         """
         runtime_names = {f.name for f in fields(RuntimeConfig)}
-        backend_names = set(options_type(backend).names())
+        if backend == AUTO:
+            backend_names = set(options_type("native").names()) | set(options_type("llamacpp").names())
+        else:
+            backend_names = set(options_type(backend).names())
         unknown = sorted(set(options) - runtime_names - backend_names)
         if unknown:
             valid = sorted(runtime_names | backend_names)
@@ -243,9 +262,19 @@ class Runtime:
         if not isinstance(cfg, RuntimeConfig):
             raise InvalidInput(f"config must be RuntimeConfig, got {type(cfg).__name__}")
         more = {k: v for k, v in options.items() if k in backend_names and k not in runtime_names}
-        opts = make_options(backend, backend_options, **more)
         path = resolve_model(model)
-        return cls(load_backend(backend, str(path), cfg, opts))
+        if backend == AUTO:
+            given = backend_options.as_dict() if isinstance(backend_options, BackendOptions) else backend_options
+            if given is not None and not isinstance(given, Mapping):
+                raise InvalidConfig(f"backend options must be a mapping, got {type(given).__name__}")
+            named = {**dict(given or {}), **more}
+            choice = choose_backend(path, available_backends(), option_names=named, kv_cache_type=cfg.kv_cache_type)
+            log.info("backend auto: %s (%s)", choice.name, choice.reason)
+            opts = make_options(choice.name, named)
+        else:
+            choice = BackendChoice(backend, "asked for")
+            opts = make_options(backend, backend_options, **more)
+        return cls(load_backend(choice.name, str(path), cfg, opts), choice)
 
     # -- facts ------------------------------------------------------------------
 

@@ -74,9 +74,10 @@ class ServeBenchConfig:
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1:
             raise InvalidConfig(f"streams must be integers >= 1, got {list(self.streams)}")
-        unknown = [b for b in self.backends if b not in registered_backends()]
+        known = [*registered_backends(), "auto"]
+        unknown = [b for b in self.backends if b not in known]
         if not self.backends or unknown:
-            raise InvalidConfig(f"backends must be among {registered_backends()}, got {list(self.backends)}")
+            raise InvalidConfig(f"backends must be among {known}, got {list(self.backends)}")
         if self.max_tokens < 2:
             raise InvalidConfig(f"max_tokens must be >= 2 (a gap needs two chunks), got {self.max_tokens}")
         if self.max_tokens + CHAT_ROOM > self.num_ctx:

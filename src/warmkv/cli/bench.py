@@ -60,7 +60,7 @@ def bench_coding_loop(
                 rt,
                 target_tokens=prefix_tokens,
                 max_tokens=max_tokens,
-                backend_options=opts.backend_options().as_dict(),
+                backend_options=dict(opts.backend_given),
             )
             report["summary"]["restart_over_cold"] = report["restart"]["restart_over_cold"]
     if workspaces > 1:

@@ -67,6 +67,7 @@ def info(opts: RuntimeOptions) -> None:
         t = Table(title=f"model: {i.name}", show_header=False)
         for k, v in [
             ("path", i.path),
+            ("backend", f"{rt.backend_choice.name} ({rt.backend_choice.reason})"),
             ("architecture", i.architecture),
             ("parameters", f"{i.n_params:,}"),
             ("file size", f"{i.size_bytes / 2**20:.1f} MiB"),

@@ -22,6 +22,7 @@ import typer
 from rich.console import Console
 
 from ..backends import BackendOptions, make_options
+from ..backends.choose import AUTO
 from ..config import RuntimeConfig
 from ..errors import InvalidConfig
 from ..runtime import Runtime
@@ -53,7 +54,13 @@ class Spec:
 
 SPECS = (
     Spec("model", ("--model", "-m"), str, "GGUF file or HF directory (default: bundled SmolLM2-135M)", ""),
-    Spec("backend", ("--backend", "-b"), str, "llamacpp or native", ""),
+    Spec(
+        "backend",
+        ("--backend", "-b"),
+        str,
+        "auto, native or llamacpp (auto: native where it runs the model fastest)",
+        "",
+    ),
     Spec(
         "num_ctx",
         ("--num-ctx",),
@@ -165,7 +172,7 @@ class RuntimeOptions:
     """What the command line said about the model and how to load it (None: not given)."""
 
     model: str | None = None
-    backend: str = "llamacpp"
+    backend: str = AUTO
     runtime: dict[str, Any] = field(default_factory=dict)  # RuntimeConfig fields given
     backend_given: dict[str, Any] = field(default_factory=dict)  # backend option names given
     more_models: tuple[str, ...] = ()  # serve: the models after the first -m
@@ -179,7 +186,7 @@ class RuntimeOptions:
         more: tuple[str, ...] = ()
         if isinstance(model, list | tuple):  # serve takes -m more than once
             model, more = (model[0], tuple(model[1:])) if model else (None, ())
-        return cls(model, values.get("backend") or "llamacpp", runtime, backend, more)
+        return cls(model, values.get("backend") or AUTO, runtime, backend, more)
 
     def for_model(self, model: str | None, **given: Any) -> RuntimeOptions:
         """The same options for another model; given replaces options by their flag name (a preset's)."""
@@ -207,7 +214,10 @@ class RuntimeOptions:
                 raise InvalidConfig(f"--chat-template-kwargs is not JSON: {e}") from None
         return RuntimeConfig.from_kwargs(**values)
 
-    def backend_options(self) -> BackendOptions:
+    def backend_options(self) -> BackendOptions | dict[str, Any]:
+        """The backend's typed options; for "auto" the options given, typed once the backend is chosen."""
+        if self.backend == AUTO:
+            return dict(self.backend_given)
         return make_options(self.backend, **self.backend_given)
 
     def load(self, **overrides: Any) -> Runtime:
@@ -250,7 +260,7 @@ def runtime_options(*, many_models: bool = False, **defaults: Any) -> Callable[[
         own = [p for p in sig.parameters.values() if p.name != "opts"]
         shared = []
         for s in SPECS:
-            default = defaults.get(s.name, "llamacpp" if s.name == "backend" else None)
+            default = defaults.get(s.name, AUTO if s.name == "backend" else None)
             kind = s.type if s.name == "backend" else s.type | None
             if many_models and s.name == "model":
                 kind = list[str] | None

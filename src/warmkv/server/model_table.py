@@ -54,7 +54,7 @@ class ModelSpec:
     path: str
     load: Callable[[], Runtime] = field(compare=False, repr=False)
     aliases: tuple[str, ...] = ()
-    backend: str = "llamacpp"
+    backend: str = "auto"  # as asked; a loaded model's describe() names the one it runs on
     pinned: bool = False  # loaded by the caller: never unloaded by the table
 
     @property
@@ -102,6 +102,9 @@ class ModelSlot:
         }
         if self.error is not None:
             out["error"] = self.error
+        if self.status is ModelStatus.LOADED and self.state is not None:
+            choice = self.state.runtime.backend_choice
+            out["backend"], out["backend_reason"] = choice.name, choice.reason
         if self.status is ModelStatus.LOADED:
             keep = self.expires_in(default_idle_s)
             out["active_requests"] = self.leases

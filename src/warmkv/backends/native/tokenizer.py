@@ -176,13 +176,21 @@ def _spm(meta: dict[str, object], texts: tuple[str, ...], types: tuple[int, ...]
     return TextTokenizer(tok, Vocab(texts, types, bos, eos, eog, digest), byte_level=False)
 
 
-def from_gguf_metadata(meta: dict[str, object]) -> TextTokenizer:
-    """Rebuild llama.cpp's tokenizer from tokenizer.ggml.* metadata: gpt2-style BPE or llama (SPM)."""
+def check_gguf_tokenizer(meta: dict[str, object]) -> None:
+    """Unsupported unless from_gguf_metadata can rebuild this tokenizer (no vocabulary is read)."""
     model = str(meta.get("tokenizer.ggml.model", ""))
     if model not in ("gpt2", "llama"):
         raise Unsupported(
             "GGUF tokenizer", f"tokenizer.ggml.model={model!r}; built: gpt2 (byte-level BPE), llama (SPM)"
         )
+    if model == "gpt2":
+        _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
+
+
+def from_gguf_metadata(meta: dict[str, object]) -> TextTokenizer:
+    """Rebuild llama.cpp's tokenizer from tokenizer.ggml.* metadata: gpt2-style BPE or llama (SPM)."""
+    check_gguf_tokenizer(meta)
+    model = str(meta.get("tokenizer.ggml.model", ""))
     texts = tuple(str(t) for t in meta["tokenizer.ggml.tokens"])  # type: ignore[union-attr]
     types = tuple(int(t) for t in meta.get("tokenizer.ggml.token_type", [NORMAL] * len(texts)))  # type: ignore[union-attr]
     if model == "llama":

@@ -1,0 +1,56 @@
+"""Whether the native engine is the faster engine for a model file, read from its metadata alone.
+
+backend="auto" asks this before loading anything. The native engine leads llama.cpp where its C++
+loop runs the layers on 4-bit codes (docs/benchmarks.md: 4.0x prefill and 1.7x decode at 135M,
+1.6x / 1.1x at the 1.7B shape); elsewhere it would run float32 weights or a Python layer loop.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+
+from ...errors import Unsupported
+from . import decode_ext
+from .args import ARCHITECTURES
+from .backend import INT4_NATIVE_TYPES
+from .gguf_loader import read_metadata
+from .tokenizer import check_gguf_tokenizer
+
+# Architectures the C++ layer loop runs (gemma3's post-norms, GELU and local layers it has not).
+CPP_LOOP_ARCHITECTURES = frozenset(ARCHITECTURES) - {"gemma3"}
+
+
+def native_unfit(path: Path) -> str | None:
+    """Why the native engine is not the one for this model on the CPU, or None when it is."""
+    if path.is_dir():  # a Hugging Face folder: llama.cpp reads GGUF files only
+        try:
+            arch = json.loads((path / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            return None  # the native loader names what is wrong with the folder
+        return None if arch in ARCHITECTURES else f"architecture {arch!r} is not one the native engine runs"
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError):
+        return None  # not a readable GGUF: the native loader names what is wrong with it
+    meta = read_metadata(reader)
+    arch = str(meta.get("general.architecture", ""))
+    if arch not in CPP_LOOP_ARCHITECTURES:
+        runs = ", ".join(sorted(CPP_LOOP_ARCHITECTURES))
+        return f"architecture {arch!r}: the native engine's C++ loop runs {runs}"
+    layer_types = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    if not layer_types or not layer_types <= INT4_NATIVE_TYPES:
+        found = ", ".join(sorted(layer_types)) or "none"
+        return f"layer weights {found}: the native engine runs 4-bit codes from {', '.join(sorted(INT4_NATIVE_TYPES))}"
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none", "llama3"):
+        return f"rope scaling {scaling!r} is not one the native engine runs"
+    try:
+        check_gguf_tokenizer(meta)
+    except Unsupported as e:
+        return str(e)
+    if decode_ext.extension("auto") is None:
+        return "the native engine's C++ loop cannot be built here (see the warning above)"
+    return None

@@ -1,0 +1,66 @@
+"""backend="auto": which engine runs a model, and why, read from the model file alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import warmkv
+from warmkv.backends.choose import choose_backend
+from warmkv.bench.shapes import Shape, write_f16
+from warmkv.models import gemma3_path
+
+BOTH = ("llamacpp", "native")
+pytestmark = pytest.mark.skipif(
+    not set(BOTH) <= set(warmkv.available_backends()), reason="needs both backends installed"
+)
+
+
+def test_the_default_model_runs_native() -> None:
+    choice = choose_backend(warmkv.default_model_path(), BOTH)
+    assert choice.name == "native" and "4-bit" in choice.reason
+
+
+def test_gemma3_runs_on_llamacpp() -> None:
+    try:
+        path = gemma3_path()
+    except warmkv.ModelNotFound:
+        pytest.skip("Gemma 3 270M is not installed")
+    choice = choose_backend(path, BOTH)
+    assert choice.name == "llamacpp" and "'gemma3'" in choice.reason
+
+
+def test_float_weights_and_other_architectures_run_on_llamacpp(tmp_path: Path) -> None:
+    f16 = tmp_path / "tiny-f16.gguf"
+    write_f16(Shape("tiny", 64, 2, 4, 2, 128, 10000.0), f16)
+    choice = choose_backend(f16, BOTH)
+    assert choice.name == "llamacpp" and "layer weights F16" in choice.reason
+    lfm2 = tmp_path / "tiny-lfm2.gguf"
+    write_f16(Shape("tiny-lfm2", 128, 4, 4, 2, 256, 10000.0, arch="lfm2", attn_layers=(1, 3)), lfm2)
+    choice = choose_backend(lfm2, BOTH)
+    assert choice.name == "llamacpp" and "'lfm2'" in choice.reason
+
+
+def test_options_and_kv_types_only_one_engine_takes_pick_it() -> None:
+    model = warmkv.default_model_path()
+    assert choose_backend(model, BOTH, option_names=["compute_dtype"]).name == "native"
+    assert choose_backend(model, BOTH, option_names=["use_mmap"]).name == "llamacpp"
+    q4 = choose_backend(model, BOTH, kv_cache_type="q4_0")
+    assert q4.name == "llamacpp" and "q4_0" in q4.reason
+    with pytest.raises(warmkv.InvalidConfig, match=r"compute_dtype.*use_mmap"):
+        choose_backend(model, BOTH, option_names=["compute_dtype", "use_mmap"])
+
+
+def test_an_engine_not_installed_is_not_chosen() -> None:
+    model = warmkv.default_model_path()
+    assert choose_backend(model, ["llamacpp"]).name == "llamacpp"
+    assert choose_backend(model, ["native"]).name == "native"
+
+
+def test_a_runtime_says_what_auto_chose() -> None:
+    with warmkv.Runtime.load(num_ctx=256, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0) as rt:
+        assert rt.backend.name == "native" and rt.backend_choice.name == "native"
+        assert rt.complete("Hello", max_tokens=4, temperature=0.0).text
+    with warmkv.Runtime.load(backend="llamacpp", num_ctx=256, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0) as rt:
+        assert rt.backend_choice.name == "llamacpp" and rt.backend_choice.reason == "asked for"
