@@ -176,6 +176,24 @@ def test_explain_on_native_takes_the_same_options_as_serve(tmp_path: Path) -> No
     assert r.exit_code == 2 and "kv_cache_mb" in r.output and "Traceback" not in r.output
 
 
+def test_the_attention_kernel_is_an_option_in_the_manifest(tmp_path: Path) -> None:
+    prefix = tmp_path / "prefix.txt"
+    prefix.write_text("<|im_start|>system\nYou are terse.<|im_end|>\n")
+    opts = ["--num-ctx", "128", "--n-seq-max", "1", "--prefix-cache-mb", "0", "--kv-store-mb", "0"]
+    kernels = {}
+    for kind in ("auto", "f32", "bf16"):
+        r = runner.invoke(app, ["explain", "--prefix-file", str(prefix), "--json", "--attention", kind, *opts])
+        if kind == "bf16" and r.exit_code == 2 and "AVX-512 BF16" in r.output:
+            continue  # this CPU has no bf16 kernel: the error says why
+        assert r.exit_code == 0, r.output
+        kernels[kind] = dict(json.loads(r.output)["manifest"]["numerics"])["attention"]
+    assert kernels["auto"] == kernels["f32"] == "f32" and kernels.get("bf16", "bf16") == "bf16"
+    r = runner.invoke(app, ["explain", "--prefix-file", str(prefix), "--attention", "fp8", *opts])
+    assert r.exit_code == 2 and "attention must be one of" in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["info", "--num-ctx", "128", "--attention", "f32"])
+    assert r.exit_code == 0 and "native kernels" in r.output and "attention f32" in r.output, r.output
+
+
 def test_info_states_kv_memory() -> None:
     r = runner.invoke(app, ["info", "--num-ctx", "256", "--n-seq-max", "3"])
     assert r.exit_code == 0, r.output

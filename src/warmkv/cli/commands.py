@@ -55,6 +55,15 @@ def sliding_window_rows(rt: Runtime) -> list[tuple[str, str]]:
     return [("sliding-window cache", f"{c.swa_cache} (--checkpoint-tokens {c.checkpoint_tokens})")]
 
 
+def native_rows(rt: Runtime) -> list[tuple[str, str]]:
+    """The native engine's kernels as loaded: each choice changes the speed and the numbers."""
+    n = rt.backend.numerics()
+    if rt.backend.name != "native":
+        return []
+    kernels = f"weights {n['compute_dtype']}, matmul {n['matmul']}, attention {n['attention']}"
+    return [("native kernels", f"{kernels}; decode loop {n['decode_loop']}, prefill loop {n['prefill_loop']}")]
+
+
 @runtime_options()
 def info(opts: RuntimeOptions) -> None:
     """Show the model's metadata, its KV memory and the backends installed here."""
@@ -80,6 +89,7 @@ def info(opts: RuntimeOptions) -> None:
             ("file sha256", i.file_digest),
             ("manifest", rt.manifest().digest),
             *sliding_window_rows(rt),
+            *native_rows(rt),
             ("state", rt.state.value),
         ]:
             t.add_row(k, str(v))

@@ -155,6 +155,14 @@ SPECS = (
     Spec("device", ("--device",), str, "native: cpu, cuda, cuda:N or auto", "backend"),
     Spec("cpp_decode", ("--cpp-decode",), str, "native: auto, on or off (the C++ CPU decode loop)", "backend"),
     Spec(
+        "attention",
+        ("--attention",),
+        str,
+        "native: the C++ loop's attention kernel: auto (f32), f32, or bf16 (AVX-512 BF16; prefills faster deep "
+        "in a context)",
+        "backend",
+    ),
+    Spec(
         "kv_cache_mb",
         ("--kv-cache-mb",),
         int,

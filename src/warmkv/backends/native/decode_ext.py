@@ -133,6 +133,7 @@ class DecodeLoop:
         # qmatmul takes and gives float32: rounding its input to bfloat16 would only lose bits.
         dtype = torch.float32 if model.layers and model.layers[0].qkv.qkind >= 0 else model.dtype
         self._loop = module.DecodeLoop(a.n_heads, a.n_kv_heads, a.head_dim, a.norm_eps, model.scale, dtype)
+        self._module, self._head_dim, self._group = module, a.head_dim, a.n_heads // a.n_kv_heads
         linears = [x for layer in model.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.prefills = bool(linears) and all(x.qkind >= 0 and x.dense is None for x in linears)
         for layer in model.layers:
@@ -146,6 +147,10 @@ class DecodeLoop:
         """The attention kernel: "f32" (the default), or "bf16" (bfloat16 products, float32 sums;
         where the CPU has AVX-512 BF16 and the head size is 64 or 128). Each rounds its own way."""
         return str(self._loop.attention())
+
+    def bf16_usable(self) -> bool:
+        """Whether the bf16 kernel is built for this CPU and this model's head size and group."""
+        return bool(self._module.bf16_attention(self._head_dim, self._group))
 
     def set_attention(self, kind: str) -> None:
         """ "f32" or "bf16" (where it is built): side by side in benchmarks and tests."""
