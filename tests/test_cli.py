@@ -227,3 +227,23 @@ def test_bench_throughput_rounds_give_medians_and_ratios(tmp_path: Path) -> None
     assert native["decode_vs_llamacpp"] == pytest.approx(sorted(ratios)[1])
     r = runner.invoke(app, [*args, "--rounds", "0"])
     assert r.exit_code == 2 and "--rounds" in r.output
+
+
+def test_bench_deep_reports_both_engines_warm_and_their_limits(tmp_path: Path) -> None:
+    out = tmp_path / "deep.json"
+    args = ["bench", "deep", "--depth", "400", "--new-tokens", "48", "--decode", "4", "--turns", "1"]
+    r = runner.invoke(app, [*args, "--engines", "native,llamacpp", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    report = json.loads(out.read_text())
+    native, llama = report["engines"]
+    for row in (native, llama):
+        assert 300 <= row["prefix_tokens"] <= 400 and row["reused_tokens"] == row["prefix_tokens"], row
+        assert 30 <= row["new_tokens"] <= 60 and row["warm_ttft_s"] > 0 and row["decode_tps"] > 0, row
+    assert native["backend"] == "native" and llama["backend"] == "llamacpp"
+    assert set(native["vs_llamacpp"]) == {"cold_prefill", "warm_ttft", "decode"} and "vs_llamacpp" not in llama
+    # 4 x 9 heads x 64 x (new x depth + new^2 / 2) x 30 layers; f16 KV: depth x 30 x 2 x 3 x 64 x 2 bytes
+    lim, n, d = native["limits"], native["new_tokens"], native["prefix_tokens"]
+    assert abs(lim["attention_gflop"] - 4 * 9 * 64 * (n * d + n * n / 2) * 30 / 1e9) < 1e-9
+    assert abs(lim["kv_mb_per_step"] - d * 30 * 2 * 3 * 64 * 2 / 1e6) < 1e-9
+    r = runner.invoke(app, [*args, "--engines", "native,vllm"])
+    assert r.exit_code == 2 and "engines must be among" in r.output and "Traceback" not in r.output

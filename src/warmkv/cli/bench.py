@@ -91,6 +91,28 @@ def bench_coding_loop(
         raise typer.Exit(1)
 
 
+def _model_or_shape(model: str | None, shape: str | None, quant: str) -> str | None:
+    """--model, or the random-weight GGUF in --shape's shape (built once, cached)."""
+    if shape is None:
+        return model
+    if model is not None:
+        fail(ValueError("--shape and --model name two models; give one"))
+    from ..bench.shapes import shape_gguf
+
+    try:
+        with err.status(f"building the {shape} {quant} GGUF (once; cached)..."):
+            return str(shape_gguf(shape, quant))
+    except WarmkvError as e:
+        fail(e)
+    return None
+
+
+SHAPE_HELP = (
+    "a random-weight GGUF in a real model's shape instead of --model, built and cached on first use: "
+    "smollm2-135m, smollm2-360m, smollm2-1.7b, llama-3.2-3b, llama-3.1-8b"
+)
+
+
 @bench_app.command("throughput")
 def bench_throughput(
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=16, max=32768)] = 1024,
@@ -106,14 +128,7 @@ def bench_throughput(
         str | None, typer.Option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M)")
     ] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")] = None,
-    shape: Annotated[
-        str | None,
-        typer.Option(
-            "--shape",
-            help="a random-weight GGUF in a real model's shape instead of --model, built and cached on "
-            "first use: smollm2-135m, smollm2-360m, smollm2-1.7b, llama-3.2-3b, llama-3.1-8b",
-        ),
-    ] = None,
+    shape: Annotated[str | None, typer.Option("--shape", help=SHAPE_HELP)] = None,
     quant: Annotated[str, typer.Option("--quant", help="--shape's weights: q4_0, q4_1 or q8_0")] = "q4_0",
     rounds: Annotated[
         int,
@@ -129,16 +144,7 @@ def bench_throughput(
     """Prefill and decode tokens/s: native engine dtypes vs transformers vs llama.cpp, in one run."""
     from ..bench.throughput import ENGINES, run_throughput
 
-    if shape is not None:
-        if model is not None:
-            fail(ValueError("--shape and --model name two models; give one"))
-        from ..bench.shapes import shape_gguf
-
-        try:
-            with err.status(f"building the {shape} {quant} GGUF (once; cached)..."):
-                model = str(shape_gguf(shape, quant))
-        except WarmkvError as e:
-            fail(e)
+    model = _model_or_shape(model, shape, quant)
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
     unknown = sorted(set(chosen) - set(ENGINES))
     if unknown or not chosen:
@@ -175,6 +181,61 @@ def bench_throughput(
             continue
         ratios = [f"{r[k]:.2f}x" if k in r else "" for k in ("prefill_vs_llamacpp", "decode_vs_llamacpp")]
         t.add_row(r["engine"], rate(r, "prefill_tokens_per_s"), rate(r, "decode_tokens_per_s"), *ratios, "")
+    console.print(t)
+    _write_report(json_out, report)
+
+
+@bench_app.command("deep")
+def bench_deep(
+    depth: Annotated[int, typer.Option("--depth", min=64, max=131072, help="tokens of the prefix")] = 16384,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=16, max=8192, help="tokens a warm turn adds")] = 510,
+    decode: Annotated[int, typer.Option("--decode", min=2, max=1024, help="greedy tokens per warm turn")] = 16,
+    turns: Annotated[int, typer.Option("--turns", min=1, max=16, help="warm turns; the best is shown")] = 2,
+    engines: Annotated[
+        str, typer.Option("--engines", help="comma-separated: native, native-bf16-attention, llamacpp")
+    ] = "native,llamacpp",
+    model: Annotated[
+        str | None, typer.Option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M)")
+    ] = None,
+    shape: Annotated[str | None, typer.Option("--shape", help=SHAPE_HELP)] = None,
+    quant: Annotated[str, typer.Option("--quant", help="--shape's weights: q4_0, q4_1 or q8_0")] = "q4_0",
+    kv_cache_type: Annotated[str, typer.Option("--kv-cache-type", help="f16, bf16, f32 or q8_0")] = "f16",
+    threads: Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
+) -> None:
+    """A warm turn deep in a context: cold prefill, warm TTFT and decode per engine, beside their limits."""
+    from ..bench.deep import DeepConfig, run_deep
+
+    model = _model_or_shape(model, shape, quant)
+    try:
+        cfg = DeepConfig(
+            depth=depth,
+            new_tokens=new_tokens,
+            decode=decode,
+            turns=turns,
+            engines=tuple(e.strip() for e in engines.split(",") if e.strip()),
+            threads=threads,
+            kv_cache_type=kv_cache_type,
+        )
+        with err.status("measuring...") as status:
+            report = run_deep(model, cfg, on_engine=lambda name: status.update(f"measuring {name}..."))
+    except WarmkvError as e:
+        fail(e)
+    rows = report["engines"]
+    lim = rows[0]["limits"]
+    t = Table(
+        title=f"a warm turn {rows[0]['prefix_tokens']:,} tokens deep: {rows[0]['new_tokens']} new tokens, "
+        f"{decode} decoded (attention {lim['attention_gflop']:.0f} GFLOP; a decode step reads "
+        f"{lim['kv_mb_per_step']:.0f} MB of KV and {lim['weights_mb']:.0f} MB of weights)"
+    )
+    for col in ("engine", "cold prefill tok/s", "warm TTFT s", "decode tok/s", "x llama.cpp (prefill, TTFT, decode)"):
+        t.add_column(col, justify="left" if col == "engine" else "right")
+    for r in rows:
+        v = r.get("vs_llamacpp")
+        ratios = f"{v['cold_prefill']:.2f}x, {v['warm_ttft']:.2f}x, {v['decode']:.2f}x" if v else ""
+        t.add_row(
+            r["engine"], f"{r['cold_prefill_tps']:.1f}", f"{r['warm_ttft_s']:.2f}", f"{r['decode_tps']:.1f}", ratios
+        )
     console.print(t)
     _write_report(json_out, report)
 
