@@ -51,9 +51,9 @@ def note(i: int) -> str:
     return f"<|im_start|>system\nNote {i}: the cache lives in /var/cache/app{i}; " + "rotate logs weekly. " * 12
 
 
-def load(store: Path, url: str | None, **kw: object) -> warmkv.Runtime:
+def load(store: Path, url: str | None, backend: str = "llamacpp", **kw: object) -> warmkv.Runtime:
     return warmkv.Runtime.load(
-        backend="llamacpp", num_ctx=1280, n_seq_max=2, kv_store_dir=str(store), kv_remote=url, **kw
+        backend=backend, num_ctx=1280, n_seq_max=2, kv_store_dir=str(store), kv_remote=url, **kw
     )
 
 
