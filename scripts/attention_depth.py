@@ -31,10 +31,13 @@ def main() -> None:
     )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--kv-cache-type", default="f16", help="the pool's storage: f16, bf16, f32 or q8_0")
     args = ap.parse_args()
     depths = [int(d) for d in args.depths.split(",")]
     deepest = max(*depths, args.decode_depth) + args.piece + 16
-    cfg = warmkv.RuntimeConfig(num_ctx=deepest, num_batch=512, num_ubatch=512, n_seq_max=1)
+    cfg = warmkv.RuntimeConfig(
+        num_ctx=deepest, num_batch=512, num_ubatch=512, n_seq_max=1, kv_cache_type=args.kv_cache_type
+    )
     b = NativeBackend(str(args.model or warmkv.default_model_path()), cfg, compute_dtype="int4")
     kernels = args.kernels.split(",") if args.kernels else [""]
     try:
