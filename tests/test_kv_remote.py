@@ -52,9 +52,7 @@ def note(i: int) -> str:
 
 
 def load(store: Path, url: str | None, backend: str = "llamacpp", **kw: object) -> warmkv.Runtime:
-    return warmkv.Runtime.load(
-        backend=backend, num_ctx=1280, n_seq_max=2, kv_store_dir=str(store), kv_remote=url, **kw
-    )
+    return warmkv.Runtime.load(backend=backend, num_ctx=1280, n_seq_max=2, kv_store_dir=str(store), kv_remote=url, **kw)
 
 
 def turn(rt: warmkv.Runtime, prefix: str) -> tuple[warmkv.PrefixStatus, list[int]]:

@@ -10,13 +10,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import gguf
-
 from ...errors import Unsupported
 from . import decode_ext
 from .args import ARCHITECTURES
 from .backend import INT4_NATIVE_TYPES
-from .gguf_loader import read_metadata
+from .gguf_header import NotGGUF, read_header
 from .tokenizer import check_gguf_tokenizer
 
 # Architectures the C++ layer loop runs (gemma3's post-norms, GELU and local layers it has not).
@@ -31,16 +29,20 @@ def native_unfit(path: Path) -> str | None:
         except (OSError, ValueError):
             return None  # the native loader names what is wrong with the folder
         return None if arch in ARCHITECTURES else f"architecture {arch!r} is not one the native engine runs"
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError, IndexError, KeyError):
+    try:  # the architecture comes first in a GGUF file: a model the loop does not run stops there
+        header = read_header(
+            path, stop=lambda m: str(m.get("general.architecture", "llama")) not in CPP_LOOP_ARCHITECTURES
+        )
+    except (NotGGUF, OSError, ValueError):
         return None  # not a readable GGUF: the native loader names what is wrong with it
-    meta = read_metadata(reader)
+    meta = header.meta
     arch = str(meta.get("general.architecture", ""))
     if arch not in CPP_LOOP_ARCHITECTURES:
         runs = ", ".join(sorted(CPP_LOOP_ARCHITECTURES))
         return f"architecture {arch!r}: the native engine's C++ loop runs {runs}"
-    layer_types = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
+    layer_types = {
+        t for name, t in header.tensor_types.items() if name.startswith("blk.") and header.tensor_dims[name] == 2
+    }
     if not layer_types or not layer_types <= INT4_NATIVE_TYPES:
         found = ", ".join(sorted(layer_types)) or "none"
         return f"layer weights {found}: the native engine runs 4-bit codes from {', '.join(sorted(INT4_NATIVE_TYPES))}"
