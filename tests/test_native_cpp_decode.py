@@ -91,8 +91,8 @@ def test_cpp_loop_agrees_with_the_python_loop(model: str, compute: str, kv: str,
     path = str(warmkv.default_model_path() if model == "default" else tiny_dirs[model])
     cfg = replace(CFG, kv_cache_type=kv)
     traces = {}
-    for mode in ("on", "off"):
-        backend = NativeBackend(path, cfg, compute_dtype=compute, cpp_decode=mode)
+    for mode in ("on", "off"):  # the f32 kernel: test_attention_kernel bounds the bf16 one against SDPA
+        backend = NativeBackend(path, cfg, compute_dtype=compute, cpp_decode=mode, attention="f32")
         try:
             assert (backend._model.decode_loop is not None) == (mode == "on")
             assert backend.numerics()["decode_loop"] == ("cpp" if mode == "on" else "python")
@@ -143,7 +143,11 @@ def test_the_two_register_widths_give_the_same_bits() -> None:
     narrow = decode_ext._build((*decode_ext.FLAGS, "-mno-avx512f"))
     for kv in ("f32", "f16", "bf16", "q8_0"):
         backend = NativeBackend(
-            str(warmkv.default_model_path()), replace(CFG, kv_cache_type=kv), compute_dtype="float32", cpp_decode="on"
+            str(warmkv.default_model_path()),
+            replace(CFG, kv_cache_type=kv),
+            compute_dtype="float32",
+            cpp_decode="on",
+            attention="f32",  # the bf16 kernel is built for AVX-512 BF16 alone: it has no narrow twin
         )
         try:
             wide = list(_trace(backend))

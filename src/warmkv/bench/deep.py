@@ -25,6 +25,7 @@ from ..runtime import Runtime
 ENGINES: dict[str, tuple[str, dict[str, str]]] = {
     "llamacpp": ("llamacpp", {}),
     "native": ("native", {}),
+    "native-f32-attention": ("native", {"attention": "f32"}),
     "native-bf16-attention": ("native", {"attention": "bf16"}),
 }
 KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # per value

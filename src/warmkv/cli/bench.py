@@ -192,7 +192,10 @@ def bench_deep(
     decode: Annotated[int, typer.Option("--decode", min=2, max=1024, help="greedy tokens per warm turn")] = 16,
     turns: Annotated[int, typer.Option("--turns", min=1, max=16, help="warm turns; the best is shown")] = 2,
     engines: Annotated[
-        str, typer.Option("--engines", help="comma-separated: native, native-bf16-attention, llamacpp")
+        str,
+        typer.Option(
+            "--engines", help="comma-separated: native, native-f32-attention, native-bf16-attention, llamacpp"
+        ),
     ] = "native,llamacpp",
     model: Annotated[
         str | None, typer.Option("--model", "-m", help="GGUF file (default: bundled SmolLM2-135M)")

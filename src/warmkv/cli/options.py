@@ -158,8 +158,8 @@ SPECS = (
         "attention",
         ("--attention",),
         str,
-        "native: the C++ loop's attention kernel: auto (f32), f32, or bf16 (AVX-512 BF16; prefills faster deep "
-        "in a context)",
+        "native: the C++ loop's attention kernel: auto (bf16 with AVX-512 BF16 on 4-bit weights, else f32), "
+        "f32 or bf16",
         "backend",
     ),
     Spec(
