@@ -8,11 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import InvalidConfig
-from .options import LlamaCppOptions, NativeOptions
+from .options import NATIVE_KV_STORAGE, LlamaCppOptions, NativeOptions
 
 AUTO = "auto"
-# The KV types the native pool stores (llama.cpp also stores q4_0).
-NATIVE_KV_TYPES = ("f16", "bf16", "f32", "q8_0")
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ def choose_backend(
         return BackendChoice("llamacpp", "the native engine's packages (torch, tokenizers, gguf) are not installed")
     if "llamacpp" not in have:
         return BackendChoice("native", "llama-cpp-python is not installed")
-    if kv_cache_type not in NATIVE_KV_TYPES:
+    if kv_cache_type not in NATIVE_KV_STORAGE:
         return BackendChoice("llamacpp", f"the native engine does not store {kv_cache_type} KV")
     fit = importlib.import_module("warmkv.backends.native.fit")  # torch loads only when native is wanted
     why = fit.native_unfit(Path(model_path))

@@ -18,6 +18,8 @@ COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4")
 CPP_DECODE = ("auto", "on", "off")
 PREFILL_WEIGHTS = ("auto", "bf16", "int4")
 ATTENTION = ("auto", "f32", "bf16")
+# The KV types the native pool stores, and the torch dtype of each (llama.cpp also stores q4_0).
+NATIVE_KV_STORAGE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "q8_0": "int8"}
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 
 

@@ -28,12 +28,13 @@ from ...errors import (
 from ...manifest import file_digest
 from ..base import Blob, ForwardRow, KVMemory, ModelInfo, ModelState, TokenSampler, check_embed_tokens, check_rows
 from ..compute_thread import ComputeThread, on_compute_thread
-from ..options import NativeOptions
+from ..options import NATIVE_KV_STORAGE, NativeOptions
 from ..slots import SeqSlots
 from . import decode_ext
 from .batch import BatchPlanner, Part
 from .checkpoint import Checkpoint
 from .gemma3 import CPP_LOOP_UNSUPPORTED, Gemma3
+from .gguf_header import GGUF_MAGIC
 from .gguf_loader import load_gguf
 from .hf_loader import load_hf
 from .kv_blob import export_seq, import_seq
@@ -44,8 +45,6 @@ from .paged_kv import KVLayout, PagedKVCache
 from .sampler import TorchSampler
 
 log = logging.getLogger(__name__)
-# RuntimeConfig.kv_cache_type (llama.cpp names) -> the native KV storage dtype.
-KV_STORAGE = {"f32": "float32", "bf16": "bfloat16", "f16": "float16", "q8_0": "int8"}
 # Architectures whose attention is full-context causal with RoPE on K: their KV runs can move.
 SHIFTABLE_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 # compute_dtype -> (matmul input dtype, weight-only quantization)
@@ -68,7 +67,6 @@ def resolve_compute_dtype(compute_dtype: str, weight_types: frozenset[str], devi
     return "float32"
 
 
-GGUF_MAGIC = b"GGUF"
 # Per multiply-add, the C++ loop's attention runs about this much slower than qmatmul's matmuls
 # (measured on the default model, 2 threads: a 64-token piece costs ~2.0 ms a token at position
 # 0 and ~6.5 at 2,944), so one token's attention outweighs its matmuls from about 1,300 keys on.
@@ -171,9 +169,9 @@ class NativeBackend:
         self._state = ModelState.COLD
         given = options.as_dict() if options is not None else {}
         opts = NativeOptions.from_kwargs(self.name, {**given, **kwargs}) if kwargs else options or NativeOptions()
-        if config.kv_cache_type not in KV_STORAGE:
+        if config.kv_cache_type not in NATIVE_KV_STORAGE:
             raise Unsupported(
-                "kv_cache_type", f"{config.kv_cache_type!r} on native; use one of {', '.join(KV_STORAGE)}"
+                "kv_cache_type", f"{config.kv_cache_type!r} on native; use one of {', '.join(NATIVE_KV_STORAGE)}"
             )
         self.device = pick_device(opts.device, opts.compute_dtype)
         self._compute = ComputeThread.shared("warmkv-compute")
@@ -290,7 +288,7 @@ class NativeBackend:
     def numerics(self) -> dict[str, object]:
         return {
             "kv_cache_type": self.config.kv_cache_type,
-            "kv_dtype": KV_STORAGE[self.config.kv_cache_type],
+            "kv_dtype": NATIVE_KV_STORAGE[self.config.kv_cache_type],
             "compute_dtype": self.options.compute_dtype,
             # The C++ loop's kernels round differently from ATen's: generated tokens' K/V differ in the last bits.
             "decode_loop": "cpp" if self._model.decode_loop is not None else "python",
@@ -347,7 +345,7 @@ class NativeBackend:
             return self._layout
         a, c = self._model.args, self.config
         bs = 16
-        layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, 1, bs, KV_STORAGE[c.kv_cache_type])
+        layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, 1, bs, NATIVE_KV_STORAGE[c.kv_cache_type])
         per_seq = -(-c.num_ctx // bs)
         worst = self._slots.total * per_seq
         kv_mb = self.options.kv_cache_mb
