@@ -28,7 +28,6 @@ ENGINES: dict[str, tuple[str, dict[str, str]]] = {
     "native-f32-attention": ("native", {"attention": "f32"}),
     "native-bf16-attention": ("native", {"attention": "bf16"}),
 }
-KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # per value
 SOURCES = sorted(Path(__file__).resolve().parents[1].rglob("*.py"))
 
 
@@ -73,12 +72,11 @@ def limits(rt: Runtime, depth: int, new: int) -> dict[str, float]:
     """What the turn needs at least: attention GFLOP for the new tokens, MB a decode step reads."""
     md, arch = rt.info.metadata, rt.info.architecture
     heads = int(md.get(f"{arch}.attention.head_count", 0) or 0)
-    kv_heads = int(md.get(f"{arch}.attention.head_count_kv", heads) or heads)
     head_dim = int(md.get(f"{arch}.attention.key_length", 0) or 0) or rt.info.n_embd // max(heads, 1)
     layers = rt.info.n_layer
     # QK^T and PV: two multiply-adds per head dim per (query, key) pair, causal within the new tokens
     flops = 4 * heads * head_dim * (new * depth + new * new / 2) * layers
-    kv = depth * layers * 2 * kv_heads * head_dim * KV_BYTES.get(rt.config.kv_cache_type, 2.0)
+    kv = depth * rt.kv_memory().bytes_per_token  # K and V of every layer, in the cache's storage type
     return {"attention_gflop": flops / 1e9, "kv_mb_per_step": kv / 1e6, "weights_mb": rt.info.size_bytes / 1e6}
 
 
