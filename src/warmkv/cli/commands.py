@@ -57,9 +57,9 @@ def sliding_window_rows(rt: Runtime) -> list[tuple[str, str]]:
 
 def native_rows(rt: Runtime) -> list[tuple[str, str]]:
     """The native engine's kernels as loaded: each choice changes the speed and the numbers."""
-    n = rt.backend.numerics()
     if rt.backend.name != "native":
         return []
+    n = rt.backend.numerics()
     kernels = f"weights {n['compute_dtype']}, matmul {n['matmul']}, attention {n['attention']}"
     return [("native kernels", f"{kernels}; decode loop {n['decode_loop']}, prefill loop {n['prefill_loop']}")]
 

@@ -102,10 +102,10 @@ class ModelSlot:
         }
         if self.error is not None:
             out["error"] = self.error
-        if self.status is ModelStatus.LOADED and self.state is not None:
-            choice = self.state.runtime.backend_choice
-            out["backend"], out["backend_reason"] = choice.name, choice.reason
         if self.status is ModelStatus.LOADED:
+            if self.state is not None:
+                choice = self.state.runtime.backend_choice
+                out["backend"], out["backend_reason"] = choice.name, choice.reason
             keep = self.expires_in(default_idle_s)
             out["active_requests"] = self.leases
             out["expires_in_s"] = None if math.isinf(keep) else max(0.0, keep - (time.monotonic() - self.last_used))
