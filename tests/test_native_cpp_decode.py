@@ -166,7 +166,7 @@ def _use_attention(backend: NativeBackend, kernel: str) -> None:
             loop.set_attention(kernel)
         except RuntimeError as e:
             pytest.skip(f"no {kernel} attention here: {e}")
-    assert backend.numerics()["attention"] == kernel
+    assert loop.attention == kernel
 
 
 @pytest.mark.parametrize("attention", ["f32", "bf16"])

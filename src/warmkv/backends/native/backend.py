@@ -285,6 +285,15 @@ class NativeBackend:
         prefill = "bf16" if self.options.prefill_weights == "bf16" else "qmatmul"
         return f"decode=qmatmul-int8-activations,prefill={prefill}"
 
+    def _attention_numerics(self) -> str:
+        loop = self._model.decode_loop
+        if loop is None:
+            return "sdpa"
+        # over int8 K the bf16 kernel's scores are int8 dot products (int8 queries), not bfloat16
+        if loop.attention == "bf16" and NATIVE_KV_STORAGE[self.config.kv_cache_type] == "int8":
+            return "bf16-int8-scores"
+        return loop.attention
+
     def numerics(self) -> dict[str, object]:
         return {
             "kv_cache_type": self.config.kv_cache_type,
@@ -293,7 +302,7 @@ class NativeBackend:
             # The C++ loop's kernels round differently from ATen's: generated tokens' K/V differ in the last bits.
             "decode_loop": "cpp" if self._model.decode_loop is not None else "python",
             # The C++ loop's attention kernel ("bf16" or "f32"): each rounds its own way.
-            "attention": self._model.decode_loop.attention if self._model.decode_loop is not None else "sdpa",
+            "attention": self._attention_numerics(),
             "prefill_loop": "cpp" if self.rows_invariant() else "python",
             # int4: decode rows on 4-bit blocks x int8 activations (qmatmul) or torch's int4 kernel;
             # prefill pieces on the bfloat16 copy or the same 4-bit kernel. Each rounds its own way.

@@ -252,8 +252,8 @@ struct QueryKeys {
 // a decode row.
 //
 // bf16: the flash kernel of attention_bf16.h where it is built and takes the head size (bfloat16
-// products: close to the float32 kernel, not bitwise), with tiles of up to 24 query rows and
-// chunks of 512 keys; else the float32 kernel above.
+// products, or int8 scores over int8 K: close to the float32 kernel, not bitwise), with tiles of
+// up to 24 query rows and chunks of 512 keys; else the float32 kernel above.
 template <typename K>
 void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& keys, int64_t n_heads, int64_t n_kv,
             int64_t d, float scale, float* out, bool bf16 = false) {
@@ -299,8 +299,13 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
   std::vector<float> qs(fa ? 0 : nq * row);
   for (int64_t i = 0; i < static_cast<int64_t>(qs.size()); i++) qs[i] = q[i] * scale;
 #ifdef WARMKV_BF16
-  std::vector<uint32_t> qb(fa ? nq * row / 2 : 0);
-  if (fa) bf16::round_queries(q, nq * row, scale, qb.data());
+  // int8 keys: a row per (query, head) of int8 query bytes; else bfloat16 pairs
+  constexpr bool i8 = std::is_same_v<K, int8_t>;
+  std::vector<uint32_t> qb(fa ? nq * row / (i8 ? 4 : 2) : 0);
+  std::vector<float> qscale(fa && i8 ? nq * n_heads : 0);
+  std::vector<int32_t> qsum(qscale.size());
+  if (fa && i8) bf16::quantize_queries(q, nq * n_heads, d, scale, qb.data(), qscale.data(), qsum.data());
+  else if (fa) bf16::round_queries(q, nq * row, scale, qb.data());
 #endif
   parallel_tasks(task_at[n_tiles], [&](const auto& take) {
     std::vector<float> s(fa ? 0 : kTileQ * per_span * group * kChunk);
@@ -323,12 +328,19 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
 #ifdef WARMKV_BF16
       if (fa) {
         const uint32_t* qr[bf16::kMaxRows];
+        float qs[bf16::kMaxRows];
+        int32_t qsums[bf16::kMaxRows];
         for (int64_t h = h0; h < h1; h++) {
-          for (int64_t u = 0; u < nt; u++)
-            for (int64_t g = 0; g < group; g++) qr[u * group + g] = qb.data() + ((i0 + u) * n_heads + h * group + g) * d / 2;
+          for (int64_t u = 0; u < nt; u++) {
+            for (int64_t g = 0; g < group; g++) {
+              const int64_t r = (i0 + u) * n_heads + h * group + g;
+              qr[u * group + g] = qb.data() + r * d / (i8 ? 4 : 2);
+              if (i8) qs[u * group + g] = qscale[r], qsums[u * group + g] = qsum[r];
+            }
+          }
           auto out_of = [&](int64_t u, int64_t g) { return part_of(u, h) + g * (d + 2); };
-          if (d == 64) bf16::attend_tile<K, 64>(HeadKeys<K, 64>{&t, h}, t.n, qr, len, nt, group, out_of);
-          else bf16::attend_tile<K, 128>(HeadKeys<K, 128>{&t, h}, t.n, qr, len, nt, group, out_of);
+          if (d == 64) bf16::attend_tile<K, 64>(HeadKeys<K, 64>{&t, h}, t.n, qr, qs, qsums, len, nt, group, out_of);
+          else bf16::attend_tile<K, 128>(HeadKeys<K, 128>{&t, h}, t.n, qr, qs, qsums, len, nt, group, out_of);
         }
         continue;
       }

@@ -4,6 +4,9 @@
 // bfloat16 and packed in registers: K transposed (a lane per key, so scores come out 16 keys to a
 // register and no dot product ends in a horizontal sum), V with each two keys' values
 // interleaved. Products are bfloat16, sums float32; the softmax runs online over the blocks.
+// Over int8 keys (the q8_0 pool) the scores are integer instead: queries rounded to int8 with a
+// scale per row, keys read as bytes, 4 dims a lane (vpdpbusd does 4x the products of vdpbf16ps
+// per cycle); values stay bfloat16, exact for int8.
 //
 // Every row's arithmetic is its own: a row's scores, softmax and weighted values do not depend
 // on the other rows of its tile, and blocks start at key 0 of the context (a chunk is a whole
@@ -19,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "simd.h"
 
@@ -106,6 +110,23 @@ struct Packed {
 template <typename K, int D, typename Keys>
 inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
   constexpr int Z = D / 32;
+  if constexpr (std::is_same_v<K, int8_t>) {
+    // k[j][c]: lane i holds dims 4j..4j+3 of key 16c + i, each byte + 128 (unsigned, as vpdpbusd
+    // reads its first operand; the row's correction is 128 times its query's sum).
+    constexpr int Z8 = D / 64;
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int c = 0; c < kRegs && 16 * c < nb; c++) {
+      __m512i rows[Z8][16];
+      for (int64_t i = 0; i < 16; i++) {
+        const K* kr = 16 * c + i < nb ? keys.k_row(16 * c + i) : nullptr;
+        for (int z = 0; z < Z8; z++) rows[z][i] = kr ? _mm512_xor_si512(_mm512_loadu_si512(kr + 64 * z), flip) : flip;
+      }
+      for (int z = 0; z < Z8; z++) {
+        transpose16(rows[z]);
+        for (int j = 0; j < 16; j++) out->k[16 * z + j][c] = rows[z][j];
+      }
+    }
+  } else {
   for (int c = 0; c < kRegs && 16 * c < nb; c++) {
     __m512i rows[Z][16];
     for (int64_t i = 0; i < 16; i++) {
@@ -116,6 +137,7 @@ inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
       transpose16(rows[z]);
       for (int j = 0; j < 16; j++) out->k[16 * z + j][c] = rows[z][j];
     }
+  }
   }
   for (int64_t i = 0; i < nb; i += 2) {
     const K* a = keys.v_row(i);
@@ -145,6 +167,49 @@ inline void scores(const Packed<D>& p, const uint32_t* const* q, int nc, __m512 
   }
   for (int r = 0; r < NR; r++)
     for (int c = 0; c < kRegs; c++) s[r][c] = acc[r][c];
+}
+
+// scores over int8 keys: row r's query as int8 bytes, 4 dims a dword, with its scale qs[r] and
+// the sum of its bytes qsum[r]; exact integer sums (|sum| < 2^24 for D <= 128), one rounding.
+template <int D, int NR>
+inline void scores_i8(const Packed<D>& p, const uint32_t* const* q, const float* qs, const int32_t* qsum, int nc,
+                      __m512 (*s)[kRegs]) {
+  __m512i acc[NR][kRegs];
+  for (int r = 0; r < NR; r++)
+    for (int c = 0; c < kRegs; c++) acc[r][c] = _mm512_setzero_si512();
+  for (int j = 0; j < D / 4; j++) {
+    for (int r = 0; r < NR; r++) {
+      const __m512i w = _mm512_set1_epi32(static_cast<int>(q[r][j]));
+      for (int c = 0; c < kRegs; c++)
+        if (c < nc) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], p.k[j][c], w);
+    }
+  }
+  for (int r = 0; r < NR; r++) {
+    const __m512i corr = _mm512_set1_epi32(128 * qsum[r]);
+    const __m512 sc = _mm512_set1_ps(qs[r]);
+    for (int c = 0; c < kRegs; c++) s[r][c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], corr)), sc);
+  }
+}
+
+// Queries for int8 keys: each row of d dims scaled, then rounded to int8 against its largest
+// magnitude (scale amax / 127), 4 bytes a dword; qs, qsum per row.
+inline void quantize_queries(const float* q, int64_t rows, int64_t d, float scale, uint32_t* out, float* qs,
+                             int32_t* qsum) {
+  for (int64_t r = 0; r < rows; r++) {
+    const float* x = q + r * d;
+    float amax = 0.f;
+    for (int64_t j = 0; j < d; j++) amax = std::max(amax, std::fabs(x[j] * scale));
+    const float step = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int8_t* o = reinterpret_cast<int8_t*>(out + r * d / 4);
+    int32_t sum = 0;
+    for (int64_t j = 0; j < d; j++) {
+      const int v = static_cast<int>(std::nearbyint(std::clamp(x[j] * scale * inv, -127.f, 127.f)));
+      o[j] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    qs[r] = step;
+    qsum[r] = sum;
+  }
 }
 
 // o[r] += sum over key pairs i < n of (p[r][2i], p[r][2i + 1]) . (v[2i], v[2i + 1]), NR rows at once.
@@ -180,9 +245,11 @@ inline void round_queries(const float* q, int64_t n, float scale, uint32_t* out)
 // One tile over one kv head and chunk: rows r = u * group + g (query u of the tile, query head g
 // of the kv head) see the chunk's first len[u] keys; (max, sum, acc[D]) of row r go to out(u, g).
 // keys: k_row(i), v_row(i), k_scale(i), v_scale(i) of the chunk's key i.
+// Over int8 keys, q holds each row's int8 query and qs, qsum its scale and byte sum
+// (quantize_queries); else bfloat16 pairs (round_queries), and qs, qsum are unused.
 template <typename K, int D, typename Keys, typename Out>
-void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const int64_t* len, int64_t nq,
-                 int64_t group, Out out) {
+void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const float* qs, const int32_t* qsum,
+                 const int64_t* len, int64_t nq, int64_t group, Out out) {
   constexpr int kScoreRows = 6, kValueRows = D == 64 ? 4 : 2;  // accumulators that fit the registers
   const int rows = static_cast<int>(nq * group);
   alignas(64) float o[kMaxRows][D];
@@ -211,9 +278,12 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const in
     pack<K>(block, nb, &pk);
     for (int r0 = 0; r0 < rows; r0 += kScoreRows) {
       switch (std::min(kScoreRows, rows - r0)) {
-#define WARMKV_ROWS(N) \
-  case N:              \
-    scores<D, N>(pk, q + r0, nc, s + r0); \
+#define WARMKV_ROWS(N)                                                  \
+  case N:                                                               \
+    if constexpr (std::is_same_v<K, int8_t>)                            \
+      scores_i8<D, N>(pk, q + r0, qs + r0, qsum + r0, nc, s + r0);      \
+    else                                                                \
+      scores<D, N>(pk, q + r0, nc, s + r0);                             \
     break;
         WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4) WARMKV_ROWS(5) WARMKV_ROWS(6)
 #undef WARMKV_ROWS
