@@ -27,6 +27,8 @@ ENGINES: dict[str, tuple[str, dict[str, str]]] = {
     "native": ("native", {}),
     "native-f32-attention": ("native", {"attention": "f32"}),
     "native-bf16-attention": ("native", {"attention": "bf16"}),
+    # int8 K/V: half the bytes a deep decode step reads, and int8 scores in the bf16 kernel
+    "native-int8-kv": ("native", {"kv_cache_type": "q8_0"}),
 }
 SOURCES = sorted(Path(__file__).resolve().parents[1].rglob("*.py"))
 
@@ -88,10 +90,9 @@ def _engine(name: str, model: str | None, cfg: DeepConfig) -> dict[str, Any]:
         num_ctx=cfg.depth + cfg.new_tokens + 512,
         n_seq_max=1,
         num_threads=cfg.threads,
-        kv_cache_type=cfg.kv_cache_type,
         prefix_cache_mb=0,
         kv_store_mb=0,
-        **options,
+        **{"kv_cache_type": cfg.kv_cache_type, **options},
     )
     with rt, rt.session() as s:
         prefix = source_text(rt.count_tokens, cfg.depth)

@@ -194,7 +194,8 @@ def bench_deep(
     engines: Annotated[
         str,
         typer.Option(
-            "--engines", help="comma-separated: native, native-f32-attention, native-bf16-attention, llamacpp"
+            "--engines",
+            help="comma-separated: native, native-f32-attention, native-bf16-attention, native-int8-kv, llamacpp",
         ),
     ] = "native,llamacpp",
     model: Annotated[
