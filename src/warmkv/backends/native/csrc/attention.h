@@ -328,19 +328,19 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
 #ifdef WARMKV_BF16
       if (fa) {
         const uint32_t* qr[bf16::kMaxRows];
-        float qs[bf16::kMaxRows];
+        float qsc[bf16::kMaxRows];  // int8 queries: each row's scale and byte sum
         int32_t qsums[bf16::kMaxRows];
         for (int64_t h = h0; h < h1; h++) {
           for (int64_t u = 0; u < nt; u++) {
             for (int64_t g = 0; g < group; g++) {
               const int64_t r = (i0 + u) * n_heads + h * group + g;
               qr[u * group + g] = qb.data() + r * d / (i8 ? 4 : 2);
-              if (i8) qs[u * group + g] = qscale[r], qsums[u * group + g] = qsum[r];
+              if (i8) qsc[u * group + g] = qscale[r], qsums[u * group + g] = qsum[r];
             }
           }
           auto out_of = [&](int64_t u, int64_t g) { return part_of(u, h) + g * (d + 2); };
-          if (d == 64) bf16::attend_tile<K, 64>(HeadKeys<K, 64>{&t, h}, t.n, qr, qs, qsums, len, nt, group, out_of);
-          else bf16::attend_tile<K, 128>(HeadKeys<K, 128>{&t, h}, t.n, qr, qs, qsums, len, nt, group, out_of);
+          if (d == 64) bf16::attend_tile<K, 64>(HeadKeys<K, 64>{&t, h}, t.n, qr, qsc, qsums, len, nt, group, out_of);
+          else bf16::attend_tile<K, 128>(HeadKeys<K, 128>{&t, h}, t.n, qr, qsc, qsums, len, nt, group, out_of);
         }
         continue;
       }

@@ -110,34 +110,25 @@ struct Packed {
 template <typename K, int D, typename Keys>
 inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
   constexpr int Z = D / 32;
-  if constexpr (std::is_same_v<K, int8_t>) {
-    // k[j][c]: lane i holds dims 4j..4j+3 of key 16c + i, each byte + 128 (unsigned, as vpdpbusd
-    // reads its first operand; the row's correction is 128 times its query's sum).
-    constexpr int Z8 = D / 64;
-    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int c = 0; c < kRegs && 16 * c < nb; c++) {
-      __m512i rows[Z8][16];
-      for (int64_t i = 0; i < 16; i++) {
-        const K* kr = 16 * c + i < nb ? keys.k_row(16 * c + i) : nullptr;
-        for (int z = 0; z < Z8; z++) rows[z][i] = kr ? _mm512_xor_si512(_mm512_loadu_si512(kr + 64 * z), flip) : flip;
-      }
-      for (int z = 0; z < Z8; z++) {
-        transpose16(rows[z]);
-        for (int j = 0; j < 16; j++) out->k[16 * z + j][c] = rows[z][j];
-      }
-    }
-  } else {
+  // Over int8 keys k[j][c] lane i holds dims 4j..4j+3 of key 16c + i instead, each byte + 128
+  // (unsigned, as vpdpbusd reads its first operand; a row's correction is 128 times its query's sum).
+  constexpr bool i8 = std::is_same_v<K, int8_t>;
+  constexpr int ZK = i8 ? D / 64 : Z;  // registers per key row
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  auto key_reg = [&](const K* kr, int z) {  // a missing key: zeros (bytes 128: zero as well)
+    if constexpr (i8) return kr ? _mm512_xor_si512(_mm512_loadu_si512(kr + 64 * z), flip) : flip;
+    else return kr ? load32(kr + 32 * z) : _mm512_setzero_si512();
+  };
   for (int c = 0; c < kRegs && 16 * c < nb; c++) {
-    __m512i rows[Z][16];
+    __m512i rows[ZK][16];
     for (int64_t i = 0; i < 16; i++) {
       const K* kr = 16 * c + i < nb ? keys.k_row(16 * c + i) : nullptr;
-      for (int z = 0; z < Z; z++) rows[z][i] = kr ? load32(kr + 32 * z) : _mm512_setzero_si512();
+      for (int z = 0; z < ZK; z++) rows[z][i] = key_reg(kr, z);
     }
-    for (int z = 0; z < Z; z++) {
+    for (int z = 0; z < ZK; z++) {
       transpose16(rows[z]);
       for (int j = 0; j < 16; j++) out->k[16 * z + j][c] = rows[z][j];
     }
-  }
   }
   for (int64_t i = 0; i < nb; i += 2) {
     const K* a = keys.v_row(i);
