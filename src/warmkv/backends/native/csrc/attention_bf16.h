@@ -5,8 +5,8 @@
 // register and no dot product ends in a horizontal sum), V with each two keys' values
 // interleaved. Products are bfloat16, sums float32; the softmax runs online over the blocks.
 // Over int8 keys (the q8_0 pool) the scores are integer instead: queries rounded to int8 with a
-// scale per row, keys read as bytes, 4 dims a lane (vpdpbusd does 4x the products of vdpbf16ps
-// per cycle); values stay bfloat16, exact for int8.
+// scale per row, keys read as bytes, 4 dims a lane (vpdpbusd does ~3x the products of vdpbf16ps
+// a second here); values stay bfloat16, exact for int8.
 //
 // Every row's arithmetic is its own: a row's scores, softmax and weighted values do not depend
 // on the other rows of its tile, and blocks start at key 0 of the context (a chunk is a whole
