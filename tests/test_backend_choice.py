@@ -66,6 +66,25 @@ def test_a_runtime_says_what_auto_chose() -> None:
         assert rt.backend_choice.name == "llamacpp" and rt.backend_choice.reason == "asked for"
 
 
+def test_each_engine_makes_its_own_kv_type_of_auto() -> None:
+    """kv_cache_type="auto" (the default): int8 K/V on native where the int8-score attention kernel
+    runs, f16 otherwise and on llama.cpp; a type asked for, or flash attention off, is kept."""
+    small = dict(num_ctx=256, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0)
+    assert warmkv.RuntimeConfig().kv_cache_type == "auto"
+    with warmkv.Runtime.load(**small) as rt:
+        kernel = rt.backend.options.attention == "bf16"
+        assert rt.config.kv_cache_type == ("q8_0" if kernel else "f16")
+        assert dict(rt.manifest().numerics)["kv_cache_type"] == rt.config.kv_cache_type
+        if kernel:
+            assert rt.backend.numerics()["attention"] == "bf16-int8-scores" and rt.config.flash_attn == "on"
+    with warmkv.Runtime.load(flash_attn="off", **small) as rt:
+        assert rt.config.kv_cache_type == "f16" and rt.config.flash_attn == "off"
+    with warmkv.Runtime.load(kv_cache_type="f16", **small) as rt:
+        assert rt.config.kv_cache_type == "f16" and rt.backend.numerics()["kv_dtype"] == "float16"
+    with warmkv.Runtime.load(backend="llamacpp", **small) as rt:
+        assert rt.config.kv_cache_type == "f16" and rt.config.flash_attn == "off"
+
+
 def test_the_header_walk_reads_what_the_gguf_reader_reads(tmp_path: Path) -> None:
     import gguf
 

@@ -22,7 +22,7 @@ class BackendChoice:
 
 
 def choose_backend(
-    model_path: str | Path, available: Iterable[str], *, option_names: Iterable[str] = (), kv_cache_type: str = "f16"
+    model_path: str | Path, available: Iterable[str], *, option_names: Iterable[str] = (), kv_cache_type: str = "auto"
 ) -> BackendChoice:
     """The backend for backend="auto": options that only one backend takes pick it; then native
     where its C++ loop runs the model's architecture on 4-bit weights, llama.cpp otherwise."""
@@ -43,7 +43,7 @@ def choose_backend(
         return BackendChoice("llamacpp", "the native engine's packages (torch, tokenizers, gguf) are not installed")
     if "llamacpp" not in have:
         return BackendChoice("native", "llama-cpp-python is not installed")
-    if kv_cache_type not in NATIVE_KV_STORAGE:
+    if kv_cache_type != "auto" and kv_cache_type not in NATIVE_KV_STORAGE:
         return BackendChoice("llamacpp", f"the native engine does not store {kv_cache_type} KV")
     fit = importlib.import_module("warmkv.backends.native.fit")  # torch loads only when native is wanted
     why = fit.native_unfit(Path(model_path))

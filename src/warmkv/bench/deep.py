@@ -24,7 +24,8 @@ from ..runtime import Runtime
 # engine name -> (backend, backend options)
 ENGINES: dict[str, tuple[str, dict[str, str]]] = {
     "llamacpp": ("llamacpp", {}),
-    "native": ("native", {}),
+    "native": ("native", {}),  # its defaults: int8 K/V where the int8-score kernel runs
+    "native-f16-kv": ("native", {"kv_cache_type": "f16"}),
     "native-f32-attention": ("native", {"attention": "f32"}),
     "native-bf16-attention": ("native", {"attention": "bf16"}),
     # int8 K/V: half the bytes a deep decode step reads, and int8 scores in the bf16 kernel
@@ -41,7 +42,7 @@ class DeepConfig:
     turns: int = 2
     engines: tuple[str, ...] = ("native", "llamacpp")
     threads: int | None = None
-    kv_cache_type: str = "f16"
+    kv_cache_type: str = "auto"  # each engine's default; an engine's own option overrides it
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.engines) - set(ENGINES))

@@ -195,7 +195,8 @@ def bench_deep(
         str,
         typer.Option(
             "--engines",
-            help="comma-separated: native, native-f32-attention, native-bf16-attention, native-int8-kv, llamacpp",
+            help="comma-separated: native, native-f16-kv, native-int8-kv, native-f32-attention, "
+            "native-bf16-attention, llamacpp",
         ),
     ] = "native,llamacpp",
     model: Annotated[
@@ -203,7 +204,9 @@ def bench_deep(
     ] = None,
     shape: Annotated[str | None, typer.Option("--shape", help=SHAPE_HELP)] = None,
     quant: Annotated[str, typer.Option("--quant", help="--shape's weights: q4_0, q4_1 or q8_0")] = "q4_0",
-    kv_cache_type: Annotated[str, typer.Option("--kv-cache-type", help="f16, bf16, f32 or q8_0")] = "f16",
+    kv_cache_type: Annotated[
+        str, typer.Option("--kv-cache-type", help="auto (each engine's default), f16, bf16, f32 or q8_0")
+    ] = "auto",
     threads: Annotated[int | None, typer.Option("--threads", help="CPU threads (default: all)")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
 ) -> None:
