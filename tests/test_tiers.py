@@ -85,6 +85,29 @@ def test_disk_tier_survives_a_restart(store: Path) -> None:
         assert second.tiers.stats()["disk"]["hits"] == 1
 
 
+def test_a_longer_prefix_below_beats_a_shorter_one_in_memory(store: Path) -> None:
+    """Memory holds the system prompt, the disk the conversation that went on past it (another
+    process's, or another node's on the remote tier): the longer one is restored."""
+
+    def files(first: str, name: str) -> str:
+        return first + "".join(f"## lib/{name}{i}.py\ndef f{i}(x):\n    return x + {i}\n" for i in range(10))
+
+    long = SYSTEM + files(FILES_A, "a")
+    with load(store) as first:
+        expected = cold_tokens(first, long, USER_A)
+    with load(store) as second:
+        with second.session() as s:
+            s.ensure_prefix(SYSTEM + files(FILES_B, "b"))  # the system prompt from the disk entry, then its own
+        assert second.tiers.stats()["memory"]["entries"] >= 1
+        with second.session() as s:
+            p = s.ensure_prefix(long)
+            bs = second.config.cache_block_tokens
+            assert len(second.tokenize(long)) - len(second.tokenize(SYSTEM)) > 2 * bs
+            assert p.reuse_source == "disk" and p.reused_tokens >= len(second.tokenize(long)) // bs * bs - bs, p
+            s.prefill_suffix(USER_A)
+            assert greedy_tokens(s) == expected
+
+
 def test_corrupt_disk_entry_is_recomputed(store: Path) -> None:
     with load(store) as first:
         expected = cold_tokens(first, SYSTEM + FILES_A, USER_A)

@@ -131,8 +131,9 @@ class PrefixLoad:
             if disk is None:
                 disk = tiers.lookup(plan.manifest.digest, tokens, self._keys, reused)
                 hit = disk.beating(reused)
-            else:  # memory first, as in lookup: it may have gained an entry while the disk was read
-                hit = tiers.lookup_memory(tokens, self._keys, reused) or disk.beating(reused)
+            else:  # the longer, as in lookup: memory may have gained an entry while the disk was read
+                mem = tiers.lookup_memory(tokens, self._keys, reused)
+                hit = disk.beating(reused if mem is None else mem.n_tokens) or mem
             if hit is None and disk.declined is not None:  # the remote tier had it: a prefill was faster
                 self.reason = f"{self.reason}; {disk.declined}"
             if hit is not None:

@@ -21,7 +21,9 @@ and writes them, and the pins are let go at the next tiers call under the lock. 
 3000-token context at a 1.7B shape is 590 MB, seconds to copy on a slow VM; under
 the lock every stream would wait. When the pool runs short (`reclaim`), the copy
 runs there and then, since the blocks are needed now. `lookup` matches memory under
-the lock, then reads and verifies a disk blob with the lock let go. Entries queued
+the lock, then, for a longer prefix only, reads and verifies a disk blob with the lock
+let go: every node may hold a shared system prompt in memory, and a conversation another
+node carried on past it is read from below. Entries queued
 but not yet written are disk hits too, served from the queued bytes. The remote
 tier is asked after the disk, in the same read, only for more tokens than the disk
 had, and read only when reading beats prefilling them (cache.remote_rates).
@@ -144,33 +146,36 @@ class KVTiers:
         return block_keys(manifest_digest, tokens, self.block_tokens)
 
     def lookup(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> DiskRead:
-        """The longest cached prefix of `tokens` longer than `beat` tokens, memory first.
+        """The longest cached prefix of `tokens` longer than `beat` tokens: the memory tier's, or a
+        longer one below it (a conversation another node carried on past a prefix this one has).
 
         Called with the session's op lock and the model lock held; the disk (and remote) read lets
         go of the model lock (like a prefill between chunks), so the caller's state must be
         consistent at this call.
         """
         hit = self.lookup_memory(tokens, keys, beat)
-        if hit is not None or self.writer is None or len(keys) * self.block_tokens <= beat:
+        floor = beat if hit is None else hit.n_tokens
+        if self.writer is None or len(keys) * self.block_tokens <= floor:
             return DiskRead(hit)
         with self._unlocked():
-            return self.read_disk(manifest_digest, tokens, keys, beat)
+            below = self.read_disk(manifest_digest, tokens, keys, floor)
+        return below if below.hit is not None or hit is None else DiskRead(hit)
 
     def disk_read(
         self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int
     ) -> Callable[[], DiskRead] | None:
         """The disk (and remote) read a lookup would make, to run on another thread; None when it makes none.
 
-        Call under the model lock: None when there is no store nor remote tier, the prompt is too
-        short to beat `beat`, or the memory tier already has a hit (memory wins in lookup, and
-        reading below it then would be wasted). The read itself takes no lock (see read_disk).
+        Call under the model lock: None when there is no store nor remote tier, or the prompt is too
+        short to beat `beat` or the memory tier's hit (only a longer prefix below is worth reading).
+        The read itself takes no lock (see read_disk).
         """
-        if self.writer is None or len(keys) * self.block_tokens <= beat:
-            return None
-        if self.lookup_memory(tokens, keys, beat, count=False) is not None:  # begin_load counts its own
+        mem = self.lookup_memory(tokens, keys, beat, count=False)  # begin_load counts its own
+        floor = beat if mem is None else mem.n_tokens
+        if self.writer is None or len(keys) * self.block_tokens <= floor:
             return None
         toks, ks = list(tokens), list(keys)
-        return lambda: self.read_disk(manifest_digest, toks, ks, beat)
+        return lambda: self.read_disk(manifest_digest, toks, ks, floor)
 
     def lookup_memory(
         self, tokens: Sequence[int], keys: Sequence[str], beat: int, *, count: bool = True
