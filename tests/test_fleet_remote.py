@@ -85,6 +85,9 @@ def _start(name: str, redis_url: str, work: Path) -> Node:
     args += ["--host", "127.0.0.1", "--port", str(port)]
     args += ["--node-id", name, "--kv-remote", redis_url, "--kv-store-dir", str(work / f"store-{name}")]
     args += ["--num-ctx", "4096", "--n-seq-max", "4", "--session-ttl", "600", "--backend", BACKEND]
+    # three nodes, Redis and the test share two cores: a read queued behind another node's SET of
+    # a 3,000-token blob was seen to stall past the 200 ms default, which then reads as an outage
+    args += ["--kv-remote-timeout-ms", "2000"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
