@@ -179,7 +179,9 @@ def test_explain_on_native_takes_the_same_options_as_serve(tmp_path: Path) -> No
 def test_the_attention_kernel_is_an_option_in_the_manifest(tmp_path: Path) -> None:
     prefix = tmp_path / "prefix.txt"
     prefix.write_text("<|im_start|>system\nYou are terse.<|im_end|>\n")
+    # f16 K/V: over the default int8 K/V (q8_0 where the bf16 kernel runs) it says bf16-int8-scores
     opts = ["--num-ctx", "128", "--n-seq-max", "1", "--prefix-cache-mb", "0", "--kv-store-mb", "0"]
+    opts += ["--kv-cache-type", "f16"]
     kernels = {}
     for kind in ("auto", "f32", "bf16"):
         r = runner.invoke(app, ["explain", "--prefix-file", str(prefix), "--json", "--attention", kind, *opts])
@@ -199,7 +201,7 @@ def test_the_attention_kernel_is_an_option_in_the_manifest(tmp_path: Path) -> No
 
 
 def test_info_states_kv_memory() -> None:
-    r = runner.invoke(app, ["info", "--num-ctx", "256", "--n-seq-max", "3"])
+    r = runner.invoke(app, ["info", "--num-ctx", "256", "--n-seq-max", "3", "--kv-cache-type", "f16"])
     assert r.exit_code == 0, r.output
     # 4 sequences (3 + the runtime's own) x 256 tokens x 23,040 bytes per token (f16 KV).
     assert "4 sequences x 256 tokens" in r.output and "23,040 bytes per token" in r.output
@@ -236,6 +238,7 @@ def test_bench_throughput_rounds_give_medians_and_ratios(tmp_path: Path) -> None
 def test_bench_deep_reports_both_engines_warm_and_their_limits(tmp_path: Path) -> None:
     out = tmp_path / "deep.json"
     args = ["bench", "deep", "--depth", "400", "--new-tokens", "48", "--decode", "4", "--turns", "1"]
+    args += ["--kv-cache-type", "f16"]  # both engines: the limits below are f16's
     r = runner.invoke(app, [*args, "--engines", "native,llamacpp", "--json", str(out)])
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
