@@ -54,8 +54,11 @@ def test_cached_prefix_blocks_are_shared_not_copied(tmp_path: Path, expected: li
 def test_a_short_pool_takes_pinned_blocks_back(tmp_path: Path, expected: list[int]) -> None:
     """Pins use the pool's slack; a session that needs it gets it, and the entry goes to disk."""
     store = tmp_path / "kv"
-    # A ~1,000-token pool: with one system-prompt entry pinned, a different prefix does not fit.
-    with load(store, backend_options={"kv_cache_mb": 22}) as rt:
+    # A ~1,000-token pool in the default KV type: with one system-prompt entry pinned, a different
+    # prefix does not fit.
+    with load(store, prefix_cache_mb=0, kv_store_mb=0) as probe:
+        mb = 1000 * probe.kv_memory().bytes_per_token // 2**20
+    with load(store, backend_options={"kv_cache_mb": mb}) as rt:
         with rt.session() as a:
             a.ensure_prefix(SYSTEM + FILES_A)
             cache = rt.backend.cache
