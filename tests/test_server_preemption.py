@@ -37,8 +37,8 @@ def _prompt(i: int) -> str:
 def served() -> Iterator[tuple[str, warmkv.Runtime]]:
     if "native" not in warmkv.available_backends():
         pytest.skip("the native engine is not installed")
-    # llama.cpp loads in a second and stores K and V as the native pool does (f16, every layer)
-    with warmkv.Runtime.load(backend="llamacpp", num_ctx=1024, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0) as probe:
+    # the bytes a token of the native pool's default KV type takes (int8 or f16 by the CPU)
+    with warmkv.Runtime.load(backend="native", num_ctx=1024, n_seq_max=1, prefix_cache_mb=0, kv_store_mb=0) as probe:
         longest = max(
             len(probe.tokenize(probe.render_chat([{"role": "user", "content": _prompt(i)}]))) for i in range(STREAMS)
         )
