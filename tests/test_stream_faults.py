@@ -200,7 +200,9 @@ def test_a_short_kv_pool_preempts_and_every_turn_finishes_as_alone() -> None:
     pool admits three prompts, and their replies outgrow it. The youngest decoding turn is preempted
     (its KV exported, its blocks freed) and resumes when an ended turn's evictable session gives its
     KV back; every turn finishes with the tokens its prompt gives alone."""
-    with warmkv.Runtime.load(backend="native", num_ctx=512, n_seq_max=5, kv_cache_mb=6, **NO_TIERS) as rt:
+    # 6 MiB of f16 K/V: 17 blocks (with int8 K/V the pool would be 32)
+    kv = {"kv_cache_type": "f16", "kv_cache_mb": 6}
+    with warmkv.Runtime.load(backend="native", num_ctx=512, n_seq_max=5, **kv, **NO_TIERS) as rt:
         memory = rt.kv_memory()
         bs = 16
         blocks = memory.pool_tokens // bs
