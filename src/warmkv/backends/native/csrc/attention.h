@@ -228,9 +228,24 @@ struct HeadKeys {
   HeadKeys at(int64_t b) const { return {t, h, b0 + b}; }
   const K* k_row(int64_t i) const { return t->k_row(b0 + i, h, D); }
   const K* v_row(int64_t i) const { return t->v_row(b0 + i, h, D); }
-  float k_scale(int64_t i) const { return t->k_scale(b0 + i, h); }
-  float v_scale(int64_t i) const { return t->v_scale(b0 + i, h); }
   bool scaled() const { return t->pool.k_scale != nullptr; }
+  // ks[i], vs[i] = the scales of keys i < nb, 0 for nb <= i < count (a multiple of 8): gathered 8
+  // at a time (one per key, a pool row apart: a scalar loop of them cost as much as the scores
+  // of a decode row)
+  void scales(int64_t nb, int64_t count, float* ks, float* vs) const {
+    const __m512i step = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), n_kv = _mm512_set1_epi64(t->n_kv);
+    const __m512i head = _mm512_set1_epi64(h);
+    for (int64_t i = 0; i < count; i += 8) {
+      const int64_t left = std::clamp<int64_t>(nb - i, 0, 8);
+      const __mmask8 m = static_cast<__mmask8>((1u << left) - 1);
+      const int64_t at = t->t0 + b0 + i;
+      const __m512i slot = t->first >= 0 ? _mm512_add_epi64(_mm512_set1_epi64(t->first + at), step)
+                                         : _mm512_maskz_loadu_epi64(m, t->slots + at);
+      const __m512i row = _mm512_add_epi64(_mm512_mul_epu32(slot, n_kv), head);  // slots < 2^32
+      _mm256_storeu_ps(ks + i, _mm512_mask_i64gather_ps(_mm256_setzero_ps(), m, row, t->pool.k_scale, 4));
+      _mm256_storeu_ps(vs + i, _mm512_mask_i64gather_ps(_mm256_setzero_ps(), m, row, t->pool.v_scale, 4));
+    }
+  }
 };
 #endif
 

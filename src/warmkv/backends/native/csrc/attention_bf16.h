@@ -235,7 +235,7 @@ inline void round_queries(const float* q, int64_t n, float scale, uint32_t* out)
 
 // One tile over one kv head and chunk: rows r = u * group + g (query u of the tile, query head g
 // of the kv head) see the chunk's first len[u] keys; (max, sum, acc[D]) of row r go to out(u, g).
-// keys: k_row(i), v_row(i), k_scale(i), v_scale(i) of the chunk's key i.
+// keys: k_row(i), v_row(i) of the chunk's key i, and scales(nb, count, ks, vs) of its first nb keys.
 // Over int8 keys, q holds each row's int8 query and qs, qsum its scale and byte sum
 // (quantize_queries); else bfloat16 pairs (round_queries), and qs, qsum are unused.
 template <typename K, int D, typename Keys, typename Out>
@@ -280,12 +280,7 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
 #undef WARMKV_ROWS
       }
     }
-    if (scaled) {
-      for (int64_t i = 0; i < kBlock; i++) {
-        ks[i] = i < nb ? block.k_scale(i) : 0.f;
-        vs[i] = i < nb ? block.v_scale(i) : 0.f;
-      }
-    }
+    if (scaled) block.scales(nb, kBlock, ks, vs);
     int64_t pairs = 0;  // key pairs any row of the tile sees in this block
     for (int r = 0; r < rows; r++) {
       const int64_t valid = std::min(nb, len[r / group] - b0);
