@@ -154,8 +154,8 @@ class KVTiers:
         consistent at this call.
         """
         hit = self.lookup_memory(tokens, keys, beat)
-        floor = beat if hit is None else hit.n_tokens
-        if self.writer is None or len(keys) * self.block_tokens <= floor:
+        floor = self._floor_below(keys, beat, hit)
+        if floor is None:
             return DiskRead(hit)
         with self._unlocked():
             below = self.read_disk(manifest_digest, tokens, keys, floor)
@@ -170,12 +170,20 @@ class KVTiers:
         short to beat `beat` or the memory tier's hit (only a longer prefix below is worth reading).
         The read itself takes no lock (see read_disk).
         """
+        if self.writer is None:  # before the memory match: no tier below, nothing to plan
+            return None
         mem = self.lookup_memory(tokens, keys, beat, count=False)  # begin_load counts its own
-        floor = beat if mem is None else mem.n_tokens
-        if self.writer is None or len(keys) * self.block_tokens <= floor:
+        floor = self._floor_below(keys, beat, mem)
+        if floor is None:
             return None
         toks, ks = list(tokens), list(keys)
         return lambda: self.read_disk(manifest_digest, toks, ks, floor)
+
+    def _floor_below(self, keys: Sequence[str], beat: int, mem: WarmHit | None) -> int | None:
+        """The tokens a read below memory must beat (memory's hit, else `beat`); None when there is
+        no tier below or the prompt's blocks cannot beat them."""
+        floor = beat if mem is None else mem.n_tokens
+        return None if self.writer is None or len(keys) * self.block_tokens <= floor else floor
 
     def lookup_memory(
         self, tokens: Sequence[int], keys: Sequence[str], beat: int, *, count: bool = True
