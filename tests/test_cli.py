@@ -98,6 +98,9 @@ def test_bench_coding_loop_small(tmp_path: Path) -> None:
     assert all(t["tokens_equal"] for t in data["turns"])
     assert data["turns"][0]["reused_tokens"] == 0 and data["turns"][1]["reused_tokens"] >= 350
     assert set(data["summary"]) >= {"warm_over_cold", "warm_over_peer"}
+    # the peer runs llama.cpp's own defaults, not the native engine's int8 K/V
+    assert data["backend"] == "native", data
+    assert data["peer"] == {"kv_cache_type": "f16", "flash_attn": "off"}, data["peer"]
     ws = data["workspaces"]
     assert [(row["turn"], row["workspace"]) for row in ws["rows"]] == [(t, w) for t in (1, 2, 3) for w in (0, 1)]
     # the second workspace's first turn reuses the system part the first one computed (memory tier)

@@ -24,7 +24,7 @@ from typing import Any
 from ..config import DecodeConfig
 from ..runtime import Runtime
 from ..session import Session
-from .peer import peer_generate, peer_llama
+from .peer import peer_generate, peer_llama, peer_numerics
 from .workload import Workload, coding_workload
 
 
@@ -131,6 +131,8 @@ def run_coding_loop(
             "processor": platform.processor(),
             "threads": rt.config.num_threads,
         },
+        "kv_cache_type": rt.config.kv_cache_type,
+        "peer": asdict(peer_numerics(rt)) if peer else None,
         "prefix_tokens": prefix_tokens,
         "max_tokens": max_tokens,
         "turns": [asdict(r) for r in results],

@@ -509,7 +509,9 @@ def _print_coding_loop(report: dict[str, Any]) -> None:
     s = report["summary"]
     line = f"turns 2..N median: warm/cold = {s['warm_over_cold']:.3f}"
     if s["warm_over_peer"] is not None:
+        n = report["peer"]
         line += f", warm/peer = {s['warm_over_peer']:.3f}"
+        line += f" (peer: {n['kv_cache_type']} K/V, flash attention {n['flash_attn']})"
     console.print(line)
     if "restart" in report:
         r = report["restart"]
