@@ -6,7 +6,9 @@
 // interleaved. Products are bfloat16, sums float32; the softmax runs online over the blocks.
 // Over int8 keys (the q8_0 pool) the scores are integer instead: queries rounded to int8 with a
 // scale per row, keys read as bytes, 4 dims a lane (vpdpbusd does ~3x the products of vdpbf16ps
-// a second here); values stay bfloat16, exact for int8.
+// a second here). Its values are integer too: V widened to int16 (one instruction, where bfloat16
+// took five), the weights rounded to int16 against the row's largest in the block (15 bits, where
+// bfloat16 keeps 8), int32 sums (vpdpwssd), one float scale per row and block.
 //
 // Every row's arithmetic is its own: a row's scores, softmax and weighted values do not depend
 // on the other rows of its tile, and blocks start at key 0 of the context (a chunk is a whole
@@ -72,6 +74,11 @@ inline __m512i load32(const int8_t* p) {  // exact: bfloat16 holds every int8
                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b + 1))));
 }
 
+// Elements [32z, 32z + 32) of an int8 pool row as 32 int16.
+inline __m512i load32_i16(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // r[i]'s dword j -> r[j]'s dword i.
 inline void transpose16(__m512i* r) {
   __m512i t[16];
@@ -98,8 +105,9 @@ inline void transpose16(__m512i* r) {
 }
 
 // A block's keys and values for one kv head, packed for vdpbf16ps. k[j][c]: lane i holds dims
-// (2j, 2j + 1) of key 16c + i. v[i][z]: key pairs (2i, 2i + 1) interleaved per dim; unpacklo/hi
-// take dims in 128-bit lanes, so register z lane l holds dim dim_of(z, l).
+// (2j, 2j + 1) of key 16c + i. v[i][z]: key pairs (2i, 2i + 1) interleaved per dim (bfloat16, or
+// int16 from an int8 pool); unpacklo/hi take dims in 128-bit lanes, so register z lane l holds dim
+// dim_of(z, l).
 template <int D>
 struct Packed {
   __m512i k[D / 2][kRegs];
@@ -130,12 +138,16 @@ inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
       for (int j = 0; j < 16; j++) out->k[16 * z + j][c] = rows[z][j];
     }
   }
+  auto value_reg = [&](const K* vr, int z) {
+    if constexpr (i8) return load32_i16(vr + 32 * z);
+    else return load32(vr + 32 * z);
+  };
   for (int64_t i = 0; i < nb; i += 2) {
     const K* a = keys.v_row(i);
     const K* b = i + 1 < nb ? keys.v_row(i + 1) : nullptr;  // a missing key: zeros, as beyond a row's end
     for (int z = 0; z < Z; z++) {
-      const __m512i x = load32(a + 32 * z);
-      const __m512i y = b ? load32(b + 32 * z) : _mm512_setzero_si512();
+      const __m512i x = value_reg(a, z);
+      const __m512i y = b ? value_reg(b, z) : _mm512_setzero_si512();
       out->v[i / 2][2 * z] = _mm512_unpacklo_epi16(x, y);
       out->v[i / 2][2 * z + 1] = _mm512_unpackhi_epi16(x, y);
     }
@@ -219,6 +231,29 @@ inline void values(const Packed<D>& p, const uint32_t (*pb)[kBlock / 2], int64_t
     for (int z = 0; z < D / 16; z++) _mm512_store_ps(o[r] + 16 * z, acc[r][z]);
 }
 
+// values over an int8 pool: pb holds int16 weight pairs, row r's weight unit ws[r]; the block's
+// sums are exact in int32 (64 keys x 32767 x 128 < 2^31), then o[r] += sum * ws[r], one rounding.
+template <int D, int NR>
+inline void values_i16(const Packed<D>& p, const uint32_t (*pb)[kBlock / 2], const float* ws, int64_t n,
+                       float (*o)[D]) {
+  __m512i acc[NR][D / 16];
+  for (int r = 0; r < NR; r++)
+    for (int z = 0; z < D / 16; z++) acc[r][z] = _mm512_setzero_si512();
+  for (int64_t i = 0; i < n; i++) {
+    for (int r = 0; r < NR; r++) {
+      const __m512i w = _mm512_set1_epi32(static_cast<int>(pb[r][i]));
+      for (int z = 0; z < D / 16; z++) acc[r][z] = _mm512_dpwssd_epi32(acc[r][z], p.v[i][z], w);
+    }
+  }
+  for (int r = 0; r < NR; r++) {
+    const __m512 unit = _mm512_set1_ps(ws[r]);
+    for (int z = 0; z < D / 16; z++) {
+      const __m512 sum = _mm512_cvtepi32_ps(acc[r][z]);
+      _mm512_store_ps(o[r] + 16 * z, _mm512_fmadd_ps(sum, unit, _mm512_load_ps(o[r] + 16 * z)));
+    }
+  }
+}
+
 // Queries as the kernel reads them: scaled, rounded once to bfloat16, dims (2j, 2j + 1) in dword j.
 inline void round_queries(const float* q, int64_t n, float scale, uint32_t* out) {
   int64_t j = 0;
@@ -242,11 +277,12 @@ template <typename K, int D, typename Keys, typename Out>
 void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const float* qs, const int32_t* qsum,
                  const int64_t* len, int64_t nq, int64_t group, Out out) {
   constexpr int kScoreRows = 6, kValueRows = D == 64 ? 4 : 2;  // accumulators that fit the registers
+  constexpr bool i8 = std::is_same_v<K, int8_t>;
   const int rows = static_cast<int>(nq * group);
   alignas(64) float o[kMaxRows][D];
   alignas(64) uint32_t pb[kMaxRows][kBlock / 2];
   alignas(64) float ks[kBlock], vs[kBlock];
-  float m[kMaxRows], l[kMaxRows];
+  float m[kMaxRows], l[kMaxRows], ws[kMaxRows];  // ws: a row's weight unit in the block (int8 pool)
   __m512 s[kMaxRows][kRegs];
   for (int r = 0; r < rows; r++) {
     m[r] = -INFINITY;
@@ -269,12 +305,12 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
     pack<K>(block, nb, &pk);
     for (int r0 = 0; r0 < rows; r0 += kScoreRows) {
       switch (std::min(kScoreRows, rows - r0)) {
-#define WARMKV_ROWS(N)                                                  \
-  case N:                                                               \
-    if constexpr (std::is_same_v<K, int8_t>)                            \
-      scores_i8<D, N>(pk, q + r0, qs + r0, qsum + r0, nc, s + r0);      \
-    else                                                                \
-      scores<D, N>(pk, q + r0, nc, s + r0);                             \
+#define WARMKV_ROWS(N)                                           \
+  case N:                                                        \
+    if constexpr (i8)                                            \
+      scores_i8<D, N>(pk, q + r0, qs + r0, qsum + r0, nc, s + r0); \
+    else                                                         \
+      scores<D, N>(pk, q + r0, nc, s + r0);                      \
     break;
         WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4) WARMKV_ROWS(5) WARMKV_ROWS(6)
 #undef WARMKV_ROWS
@@ -285,6 +321,7 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
     for (int r = 0; r < rows; r++) {
       const int64_t valid = std::min(nb, len[r / group] - b0);
       std::fill(pb[r], pb[r] + kBlock / 2, 0u);
+      ws[r] = 0.f;
       if (valid <= 0) continue;  // no key of this block is the row's: its state stays as it is
       pairs = std::max(pairs, (valid + 1) / 2);
       __mmask16 mask[kRegs];
@@ -304,22 +341,38 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
         for (int z = 0; z < D / 16; z++) _mm512_store_ps(o[r] + 16 * z, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * z), av));
         m[r] = mn;
       }
-      __m512 sum = _mm512_setzero_ps();
-      for (int c = 0; c < kRegs; c++) {
-        if (!mask[c]) break;
+      __m512 sum = _mm512_setzero_ps(), top = _mm512_setzero_ps();
+      __m512 pv[kRegs];  // the weights of the values: p times V's scale
+      int used = 0;
+      for (; used < kRegs && mask[used]; used++) {
+        const int c = used;
         const __m512 p = _mm512_maskz_mov_ps(mask[c], exp16(_mm512_sub_ps(sc[c], _mm512_set1_ps(mn))));
         sum = _mm512_add_ps(sum, p);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + 8 * c),
-                           (__m256i)_mm512_cvtneps_pbh(scaled ? _mm512_mul_ps(p, _mm512_load_ps(vs + 16 * c)) : p));
+        pv[c] = scaled ? _mm512_mul_ps(p, _mm512_load_ps(vs + 16 * c)) : p;
+        top = _mm512_max_ps(top, pv[c]);
       }
       l[r] += _mm512_reduce_add_ps(sum);
+      if constexpr (i8) {
+        const float t = _mm512_reduce_max_ps(top);  // >= 0: p and V's scales are
+        ws[r] = t / 32767.f;
+        const __m512 inv = _mm512_set1_ps(t > 0.f ? 32767.f / t : 0.f);
+        for (int c = 0; c < used; c++)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + 8 * c),
+                             _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(pv[c], inv))));
+      } else {
+        for (int c = 0; c < used; c++)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + 8 * c), (__m256i)_mm512_cvtneps_pbh(pv[c]));
+      }
     }
     // Rows whose keys end sooner weigh the pairs beyond with zeros: adding them changes no bit.
     for (int r0 = 0; r0 < rows; r0 += kValueRows) {
       switch (std::min(kValueRows, rows - r0)) {
-#define WARMKV_ROWS(N) \
-  case N:              \
-    values<D, N>(pk, pb + r0, pairs, o + r0); \
+#define WARMKV_ROWS(N)                                       \
+  case N:                                                    \
+    if constexpr (i8)                                        \
+      values_i16<D, N>(pk, pb + r0, ws + r0, pairs, o + r0); \
+    else                                                     \
+      values<D, N>(pk, pb + r0, pairs, o + r0);              \
     break;
         WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4)
 #undef WARMKV_ROWS
