@@ -126,3 +126,28 @@ def test_a_query_gets_the_same_bits_however_it_is_batched(
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(one, piece), f"{kernel}: one thread"
+
+
+def _head_major(x: torch.Tensor | None) -> torch.Tensor | None:
+    """The same [slots, n_kv, ...] values, stored a kv head's slots after another (as the engine's pool)."""
+    return None if x is None else x.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@pytest.mark.parametrize(("n_heads", "n_kv", "d"), [(9, 3, 64), (8, 8, 64), (16, 2, 128)])
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_the_pools_memory_order_changes_no_bit(ext: ModuleType, n_heads: int, n_kv: int, d: int, kv: str) -> None:
+    gen = torch.Generator().manual_seed(11)
+    pool = _pool(700, n_kv, d, kv, gen)
+    moved = tuple(_head_major(t) for t in pool[:4])
+    assert moved[0].stride(1) == 700 * d  # type: ignore[union-attr]
+    q = torch.randn(40, n_heads * d, generator=gen)
+    slots = torch.randperm(700, generator=gen)
+    for kernel in _kernels(ext, d, n_heads // n_kv):
+        for positions in ([699], range(600, 640)):  # a decode row, a prefill piece
+            keys = [slots[: p + 1] for p in positions]
+            n = len(keys)
+            want = ext.attend(q[:n], *pool[:4], keys, [-1] * n, n_heads, d**-0.5, kernel)
+            got = ext.attend(q[:n], *moved, keys, [-1] * n, n_heads, d**-0.5, kernel)
+            assert torch.equal(got, want), f"{kernel}, {n} queries"
+    with pytest.raises(RuntimeError, match="dense"):  # a layout the kernels do not read
+        ext.attend(q[:1], pool[0][::2], pool[1][::2], None, None, [slots[:1]], [-1], n_heads, d**-0.5, "f32")

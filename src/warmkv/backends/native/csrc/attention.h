@@ -67,33 +67,46 @@ inline float exp_shifted(float* s, int64_t n, float m) {
   return total;
 }
 
-// One layer of a K/V pool, [slots, n_kv, d], with int8 scales [slots, n_kv] or none.
+// One layer of a K/V pool, [slots, n_kv, d], with int8 scales [slots, n_kv] or none. Rows of d
+// elements: (slot, kv head)'s is row slot * slot_rows + h * head_rows, its scale at that index
+// (slot-major: slot_rows = n_kv, head_rows = 1; the engine's head-major pool: 1 and slots).
 template <typename K>
 struct PoolLayer {
   const K* k;
   const K* v;
   const float* k_scale;
   const float* v_scale;
+  int64_t slot_rows, head_rows;
 };
 
 constexpr int64_t kChunk = 128;  // keys per chunk: fixed, so results do not depend on the thread count
 
-// One task: a chunk of keys [t0, t0 + n) for the kv heads [h0, h1). A pool row holds every kv head
-// of one position, so one head's consecutive keys lie a whole row apart (4 KiB at 32 heads of 64
-// bfloat16): walking the heads inside the position loop reads each row once, front to back,
-// instead of striding through it once per head.
+// One task: a chunk of keys [t0, t0 + n) for the kv heads [h0, h1).
 template <typename K>
 struct Task {
   PoolLayer<K> pool;
   const int64_t* slots;
-  int64_t first, n_kv, h0, h1, t0, n;
+  int64_t first, h0, h1, t0, n;
 
   int64_t slot(int64_t i) const { return first >= 0 ? first + t0 + i : slots[t0 + i]; }
-  int64_t row(int64_t i, int64_t h) const { return slot(i) * n_kv + h; }  // key i's (slot, kv head) row
+  int64_t row(int64_t i, int64_t h) const { return slot(i) * pool.slot_rows + h * pool.head_rows; }
   const K* k_row(int64_t i, int64_t h, int64_t d) const { return pool.k + row(i, h) * d; }
   const K* v_row(int64_t i, int64_t h, int64_t d) const { return pool.v + row(i, h) * d; }
   float k_scale(int64_t i, int64_t h) const { return pool.k_scale ? pool.k_scale[row(i, h)] : 1.f; }
   float v_scale(int64_t i, int64_t h) const { return pool.v_scale ? pool.v_scale[row(i, h)] : 1.f; }
+  // f(i, h) for every key and kv head of the task, in the pool's memory order: a head's keys in
+  // turn over a head-major pool, every head of a key in turn over a slot-major one (either way a
+  // head's keys come in order, so its sums add up the same).
+  template <typename F>
+  void each_row(const F& f) const {
+    if (pool.head_rows > 1) {
+      for (int64_t h = h0; h < h1; h++)
+        for (int64_t i = 0; i < n; i++) f(i, h);
+    } else {
+      for (int64_t i = 0; i < n; i++)
+        for (int64_t h = h0; h < h1; h++) f(i, h);
+    }
+  }
 };
 
 // The softmax of one head's scores in place; (max, sum) into each query head's partial.
@@ -112,28 +125,24 @@ inline void softmax_parts(float* s, int64_t group, int64_t n, int64_t d, float* 
 // whatever the task's head range.
 template <typename K, typename Part>
 void attend_task(const Task<K>& t, const float* qs, int64_t group, int64_t d, float* s, Part part) {
-  for (int64_t i = 0; i < t.n; i++) {
-    for (int64_t h = t.h0; h < t.h1; h++) {
-      const K* kr = t.k_row(i, h, d);
-      const float ks = t.k_scale(i, h);
-      float* sh = s + (h - t.h0) * group * kChunk;
-      for (int64_t g = 0; g < group; g++) sh[g * kChunk + i] = dot(qs + (h * group + g) * d, kr, d) * ks;
-    }
-  }
+  t.each_row([&](int64_t i, int64_t h) {
+    const K* kr = t.k_row(i, h, d);
+    const float ks = t.k_scale(i, h);
+    float* sh = s + (h - t.h0) * group * kChunk;
+    for (int64_t g = 0; g < group; g++) sh[g * kChunk + i] = dot(qs + (h * group + g) * d, kr, d) * ks;
+  });
   for (int64_t h = t.h0; h < t.h1; h++) {
     float* p = part(h);
     softmax_parts(s + (h - t.h0) * group * kChunk, group, t.n, d, p);
     for (int64_t g = 0; g < group; g++) std::fill(p + g * (d + 2) + 2, p + (g + 1) * (d + 2), 0.f);
   }
-  for (int64_t i = 0; i < t.n; i++) {
-    for (int64_t h = t.h0; h < t.h1; h++) {
-      const K* vr = t.v_row(i, h, d);
-      const float vs = t.v_scale(i, h);
-      const float* sh = s + (h - t.h0) * group * kChunk;
-      float* p = part(h);
-      for (int64_t g = 0; g < group; g++) axpy(sh[g * kChunk + i] * vs, vr, d, p + g * (d + 2) + 2);
-    }
-  }
+  t.each_row([&](int64_t i, int64_t h) {
+    const K* vr = t.v_row(i, h, d);
+    const float vs = t.v_scale(i, h);
+    const float* sh = s + (h - t.h0) * group * kChunk;
+    float* p = part(h);
+    for (int64_t g = 0; g < group; g++) axpy(sh[g * kChunk + i] * vs, vr, d, p + g * (d + 2) + 2);
+  });
 }
 
 // Up to kTileQ query tokens of one sequence (a prefill piece's, or a draft's) over the same chunk
@@ -173,23 +182,21 @@ void attend_tile_fixed(const Task<K>& t, const float* const* qs, const int64_t* 
   static_assert(D % 16 == 0, "a row must fill whole registers of either width (the widths' bits must agree)");
   constexpr int W = L::W, NV = D / W, VB = value_regs<L, NV, G>();
   const int64_t span = t.h1 - t.h0, per_q = span * G * kChunk;
-  for (int64_t i = 0; i < t.n; i++) {
-    for (int64_t h = t.h0; h < t.h1; h++) {
-      const K* kr = t.k_row(i, h, D);
-      // The value rows come in while the scores are computed: the pass below reads them a key
-      // at a time, and a paged pool's blocks break up the stride the hardware prefetcher follows.
-      prefetch_row(t.v_row(i, h, D), D * sizeof(K));
-      if (i + kAhead < t.n) prefetch_row(t.k_row(i + kAhead, h, D), D * sizeof(K));
-      R k[NV];
-      for (int v = 0; v < NV; v++) k[v] = L::load(kr + W * v);
-      const float ks = t.k_scale(i, h);
-      for (int64_t qi = 0; qi < nq; qi++) {
-        if (i >= len[qi]) continue;
-        float* sh = s + qi * per_q + (h - t.h0) * G * kChunk;
-        for (int g = 0; g < G; g++) sh[g * kChunk + i] = L::template score<D>(qs[qi] + (h * G + g) * D, k) * ks;
-      }
+  t.each_row([&](int64_t i, int64_t h) {
+    const K* kr = t.k_row(i, h, D);
+    // The value rows come in while the scores are computed: the pass below reads them a key
+    // at a time, and a paged pool's blocks break up the stride the hardware prefetcher follows.
+    prefetch_row(t.v_row(i, h, D), D * sizeof(K));
+    if (i + kAhead < t.n) prefetch_row(t.k_row(i + kAhead, h, D), D * sizeof(K));
+    R k[NV];
+    for (int v = 0; v < NV; v++) k[v] = L::load(kr + W * v);
+    const float ks = t.k_scale(i, h);
+    for (int64_t qi = 0; qi < nq; qi++) {
+      if (i >= len[qi]) continue;
+      float* sh = s + qi * per_q + (h - t.h0) * G * kChunk;
+      for (int g = 0; g < G; g++) sh[g * kChunk + i] = L::template score<D>(qs[qi] + (h * G + g) * D, k) * ks;
     }
-  }
+  });
   for (int64_t qi = 0; qi < nq; qi++) {
     const int64_t n = len[qi];
     if (n <= 0) continue;
@@ -233,15 +240,15 @@ struct HeadKeys {
   // at a time (one per key, a pool row apart: a scalar loop of them cost as much as the scores
   // of a decode row)
   void scales(int64_t nb, int64_t count, float* ks, float* vs) const {
-    const __m512i step = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7), n_kv = _mm512_set1_epi64(t->n_kv);
-    const __m512i head = _mm512_set1_epi64(h);
+    const __m512i step = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i slot_rows = _mm512_set1_epi64(t->pool.slot_rows), head = _mm512_set1_epi64(h * t->pool.head_rows);
     for (int64_t i = 0; i < count; i += 8) {
       const int64_t left = std::clamp<int64_t>(nb - i, 0, 8);
       const __mmask8 m = static_cast<__mmask8>((1u << left) - 1);
       const int64_t at = t->t0 + b0 + i;
       const __m512i slot = t->first >= 0 ? _mm512_add_epi64(_mm512_set1_epi64(t->first + at), step)
                                          : _mm512_maskz_loadu_epi64(m, t->slots + at);
-      const __m512i row = _mm512_add_epi64(_mm512_mul_epu32(slot, n_kv), head);  // slots < 2^32
+      const __m512i row = _mm512_add_epi64(_mm512_mul_epu32(slot, slot_rows), head);  // slots < 2^32
       _mm256_storeu_ps(ks + i, _mm512_mask_i64gather_ps(_mm256_setzero_ps(), m, row, t->pool.k_scale, 4));
       _mm256_storeu_ps(vs + i, _mm512_mask_i64gather_ps(_mm256_setzero_ps(), m, row, t->pool.v_scale, 4));
     }
@@ -330,7 +337,7 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
       const int64_t h0 = (local / nc) * per_span, h1 = std::min(n_kv, h0 + per_span), c = local % nc;
       if (h0 >= h1) continue;
       const QueryKeys& k = keys[tile_longest[j]];
-      const Task<K> t{pool, k.slots, k.first, n_kv, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
+      const Task<K> t{pool, k.slots, k.first, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
       int64_t len[kMaxTile];
       const float* qt[kMaxTile];
       for (int64_t u = 0; u < nt; u++) {

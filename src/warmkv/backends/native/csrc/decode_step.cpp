@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef __linux__
@@ -112,6 +113,32 @@ T* ptr(const Tensor& t) {
 
 const float* ptr_or_null(const optional<Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; }
 
+// A pool's (or a pool layer's) rows of d elements, from its strides: (rows between slots, rows
+// between the kv heads of a slot). K and V alike, each row dense, their scales a float per row.
+// dim: the slot dimension (1 for a whole pool [layers, slots, n_kv, d], 0 for one layer).
+std::pair<int64_t, int64_t> pool_rows(const Tensor& k, const Tensor& v, const optional<Tensor>& k_scale,
+                                      const optional<Tensor>& v_scale, int64_t dim) {
+  TORCH_CHECK(k.dim() == dim + 3 && k.sizes() == v.sizes() && k.strides() == v.strides(),
+              "K and V: one pool's shape");
+  const int64_t d = k.size(-1), slots = k.size(dim), n_kv = k.size(dim + 1);
+  const bool slot_major = k.stride(dim) == n_kv * d && k.stride(dim + 1) == d;
+  const bool head_major = k.stride(dim) == d && k.stride(dim + 1) == slots * d;
+  TORCH_CHECK(k.stride(-1) == 1 && (slot_major || head_major) && (dim == 0 || k.stride(0) == slots * n_kv * d),
+              "a pool layer must be [slots, n_kv, d] or [n_kv, slots, d] in memory, dense");
+  const int64_t slot_rows = k.stride(dim) / d, head_rows = k.stride(dim + 1) / d;
+  for (const optional<Tensor>* s : {&k_scale, &v_scale}) {
+    if (!*s) continue;
+    const Tensor& t = **s;
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == dim + 2 && t.size(dim) == slots &&
+                    t.size(dim + 1) == n_kv,
+                "int8 scales: float32, a scale per slot and kv head");
+    TORCH_CHECK(t.stride(dim) == slot_rows && t.stride(dim + 1) == head_rows &&
+                    (dim == 0 || t.stride(0) == slots * n_kv),
+                "int8 scales must be laid out as their pool rows");
+  }
+  return {slot_rows, head_rows};
+}
+
 // One layer's attention as a decode step runs it, for tests: q [T, n_heads * d] float32 over the
 // pool layer k/v [slots, n_kv, d] (int8 with scales [slots, n_kv]); query i's keys are slots[i], or
 // the range from first[i] >= 0. kernel: "bf16" or "f32".
@@ -119,8 +146,9 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const optional<
               const optional<Tensor>& v_scale, const std::vector<Tensor>& slots, const std::vector<int64_t>& first,
               int64_t n_heads, double scale, const std::string& kernel) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 2 && k.dim() == 3, "q: [T, n_heads * d] float32");
-  TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == v.scalar_type(), "k, v: one pool layer");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k, v: one pool layer");
   const int64_t t = q.size(0), n_kv = k.size(1), d = k.size(2);
+  const auto [slot_rows, head_rows] = pool_rows(k, v, k_scale, v_scale, 0);
   TORCH_CHECK(static_cast<int64_t>(slots.size()) == t && static_cast<int64_t>(first.size()) == t, "keys per query");
   Tensor qc = q.contiguous(), out = at::empty_like(qc);
   std::vector<warmkv::QueryKeys> keys(t);
@@ -129,7 +157,7 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const optional<
   auto run = [&](auto* kp, auto* vp) {
     using K = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
     const warmkv::PoolLayer<K> pool{kp, vp, k_scale ? k_scale->data_ptr<float>() : nullptr,
-                                    v_scale ? v_scale->data_ptr<float>() : nullptr};
+                                    v_scale ? v_scale->data_ptr<float>() : nullptr, slot_rows, head_rows};
     warmkv::attend(qc.data_ptr<float>(), pool, keys, n_heads, n_kv, d, static_cast<float>(scale),
                    out.data_ptr<float>(), bf16);
   };
@@ -180,7 +208,8 @@ class DecodeLoop {
                 "one key range per token expected");
     TORCH_CHECK(write_slots.scalar_type() == at::kLong && write_slots.numel() == t, "one write slot per token");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.numel() == t * head_dim_, "cos: [T, head_dim] float32");
-    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "K/V pools must be contiguous");
+    TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(2) == n_kv_ && k_pool.size(3) == head_dim_, "K/V pool shape");
+    pool_rows(k_pool, v_pool, k_scale, v_scale, 1);
     TORCH_CHECK(t >= 1, "a step needs at least one token");
     // attend() splits each query's keys in chunks: a token always sees at least itself.
     for (const auto& s : slots)
@@ -218,7 +247,8 @@ class DecodeLoop {
   template <typename K, typename T>
   Tensor loop(const Args& a) const {
     const int64_t t = a.x.size(0), dim = a.x.size(1), d = head_dim_, n_slots = a.k_pool.size(1);
-    const int64_t kv_row = n_kv_ * d, layer_elems = n_slots * kv_row;
+    const auto [slot_rows, head_rows] = pool_rows(a.k_pool, a.v_pool, a.k_scale, a.v_scale, 1);
+    const int64_t layer_elems = n_slots * n_kv_ * d;
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     const auto opts = a.x.options();
     Tensor x = a.x;
@@ -242,10 +272,11 @@ class DecodeLoop {
       per_token(t, [&](int64_t i) {
         const int64_t slot = write[i];
         warmkv::rope_store(ptr<T>(qkv) + i * qkv.size(1), n_heads_, n_kv_, d, cos + i * d, sin + i * d,
-                           ptr_or_null(L.qk_norm), eps, q.data_ptr<float>() + i * n_heads_ * d, kp + slot * kv_row,
-                           vp + slot * kv_row, ks ? ks + slot * n_kv_ : nullptr, vs ? vs + slot * n_kv_ : nullptr);
+                           ptr_or_null(L.qk_norm), eps, q.data_ptr<float>() + i * n_heads_ * d,
+                           kp + slot * slot_rows * d, vp + slot * slot_rows * d, ks ? ks + slot * slot_rows : nullptr,
+                           vs ? vs + slot * slot_rows : nullptr, head_rows);
       });
-      const warmkv::PoolLayer<K> pool{kp, vp, ks, vs};
+      const warmkv::PoolLayer<K> pool{kp, vp, ks, vs, slot_rows, head_rows};
       warmkv::attend(q.data_ptr<float>(), pool, keys, n_heads_, n_kv_, d, scale, att.data(), bf16_);
       T* op = ptr<T>(o);
       for (int64_t j = 0; j < t * n_heads_ * d; j++) op[j] = warmkv::from_f<T>(att[j]);

@@ -73,10 +73,12 @@ inline void store_head<int8_t>(const float* x, int64_t d, int8_t* dst, float* sc
 }
 
 // One token's fused q/k/v row -> (optional per-head q/k RMSNorm) -> RoPE (rotate-half layout;
-// sin carries the sign of the first half) -> q as float32, k and v stored into the pool rows.
+// sin carries the sign of the first half) -> q as float32, k and v stored into the pool rows of
+// the token's slot: kv head h's at k_dst + h * head_rows * d (its scale at k_scale + h * head_rows).
 template <typename T, typename K>
 void rope_store(const T* qkv, int64_t n_heads, int64_t n_kv, int64_t d, const float* cos, const float* sin,
-                const float* qk_norm, float eps, float* q, K* k_dst, K* v_dst, float* k_scale, float* v_scale) {
+                const float* qk_norm, float eps, float* q, K* k_dst, K* v_dst, float* k_scale, float* v_scale,
+                int64_t head_rows) {
   std::vector<float> x(d), y(d);
   const int64_t half = d / 2;
   for (int64_t h = 0; h < n_heads + n_kv; h++) {
@@ -88,13 +90,13 @@ void rope_store(const T* qkv, int64_t n_heads, int64_t n_kv, int64_t d, const fl
       std::copy(y.begin(), y.end(), q + h * d);
     } else {
       const int64_t kh = h - n_heads;
-      store_head(y.data(), d, k_dst + kh * d, k_scale ? k_scale + kh : nullptr);
+      store_head(y.data(), d, k_dst + kh * head_rows * d, k_scale ? k_scale + kh * head_rows : nullptr);
     }
   }
   const T* v = qkv + (n_heads + n_kv) * d;
   for (int64_t h = 0; h < n_kv; h++) {
     for (int64_t j = 0; j < d; j++) x[j] = to_f(v[h * d + j]);
-    store_head(x.data(), d, v_dst + h * d, v_scale ? v_scale + h : nullptr);
+    store_head(x.data(), d, v_dst + h * head_rows * d, v_scale ? v_scale + h * head_rows : nullptr);
   }
 }
 
