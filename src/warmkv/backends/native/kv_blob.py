@@ -28,6 +28,11 @@ def _sizes(cache: PagedKVCache, length: int) -> list[int]:
     return [cache.layout.n_layers * length * math.prod(t.shape[2:]) * t.element_size() for t in cache.storage()]
 
 
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """t's elements as numpy sees them, in place, whatever its strides: bfloat16 as int16 bits."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def _buffer(n: int) -> memoryview:
     """n writable bytes on an anonymous mapping, in huge pages where the kernel gives them.
 
@@ -66,9 +71,8 @@ def export_seq(cache: PagedKVCache, seq: int, *, background: bool = False) -> me
     for t, size in zip(cache.storage(), sizes, strict=True):
         dst = buf[offset : offset + size].view(t.dtype).view(lay.n_layers, length, *t.shape[2:])
         if t.device.type == "cpu" and background:
-            rows = t.view(torch.uint8).numpy()  # bytes: numpy has no bfloat16
             # mode="wrap": the slots are in range, and "raise" gathers through a full-size temporary
-            np.take(rows, slots.numpy(), axis=1, out=dst.view(torch.uint8).numpy(), mode="wrap")
+            np.take(_numpy(t), slots.numpy(), axis=1, out=_numpy(dst), mode="wrap")
         elif t.device.type == "cpu":
             torch.index_select(t, 1, slots, out=dst)
         else:

@@ -33,6 +33,7 @@ class KVLayout:
     num_blocks: int
     block_size: int = 16
     dtype: str = "float32"
+    head_major: bool = False  # storage order (see PagedKVCache); indexing is the same either way
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "n_kv_heads", "head_dim", "num_blocks", "block_size"):
@@ -64,8 +65,21 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(np.zeros(shape, dtype=_NP_TWIN[dtype])).view(dtype)
 
 
+def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, head_major: bool) -> torch.Tensor:
+    """Zeroed storage [layers, slots, kv heads, ...], or [layers, kv heads, slots, ...] seen as that."""
+    if not head_major:
+        return _zeros(shape, dtype, device)
+    return _zeros((shape[0], shape[2], shape[1], *shape[3:]), dtype, device).transpose(1, 2)
+
+
 class PagedKVCache:
-    """Block pool + per-sequence block tables + the K/V storage tensors."""
+    """Block pool + per-sequence block tables + the K/V storage tensors.
+
+    k, v: [n_layers, slots, n_kv_heads, head_dim] (scales: [n_layers, slots, n_kv_heads]). Stored
+    slot-major, a slot's row holds every kv head; head-major (layout.head_major), one kv head's
+    slots lie one after another, a stream for a kernel that reads a head's keys in turn. Indexing
+    by slot is the same either way; the C++ loop takes the strides.
+    """
 
     def __init__(self, layout: KVLayout, device: str | torch.device = "cpu") -> None:
         self.layout = layout
@@ -73,12 +87,12 @@ class PagedKVCache:
         bs, n = layout.block_size, layout.num_blocks
         shape = (layout.n_layers, n * bs, layout.n_kv_heads, layout.head_dim)
         dtype = KV_DTYPES[layout.dtype]
-        self.k = _zeros(shape, dtype, self.device)
-        self.v = _zeros(shape, dtype, self.device)
+        self.k = _pool(shape, dtype, self.device, layout.head_major)
+        self.v = _pool(shape, dtype, self.device, layout.head_major)
         self.quantized = layout.dtype == "int8"
         if self.quantized:
-            self.k_scale = _zeros(shape[:3], torch.float32, self.device)
-            self.v_scale = _zeros(shape[:3], torch.float32, self.device)
+            self.k_scale = _pool(shape[:3], torch.float32, self.device, layout.head_major)
+            self.v_scale = _pool(shape[:3], torch.float32, self.device, layout.head_major)
         self._ref = [0] * n
         # Free blocks: a set, plus a min-heap with lazy deletion for "lowest free id".
         self._free = set(range(n))
