@@ -257,3 +257,31 @@ def test_the_pool_commits_memory_only_where_sequences_grow() -> None:
     grown = _rss() - before
     assert grown < size // 8, f"4,096 of {16384 * 16} tokens committed {grown >> 20} MiB"
     assert cache.gather(3, slots[:2], torch.float32)[0].sum().item() == 2 * 4 * 64
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
+def test_a_head_major_pool_holds_and_exports_what_a_slot_major_one_does(dtype: str) -> None:
+    from warmkv.backends.native.kv_blob import export_seq, import_seq
+
+    layouts = [KVLayout(2, 3, 8, num_blocks=12, block_size=BS, dtype=dtype, head_major=h) for h in (False, True)]
+    pools = [PagedKVCache(layout) for layout in layouts]
+    assert pools[1].k.stride(2) == 12 * BS * 8 and pools[1].k.stride(1) == 8  # a head's slots are one run
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(2, 10, 3, 8, generator=gen), torch.randn(2, 10, 3, 8, generator=gen)
+    for c in pools:
+        slots = c.append(0, 10)
+        for layer in range(2):
+            c.write(layer, slots, k[layer], v[layer])
+        c.copy_prefix(0, 1, 6)  # shared blocks, then a copy-on-write of the partial one
+        c.write(1, c.append(1, 1)[6:], k[1, :1], v[1, :1])
+        c.remove(0, 2, 5)
+    for seq in (0, 1):
+        for layer in range(2):
+            got = [c.gather(layer, c.slots(seq), torch.float32) for c in pools]
+            assert all(torch.equal(a, b) for a, b in zip(*got, strict=True)), (seq, layer)
+        blobs = [bytes(export_seq(c, seq, background=bg)) for c in pools for bg in (False, True)]
+        assert len(set(blobs)) == 1, f"sequence {seq}: the blob depends on the layout or the gather"
+        import_seq(pools[1], 2, blobs[0], 64)  # and reads back into the other layout
+        assert bytes(export_seq(pools[1], 2)) == blobs[0]
+    for c in pools:
+        c.check_integrity()
