@@ -285,3 +285,22 @@ def test_a_head_major_pool_holds_and_exports_what_a_slot_major_one_does(dtype: s
         assert bytes(export_seq(pools[1], 2)) == blobs[0]
     for c in pools:
         c.check_integrity()
+
+
+def test_a_background_export_of_a_head_major_pool_takes_blob_sized_memory() -> None:
+    import tracemalloc
+
+    from warmkv.backends.native.kv_blob import export_seq
+
+    c = PagedKVCache(KVLayout(4, 3, 64, num_blocks=2000, block_size=16, dtype="int8", head_major=True))
+    slots = c.append(0, 100)
+    for layer in range(4):
+        c.write(layer, slots, torch.randn(100, 3, 64), torch.randn(100, 3, 64))
+    tracemalloc.start()
+    try:
+        blob = export_seq(c, 0, background=True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # np.take on the pool's transposed view copied the whole 24 MB K pool first
+    assert peak < 2 * len(blob) < c.k.numel() // 50, (peak, len(blob))

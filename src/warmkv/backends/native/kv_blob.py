@@ -33,6 +33,24 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
+def _take_slots(t: torch.Tensor, slots: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst[:] = t[:, slots] with numpy on this thread, reading t in its own memory order.
+
+    np.take copies a source that is not C-contiguous whole first: a head-major pool's transposed
+    view would cost a pool-sized temporary per export. Its storage order, [layers, kv heads,
+    slots, ...], is contiguous: take along the slots there into a blob-sized part, then transpose.
+    mode="wrap": the slots are in range, and "raise" gathers through a full-size temporary too.
+    """
+    idx = slots.numpy()
+    if t.is_contiguous():
+        np.take(_numpy(t), idx, axis=1, out=_numpy(dst), mode="wrap")
+        return
+    stored = t.transpose(1, 2)
+    if not stored.is_contiguous():
+        raise ValueError(f"a pool tensor of strides {t.stride()} is neither slot- nor head-major")
+    _numpy(dst)[...] = np.take(_numpy(stored), idx, axis=2, mode="wrap").swapaxes(1, 2)
+
+
 def _buffer(n: int) -> memoryview:
     """n writable bytes on an anonymous mapping, in huge pages where the kernel gives them.
 
@@ -71,8 +89,7 @@ def export_seq(cache: PagedKVCache, seq: int, *, background: bool = False) -> me
     for t, size in zip(cache.storage(), sizes, strict=True):
         dst = buf[offset : offset + size].view(t.dtype).view(lay.n_layers, length, *t.shape[2:])
         if t.device.type == "cpu" and background:
-            # mode="wrap": the slots are in range, and "raise" gathers through a full-size temporary
-            np.take(_numpy(t), slots.numpy(), axis=1, out=_numpy(dst), mode="wrap")
+            _take_slots(t, slots, dst)
         elif t.device.type == "cpu":
             torch.index_select(t, 1, slots, out=dst)
         else:
