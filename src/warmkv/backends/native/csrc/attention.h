@@ -237,8 +237,8 @@ struct HeadKeys {
   const K* v_row(int64_t i) const { return t->v_row(b0 + i, h, D); }
   bool scaled() const { return t->pool.k_scale != nullptr; }
   // ks[i], vs[i] = the scales of keys i < nb, 0 for nb <= i < count (a multiple of 8): gathered 8
-  // at a time (one per key, a pool row apart: a scalar loop of them cost as much as the scores
-  // of a decode row)
+  // at a time (one per key, through the slot list or a pool row apart in a slot-major pool: a
+  // scalar loop of them cost as much as the scores of a decode row)
   void scales(int64_t nb, int64_t count, float* ks, float* vs) const {
     const __m512i step = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i slot_rows = _mm512_set1_epi64(t->pool.slot_rows), head = _mm512_set1_epi64(h * t->pool.head_rows);

@@ -148,7 +148,9 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const optional<
   TORCH_CHECK(q.scalar_type() == at::kFloat && q.dim() == 2 && k.dim() == 3, "q: [T, n_heads * d] float32");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k, v: one pool layer");
   const int64_t t = q.size(0), n_kv = k.size(1), d = k.size(2);
-  const auto [slot_rows, head_rows] = pool_rows(k, v, k_scale, v_scale, 0);
+  // plain locals, not a structured binding: lambdas capture them (a binding only from C++20)
+  const std::pair<int64_t, int64_t> rows = pool_rows(k, v, k_scale, v_scale, 0);
+  const int64_t slot_rows = rows.first, head_rows = rows.second;
   TORCH_CHECK(static_cast<int64_t>(slots.size()) == t && static_cast<int64_t>(first.size()) == t, "keys per query");
   Tensor qc = q.contiguous(), out = at::empty_like(qc);
   std::vector<warmkv::QueryKeys> keys(t);
@@ -247,7 +249,8 @@ class DecodeLoop {
   template <typename K, typename T>
   Tensor loop(const Args& a) const {
     const int64_t t = a.x.size(0), dim = a.x.size(1), d = head_dim_, n_slots = a.k_pool.size(1);
-    const auto [slot_rows, head_rows] = pool_rows(a.k_pool, a.v_pool, a.k_scale, a.v_scale, 1);
+    const std::pair<int64_t, int64_t> rows = pool_rows(a.k_pool, a.v_pool, a.k_scale, a.v_scale, 1);
+    const int64_t slot_rows = rows.first, head_rows = rows.second;  // captured by lambdas: plain locals
     const int64_t layer_elems = n_slots * n_kv_ * d;
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     const auto opts = a.x.options();
