@@ -211,13 +211,13 @@ class DecodeLoop {
     TORCH_CHECK(write_slots.scalar_type() == at::kLong && write_slots.numel() == t, "one write slot per token");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.numel() == t * head_dim_, "cos: [T, head_dim] float32");
     TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(2) == n_kv_ && k_pool.size(3) == head_dim_, "K/V pool shape");
-    pool_rows(k_pool, v_pool, k_scale, v_scale, 1);
+    const std::pair<int64_t, int64_t> rows = pool_rows(k_pool, v_pool, k_scale, v_scale, 1);
     TORCH_CHECK(t >= 1, "a step needs at least one token");
     // attend() splits each query's keys in chunks: a token always sees at least itself.
     for (const auto& s : slots)
       TORCH_CHECK(s.scalar_type() == at::kLong && s.is_contiguous() && s.numel() >= 1, "each token needs its keys");
-    Args a{x.contiguous(), k_pool, v_pool, k_scale, v_scale, write_slots.contiguous(), slots, first,
-           cos.contiguous(), sin.contiguous()};
+    Args a{x.contiguous(), k_pool, v_pool, k_scale, v_scale, rows.first, rows.second, write_slots.contiguous(),
+           slots, first, cos.contiguous(), sin.contiguous()};
     const bool bf16 = dtype_ == at::kBFloat16;
     switch (k_pool.scalar_type()) {
       case at::kFloat:
@@ -239,6 +239,7 @@ class DecodeLoop {
     Tensor x;
     const Tensor &k_pool, &v_pool;
     const optional<Tensor>&k_scale, &v_scale;
+    int64_t slot_rows, head_rows;  // the pools' row strides (pool_rows), checked once per step
     Tensor write_slots;
     const std::vector<Tensor>& slots;
     const std::vector<int64_t>& first;
@@ -249,8 +250,7 @@ class DecodeLoop {
   template <typename K, typename T>
   Tensor loop(const Args& a) const {
     const int64_t t = a.x.size(0), dim = a.x.size(1), d = head_dim_, n_slots = a.k_pool.size(1);
-    const std::pair<int64_t, int64_t> rows = pool_rows(a.k_pool, a.v_pool, a.k_scale, a.v_scale, 1);
-    const int64_t slot_rows = rows.first, head_rows = rows.second;  // captured by lambdas: plain locals
+    const int64_t slot_rows = a.slot_rows, head_rows = a.head_rows;
     const int64_t layer_elems = n_slots * n_kv_ * d;
     const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
     const auto opts = a.x.options();
