@@ -5,10 +5,15 @@ is not llama.cpp's arithmetic, so only float32 can match it token for token."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 import warmkv
 from conftest import BACKENDS, NO_TIERS, SYSTEM, USER_A, USER_B, greedy_tokens
+from warmkv.backends.compute_thread import compute_thread
 from warmkv.bench.peer import peer_llama
 
 
@@ -30,15 +35,46 @@ def peer(rt: warmkv.Runtime):
 @pytest.mark.parametrize("suffix", [USER_A, USER_B])
 def test_greedy_matches_llama(rt: warmkv.Runtime, peer, suffix: str) -> None:
     prompt = SYSTEM + suffix
-    expected = []
-    peer.reset()
-    for tok in peer.generate(
-        peer.tokenize(prompt.encode(), add_bos=rt.default_add_bos, special=True), temp=0.0, top_k=1, repeat_penalty=1.0
-    ):
-        expected.append(tok)
-        if len(expected) == 24:
-            break
+
+    def peer_tokens() -> list[int]:
+        expected = []
+        peer.reset()
+        tokens = peer.tokenize(prompt.encode(), add_bos=rt.default_add_bos, special=True)
+        for tok in peer.generate(tokens, temp=0.0, top_k=1, repeat_penalty=1.0):
+            expected.append(tok)
+            if len(expected) == 24:
+                break
+        return expected
+
+    expected = compute_thread().call(peer_tokens)  # where the peer runs (warmkv.bench.peer)
     with rt.session() as s:
         s.ensure_prefix(SYSTEM)
         s.prefill_suffix(suffix)
         assert greedy_tokens(s, 24) == expected
+
+
+def test_the_peer_adds_no_openmp_pool() -> None:
+    """The peer runs on the engines' thread: a second OpenMP pool would throttle both (peer.py).
+
+    In a fresh process, since this one's main thread may hold a pool of its own already: a peer
+    run from the main thread starts a pool there, one more OS thread per extra OpenMP thread.
+    """
+    code = textwrap.dedent(
+        """
+        import os, warmkv
+        from warmkv.bench.peer import peer_generate, peer_llama
+        rt = warmkv.Runtime.load(num_ctx=512, n_seq_max=1, num_threads=2, prefix_cache_mb=0, kv_store_mb=0)
+        with rt.session() as s:
+            s.ensure_prefix("Hello")
+            list(s.decode(warmkv.DecodeConfig(max_tokens=4, temperature=0.0)))
+        before = len(os.listdir("/proc/self/task"))
+        llm = peer_llama(rt)
+        assert peer_generate(llm, "Hello", 4).text
+        print(before, len(os.listdir("/proc/self/task")))
+        llm.close()
+        rt.close()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    before, after = map(int, out.stdout.split())
+    assert after == before, f"the peer started {after - before} thread(s) beside the compute thread's pool"

@@ -9,7 +9,9 @@ than the same step on the first (measured for llama.cpp and for torch alike). Th
 engines load one libgomp (torch's and llama.cpp's share its soname), so a llama.cpp
 model and a native one in the same process collide the same way: native decode ran at
 half speed after a llama.cpp model had decoded. Routing all compute of every model
-through one thread keeps one pool whoever calls.
+through one thread keeps one pool whoever calls. That includes work outside the engines
+that runs parallel kernels: a llama-cpp-python `Llama` a benchmark runs beside warmkv
+halved native decode (217 -> 103 tok/s) once it had generated on the main thread.
 """
 
 from __future__ import annotations
@@ -72,6 +74,11 @@ class ComputeThread:
                 fut.set_result(fn(*args, **kwargs))
             except BaseException as e:  # handed to the caller, who re-raises it
                 fut.set_exception(e)
+
+
+def compute_thread() -> ComputeThread:
+    """The process's compute thread: every model, and anything else that runs parallel kernels."""
+    return ComputeThread.shared("warmkv-compute")
 
 
 class HasCompute(Protocol):

@@ -40,7 +40,7 @@ from ..errors import (
 from ..manifest import file_digest
 from ..sampling import Sampler
 from .base import BlobKV, ForwardRow, KVMemory, ModelInfo, ModelState, check_embed_tokens, check_rows
-from .compute_thread import ComputeThread, on_compute_thread
+from .compute_thread import compute_thread, on_compute_thread
 from .llamacpp_checkpoints import StateCheckpoints, unpack
 from .llamacpp_embed import EmbeddingContext
 from .llamacpp_moves import KVMover, LlamaMovedKV, chunk_support, require
@@ -159,7 +159,7 @@ class LlamaCppBackend:
         self._slots = SeqSlots(self.config.n_seq_max)
         self._chunks = self.config.reuse_mode == "chunks"
         self._mover = KVMover(self, self._slots.total) if self._chunks else None
-        self._compute = ComputeThread.shared("warmkv-compute")  # every llama_decode runs there
+        self._compute = compute_thread()  # every llama_decode runs there
         n_swa = lc.llama_model_n_swa(model)
         recurrent = bool(lc.llama_model_is_recurrent(model) or lc.llama_model_is_hybrid(model))
         self._ring = n_swa > 0 and self.config.swa_cache == "window" and not recurrent

@@ -9,6 +9,12 @@ attention, as a user of `Llama` would run it. On a 2-core AMD EPYC (Zen 4) llama
 prefills the coding loop's cold 3,078-token prompt ~2.2x slower on q8_0 K/V with flash
 attention than on f16 (39.2-40.2 s against 16.4-18.7 s), so copying the native engine's
 int8 K/V would flatter warmkv.
+
+The peer is built and run on the process's compute thread, where warmkv's engines run:
+llama.cpp and torch share one libgomp, and a second OpenMP pool on the caller's thread
+makes libgomp stop spinning between parallel regions for both of them (see
+compute_thread.py). Run from the main thread, the peer halved native decode for the
+rest of the benchmark (217 -> 103 tok/s).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..backends.compute_thread import compute_thread
 from ..runtime import Runtime
 
 
@@ -36,6 +43,11 @@ def peer_numerics(rt: Runtime) -> PeerNumerics:
 
 
 def peer_llama(rt: Runtime, **extra: Any) -> Any:
+    """The peer, built on the compute thread; run it there too (peer_generate, or compute_thread().call)."""
+    return compute_thread().call(_build, rt, **extra)
+
+
+def _build(rt: Runtime, **extra: Any) -> Any:
     from llama_cpp import Llama
 
     from ..backends.llamacpp import KV_TYPES
@@ -66,7 +78,11 @@ class PeerResult:
 
 
 def peer_generate(llm: Any, prompt: str, max_tokens: int) -> PeerResult:
-    """Greedy completion on the peer; TTFT is the time to its first streamed chunk."""
+    """Greedy completion on the peer, on the compute thread; TTFT is the time to its first streamed chunk."""
+    return compute_thread().call(_generate, llm, prompt, max_tokens)
+
+
+def _generate(llm: Any, prompt: str, max_tokens: int) -> PeerResult:
     t0 = time.perf_counter()
     ttft = None
     parts = []

@@ -27,7 +27,7 @@ from ...errors import (
 )
 from ...manifest import file_digest
 from ..base import Blob, ForwardRow, KVMemory, ModelInfo, ModelState, TokenSampler, check_embed_tokens, check_rows
-from ..compute_thread import ComputeThread, on_compute_thread
+from ..compute_thread import ComputeThread, compute_thread, on_compute_thread
 from ..options import NATIVE_KV_STORAGE, NativeOptions
 from ..slots import SeqSlots
 from . import decode_ext
@@ -174,7 +174,7 @@ class NativeBackend:
                 "kv_cache_type", f"{config.kv_cache_type!r} on native; use one of {', '.join(NATIVE_KV_STORAGE)}"
             )
         self.device = pick_device(opts.device, opts.compute_dtype)
-        self._compute = ComputeThread.shared("warmkv-compute")
+        self._compute = compute_thread()
         self._load(Path(path), config, opts)
         self._reclaim: Callable[[], bool] | None = None
         self._cache: PagedKVCache | None = None
