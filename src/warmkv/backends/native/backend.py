@@ -210,6 +210,7 @@ class NativeBackend:
             quant,
             self.device,
             blocks=ckpt.blocks,
+            rows=ckpt.rows,
             ext=module,
             prefill_dense=prefill_weights == "bf16",
         )

@@ -9,13 +9,14 @@ from typing import Generic, TypeVar
 import torch
 
 from .args import ModelArgs
+from .coded_rows import CodedRows
 from .qweights import Blocks
 from .tokenizer import TextTokenizer
 
 T = TypeVar("T")
 
 
-def _absent(name: str) -> Blocks:
+def _absent(name: str) -> T:
     raise KeyError(name)
 
 
@@ -31,7 +32,7 @@ class Lazy(Mapping[str, T], Generic[T]):
         self._make = make
 
     @staticmethod
-    def none() -> Lazy[Blocks]:
+    def none() -> Lazy[T]:
         return Lazy({}, _absent)
 
     def shape(self, name: str) -> tuple[int, ...] | None:
@@ -66,6 +67,8 @@ class Checkpoint:
     layer_weight_types: frozenset[str] = frozenset()
     # A GGUF's Q4_0/Q4_1/Q8_0 matrices as stored (HF names): quantized engines reuse these codes exactly.
     blocks: Lazy[Blocks] = field(default_factory=lambda: Lazy.none())
+    # A GGUF's quantized or half-precision matrices as stored, looked up by row (the token embeddings).
+    rows: Lazy[CodedRows] = field(default_factory=lambda: Lazy.none())
 
     def layer_params(self) -> int:
         """Parameters in the layers' matrices, from the shapes alone."""

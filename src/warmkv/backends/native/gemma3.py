@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from .args import ModelArgs
 from .attention import RowPlan, paged_attention
 from .checkpoint import Lazy
+from .coded_rows import CodedRows
 from .model import Linear, Transformer, _take
 from .paged_kv import PagedKVCache
 from .qweights import Blocks
@@ -68,8 +69,9 @@ class Gemma3(Transformer):
         blocks: Lazy[Blocks] | None = None,
         ext: ModuleType | None = None,
         prefill_dense: bool = True,
+        rows: Lazy[CodedRows] | None = None,
     ) -> None:
-        super().__init__(args, weights, dtype, max_pos, quant, device, blocks, ext, prefill_dense)
+        super().__init__(args, weights, dtype, max_pos, quant, device, blocks, ext, prefill_dense, rows)
         a = args
         self.post_norms: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in range(a.n_layers):

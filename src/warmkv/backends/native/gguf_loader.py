@@ -16,6 +16,7 @@ import torch
 from ...errors import InvalidModelFile, Unsupported
 from .args import ARCHITECTURES, ModelArgs
 from .checkpoint import Checkpoint, Lazy
+from .coded_rows import CodedRows
 from .qweights import KINDS, Blocks, from_gguf
 from .tokenizer import from_gguf_metadata
 
@@ -167,6 +168,10 @@ class _Tensors:
         w = self._rows_in_order(name, np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         return torch.from_numpy(w if w.flags.writeable else w.copy())
 
+    def rows(self, name: str) -> CodedRows:
+        t = self._tensors[name]  # a copy: the file's mapping is not kept
+        return CodedRows(np.array(self._rows_in_order(name, np.asarray(t.data))), t.tensor_type, int(t.shape[0]))
+
     def codes(self, name: str) -> Blocks:
         t = self._tensors[name]  # whole rows move in the unpermute: their blocks with them
         return from_gguf(t.tensor_type.name, self._rows_in_order(name, np.asarray(t.data)))
@@ -212,6 +217,7 @@ def load_gguf(path: Path) -> Checkpoint:
         metadata={k: _short(v) for k, v in meta.items() if not k.startswith("tokenizer.ggml.")},
         layer_weight_types=frozenset(layer_types),
         blocks=Lazy(coded, source.codes),
+        rows=Lazy({k: s for k, s in shapes.items() if len(s) == 2 and tensors[k].tensor_type != Q.F32}, source.rows),
     )
 
 

@@ -19,6 +19,7 @@ from ...errors import InvalidModelFile, Unsupported
 from .args import ModelArgs
 from .attention import RowPlan, paged_attention
 from .checkpoint import Lazy
+from .coded_rows import CodedRows
 from .decode_ext import DecodeLoop
 from .paged_kv import PagedKVCache
 from .qweights import KINDS, Blocks, cat, quantize_q4, quantize_q8
@@ -160,6 +161,7 @@ class Transformer:
         blocks: Lazy[Blocks] | None = None,
         ext: ModuleType | None = None,
         prefill_dense: bool = True,
+        rows: Lazy[CodedRows] | None = None,
     ) -> None:
         """quant: "none", "int8" or "int4" weights (int4 keeps the output head at 8 bits: it is the most sensitive).
 
@@ -167,6 +169,7 @@ class Transformer:
         int4 with `ext` (the C++ kernels): every matmul of a decode row runs qmatmul on 4-bit blocks
         (a GGUF's own codes from `blocks` where given) and the head on 8-bit ones; prefill_dense
         keeps a bfloat16 copy of the layers for prefill rows (2 bytes a weight, ~4x the 4-bit codes).
+        rows: a GGUF's coded matrices by row; on the CPU the token embeddings stay in their codes.
         """
         a = args
         device = torch.device("cpu") if device is None else device
@@ -177,16 +180,29 @@ class Transformer:
         self._ext = ext if quant == "int4" else None
         self._dense = prefill_dense
         q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        self.embed = _take(weights, "model.embed_tokens.weight", (a.vocab_size, a.dim)).float()
-        head = "model.embed_tokens.weight" if a.tie_embeddings else "lm_head.weight"
+        emb = _shape(weights, "model.embed_tokens.weight", (a.vocab_size, a.dim))
+        head = emb if a.tie_embeddings else "lm_head.weight"
         _shape(weights, head, (a.vocab_size, a.dim))
+        made: dict[str, torch.Tensor] = {}  # the float table, once made
+
+        def floats(name: str) -> torch.Tensor:
+            if name != emb:
+                return weights[name]
+            if emb not in made:
+                made[emb] = weights[emb].float()
+            return made[emb]
+
         if self._ext is not None:
-            head_blocks = blocks.get(head) or quantize_q8(self.embed if a.tie_embeddings else weights[head])
+            head_blocks = blocks.get(head) or quantize_q8(floats(head))
             self.lm_head = Linear.blocks(head_blocks, self._ext, None, dense=False)
         else:
-            w = self.embed if a.tie_embeddings else weights[head]
-            self.lm_head = Linear.make(w, dtype, "int8" if quant == "int4" else quant, device=device)
-        self.embed = self.embed.to(device)
+            self.lm_head = Linear.make(floats(head), dtype, "int8" if quant == "int4" else quant, device=device)
+        # Lookups take the file's codes row by row (coded_rows.py), unless a dense float32 head of a
+        # tied model holds the float table anyway: then they share it.
+        shared = emb in made and self.lm_head.w.data_ptr() == made[emb].data_ptr()
+        coded = rows is not None and emb in rows and device.type == "cpu" and not shared
+        self.embed: torch.Tensor | CodedRows = rows[emb] if coded else floats(emb).to(device)  # type: ignore[index]
+        made.clear()  # the layers are built without the float table unless it is kept
         # Folding g into the columns would change each 4-bit group's values: int4 keeps the norms apart.
         fold = quant != "int4"
         self.norm = _take(weights, "model.norm.weight", (a.dim,)).float().to(device)
