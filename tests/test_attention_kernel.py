@@ -151,3 +151,32 @@ def test_the_pools_memory_order_changes_no_bit(ext: ModuleType, n_heads: int, n_
             assert torch.equal(got, want), f"{kernel}, {n} queries"
     with pytest.raises(RuntimeError, match="dense"):  # a layout the kernels do not read
         ext.attend(q[:1], pool[0][::2], pool[1][::2], None, None, [slots[:1]], [-1], n_heads, d**-0.5, "f32")
+
+
+def test_bad_pools_and_slots_are_refused(ext: ModuleType) -> None:
+    """The kernels index the pool with every slot they are given: each is checked first."""
+    gen = torch.Generator().manual_seed(3)
+    k, v, ks, vs = _pool(64, 3, 64, "q8_0", gen)[:4]
+    hk, hv = _pool(64, 3, 64, "f16", gen)[:2]
+    q = torch.randn(1, 9 * 64, generator=gen)
+    ok = [torch.arange(10)]
+
+    def attend(*pool, keys=ok, first=(-1,)):  # type: ignore[no-untyped-def]
+        return ext.attend(q, *pool, keys, list(first), 9, 0.125, "f32")
+
+    attend(k, v, ks, vs)
+    for pool, message in (
+        ((k, v, None, None), "int8 K/V need a K scale and a V scale"),
+        ((k, v, ks, None), "int8 K/V need a K scale and a V scale"),
+        ((hk, hv, ks, vs), "K/V scales are for int8 K/V only"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            attend(*pool)
+    for keys, first, message in (
+        ([torch.tensor([3, 64])], (-1,), "key slot 64 outside the pool's 64 slots"),
+        ([torch.tensor([-1, 5])], (-1,), "key slot -1 outside the pool's 64 slots"),
+        ([torch.arange(10)], (60,), r"keys 60\.\.69 beyond the pool's 64 slots"),
+        ([torch.arange(0)], (-1,), "non-empty 1-D int64"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            attend(k, v, ks, vs, keys=keys, first=first)

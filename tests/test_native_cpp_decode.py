@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import warmkv
 from test_native_parity import tiny_model
@@ -228,3 +229,30 @@ def test_without_a_compiler(
 def test_bad_mode_is_refused_before_loading() -> None:
     with pytest.raises(InvalidConfig, match="cpp_decode must be one of auto, on, off; got 'fast'"):
         NativeBackend("/no/such/model", CFG, cpp_decode="fast")
+
+
+def test_the_loop_refuses_a_pool_or_slots_it_would_overrun() -> None:
+    backend = NativeBackend(str(warmkv.default_model_path()), CFG, cpp_decode="on")
+    try:
+        loop = backend._model.decode_loop
+        assert loop is not None
+        cache = backend._activate()
+        a = backend._model.args
+        n = cache.k.shape[1]
+        x, trig = torch.zeros(1, a.dim), torch.zeros(1, a.head_dim)
+        scales = (cache.k_scale, cache.v_scale) if cache.quantized else (None, None)
+
+        def run(k, v, writes, keys, first=-1):  # type: ignore[no-untyped-def]
+            ks, vs = (s[: k.shape[0]] if s is not None else None for s in scales)
+            return loop._loop.run(x, k, v, ks, vs, torch.tensor(writes), keys, [first], trig, trig)
+
+        with pytest.raises(RuntimeError, match=f"the K/V pool has {a.n_layers - 1} layers, the model {a.n_layers}"):
+            run(cache.k[1:], cache.v[1:], [0], [torch.tensor([0])])
+        with pytest.raises(RuntimeError, match=f"token 0 writes slot {n} outside the pool's {n} slots"):
+            run(cache.k, cache.v, [n], [torch.tensor([0])])
+        with pytest.raises(RuntimeError, match=f"key slot {n + 5} outside the pool's {n} slots"):
+            run(cache.k, cache.v, [0], [torch.tensor([0, n + 5])])
+        with pytest.raises(RuntimeError, match="beyond the pool's"):
+            run(cache.k, cache.v, [0], [torch.tensor([0, 1])], first=n - 1)
+    finally:
+        backend.close()

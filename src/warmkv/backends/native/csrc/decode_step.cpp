@@ -126,6 +126,9 @@ std::pair<int64_t, int64_t> pool_rows(const Tensor& k, const Tensor& v, const op
   TORCH_CHECK(k.stride(-1) == 1 && (slot_major || head_major) && (dim == 0 || k.stride(0) == slots * n_kv * d),
               "a pool layer must be [slots, n_kv, d] or [n_kv, slots, d] in memory, dense");
   const int64_t slot_rows = k.stride(dim) / d, head_rows = k.stride(dim + 1) / d;
+  const bool int8 = k.scalar_type() == at::kChar;
+  TORCH_CHECK(k_scale.has_value() == int8 && v_scale.has_value() == int8,
+              int8 ? "int8 K/V need a K scale and a V scale" : "K/V scales are for int8 K/V only");
   for (const optional<Tensor>* s : {&k_scale, &v_scale}) {
     if (!*s) continue;
     const Tensor& t = **s;
@@ -137,6 +140,26 @@ std::pair<int64_t, int64_t> pool_rows(const Tensor& k, const Tensor& v, const op
                 "int8 scales must be laid out as their pool rows");
   }
   return {slot_rows, head_rows};
+}
+
+// Every slot a step writes or reads lies in the pool's n_slots: the kernels index the pool with them.
+void check_slots(const std::vector<Tensor>& slots, const std::vector<int64_t>& first, int64_t n_slots) {
+  TORCH_CHECK(slots.size() == first.size(), "keys per query: ", slots.size(), " slot lists, ", first.size(), " starts");
+  for (size_t i = 0; i < slots.size(); i++) {
+    const Tensor& s = slots[i];
+    TORCH_CHECK(s.scalar_type() == at::kLong && s.dim() == 1 && s.is_contiguous() && s.numel() >= 1,
+                "query ", i, ": its keys must be a non-empty 1-D int64 tensor");
+    const int64_t n = s.numel();
+    if (first[i] >= 0) {
+      TORCH_CHECK(first[i] + n <= n_slots, "query ", i, ": keys ", first[i], "..", first[i] + n - 1,
+                  " beyond the pool's ", n_slots, " slots");
+      continue;
+    }
+    const int64_t* p = s.data_ptr<int64_t>();
+    const auto [lo, hi] = std::minmax_element(p, p + n);
+    TORCH_CHECK(*lo >= 0 && *hi < n_slots, "query ", i, ": key slot ", *lo < 0 ? *lo : *hi, " outside the pool's ",
+                n_slots, " slots");
+  }
 }
 
 // One layer's attention as a decode step runs it, for tests: q [T, n_heads * d] float32 over the
@@ -152,6 +175,8 @@ Tensor attend(const Tensor& q, const Tensor& k, const Tensor& v, const optional<
   const std::pair<int64_t, int64_t> rows = pool_rows(k, v, k_scale, v_scale, 0);
   const int64_t slot_rows = rows.first, head_rows = rows.second;
   TORCH_CHECK(static_cast<int64_t>(slots.size()) == t && static_cast<int64_t>(first.size()) == t, "keys per query");
+  TORCH_CHECK(q.size(1) == n_heads * d && n_heads % n_kv == 0, "q: [T, n_heads * d] with n_heads a multiple of n_kv");
+  check_slots(slots, first, k.size(0));
   Tensor qc = q.contiguous(), out = at::empty_like(qc);
   std::vector<warmkv::QueryKeys> keys(t);
   for (int64_t i = 0; i < t; i++) keys[i] = {slots[i].data_ptr<int64_t>(), first[i], slots[i].size(0)};
@@ -205,18 +230,24 @@ class DecodeLoop {
              const optional<Tensor>& v_scale, const Tensor& write_slots, const std::vector<Tensor>& slots,
              const std::vector<int64_t>& first, const Tensor& cos, const Tensor& sin) const {
     const int64_t t = x.size(0);
-    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x must be float32 on the CPU");
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "x must be [T, dim] float32 on the CPU");
     TORCH_CHECK(static_cast<int64_t>(slots.size()) == t && static_cast<int64_t>(first.size()) == t,
                 "one key range per token expected");
     TORCH_CHECK(write_slots.scalar_type() == at::kLong && write_slots.numel() == t, "one write slot per token");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.numel() == t * head_dim_, "cos: [T, head_dim] float32");
     TORCH_CHECK(k_pool.dim() == 4 && k_pool.size(2) == n_kv_ && k_pool.size(3) == head_dim_, "K/V pool shape");
+    TORCH_CHECK(k_pool.size(0) == static_cast<int64_t>(layers_.size()), "the K/V pool has ", k_pool.size(0),
+                " layers, the model ", layers_.size());
     const std::pair<int64_t, int64_t> rows = pool_rows(k_pool, v_pool, k_scale, v_scale, 1);
     TORCH_CHECK(t >= 1, "a step needs at least one token");
     // attend() splits each query's keys in chunks: a token always sees at least itself.
-    for (const auto& s : slots)
-      TORCH_CHECK(s.scalar_type() == at::kLong && s.is_contiguous() && s.numel() >= 1, "each token needs its keys");
-    Args a{x.contiguous(), k_pool, v_pool, k_scale, v_scale, rows.first, rows.second, write_slots.contiguous(),
+    check_slots(slots, first, k_pool.size(1));
+    Tensor writes = write_slots.contiguous();
+    const int64_t* w = writes.data_ptr<int64_t>();
+    for (int64_t i = 0; i < t; i++)
+      TORCH_CHECK(w[i] >= 0 && w[i] < k_pool.size(1), "token ", i, " writes slot ", w[i], " outside the pool's ",
+                  k_pool.size(1), " slots");
+    Args a{x.contiguous(), k_pool, v_pool, k_scale, v_scale, rows.first, rows.second, writes,
            slots, first, cos.contiguous(), sin.contiguous()};
     const bool bf16 = dtype_ == at::kBFloat16;
     switch (k_pool.scalar_type()) {
@@ -227,7 +258,6 @@ class DecodeLoop {
       case at::kBFloat16:
         return bf16 ? loop<c10::BFloat16, c10::BFloat16>(a) : loop<c10::BFloat16, float>(a);
       case at::kChar:
-        TORCH_CHECK(k_scale && v_scale, "int8 K/V need their scales");
         return bf16 ? loop<int8_t, c10::BFloat16>(a) : loop<int8_t, float>(a);
       default:
         TORCH_CHECK(false, "unsupported K/V dtype ", k_pool.scalar_type());
