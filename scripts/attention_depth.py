@@ -80,7 +80,7 @@ def main() -> None:
                 dd = args.decode_depth
                 timed((k, f"decode@{dd}"), [ForwardRow(seq, [1000], dd, decode=True)], dd)
         print(
-            f"model {b.info.name}, kv {cfg.kv_cache_type}, threads {torch.get_num_threads()}, "
+            f"model {b.info.name}, kv {cfg.kv_cache_type}, threads {compute_thread().call(torch.get_num_threads)}, "
             f"qmatmul {decode_ext.extension('auto').qmatmul_isa()}"
         )  # type: ignore[union-attr]
         for (k, what), s in best.items():

@@ -22,7 +22,7 @@ import time
 import warmkv
 from warmkv.backends.base import ForwardRow
 from warmkv.bench.coding_loop import split_prompt, timed_turn
-from warmkv.bench.peer import peer_generate, peer_llama
+from warmkv.bench.peer import peer_close, peer_generate, peer_llama
 from warmkv.bench.workload import coding_workload
 from warmkv.config import DecodeConfig
 from warmkv.session import Session
@@ -75,7 +75,7 @@ def main() -> None:
             s.ensure_prefix(prefix)
             tokens = rt.tokenize(prefix + suffix * 4)[s.ctx.live :][: args.split_tokens]
             split = split_cost(rt, s, tokens, args.reps)
-    llm.close()
+    peer_close(llm)
     rt.close()
     for name, v in (("warm", warm), ("peer", peer)):
         print(f"{name}: TTFT min {min(v) * 1e3:.1f} ms, median {statistics.median(v) * 1e3:.1f} ms")

@@ -14,7 +14,7 @@ import pytest
 import warmkv
 from conftest import BACKENDS, NO_TIERS, SYSTEM, USER_A, USER_B, greedy_tokens
 from warmkv.backends.compute_thread import compute_thread
-from warmkv.bench.peer import peer_llama
+from warmkv.bench.peer import peer_close, peer_llama
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -29,7 +29,7 @@ def rt(request: pytest.FixtureRequest):
 def peer(rt: warmkv.Runtime):
     llm = peer_llama(rt)
     yield llm
-    llm.close()
+    peer_close(llm)
 
 
 @pytest.mark.parametrize("suffix", [USER_A, USER_B])
@@ -59,10 +59,11 @@ def test_the_peer_adds_no_openmp_pool() -> None:
     In a fresh process, since this one's main thread may hold a pool of its own already: a peer
     run from the main thread starts a pool there, one more OS thread per extra OpenMP thread.
     """
+    pytest.importorskip("llama_cpp")
     code = textwrap.dedent(
         """
         import os, warmkv
-        from warmkv.bench.peer import peer_generate, peer_llama
+        from warmkv.bench.peer import peer_close, peer_generate, peer_llama
         rt = warmkv.Runtime.load(num_ctx=512, n_seq_max=1, num_threads=2, prefix_cache_mb=0, kv_store_mb=0)
         with rt.session() as s:
             s.ensure_prefix("Hello")
@@ -71,7 +72,7 @@ def test_the_peer_adds_no_openmp_pool() -> None:
         llm = peer_llama(rt)
         assert peer_generate(llm, "Hello", 4).text
         print(before, len(os.listdir("/proc/self/task")))
-        llm.close()
+        peer_close(llm)
         rt.close()
         """
     )

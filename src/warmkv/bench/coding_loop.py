@@ -24,7 +24,7 @@ from typing import Any
 from ..config import DecodeConfig
 from ..runtime import Runtime
 from ..session import Session
-from .peer import peer_generate, peer_llama, peer_numerics
+from .peer import peer_close, peer_generate, peer_llama, peer_numerics
 from .workload import Workload, coding_workload
 
 
@@ -121,7 +121,7 @@ def run_coding_loop(
             if on_turn:
                 on_turn(r)
     if llm is not None:
-        llm.close()
+        peer_close(llm)
     return {
         "model": rt.info.name,
         "model_path": rt.info.path,

@@ -43,7 +43,8 @@ def peer_numerics(rt: Runtime) -> PeerNumerics:
 
 
 def peer_llama(rt: Runtime, **extra: Any) -> Any:
-    """The peer, built on the compute thread; run it there too (peer_generate, or compute_thread().call)."""
+    """The peer, built on the compute thread; run it there too (peer_generate, or compute_thread().call),
+    and free it there (peer_close)."""
     return compute_thread().call(_build, rt, **extra)
 
 
@@ -68,6 +69,11 @@ def _build(rt: Runtime, **extra: Any) -> Any:
         verbose=False,
         **extra,
     )
+
+
+def peer_close(llm: Any) -> None:
+    """Free the peer on the compute thread, after any generation still running there."""
+    compute_thread().call(llm.close)
 
 
 @dataclass(frozen=True)

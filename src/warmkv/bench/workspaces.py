@@ -17,7 +17,7 @@ from typing import Any
 from ..config import DecodeConfig
 from ..runtime import Runtime
 from .coding_loop import split_prompt, timed_turn
-from .peer import peer_generate, peer_llama
+from .peer import peer_close, peer_generate, peer_llama
 from .workload import WORKSPACE_MODULES, coding_workload
 
 
@@ -87,7 +87,7 @@ def run_workspaces(
         for s in sessions:
             s.close()
         if llm is not None:
-            llm.close()
+            peer_close(llm)
     unique = unique_tokens(prompts)
     later = slice(workspaces, None)  # each workspace's first turn is (partly) cold everywhere
     return {
