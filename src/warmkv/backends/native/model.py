@@ -183,14 +183,15 @@ class Transformer:
         emb = _shape(weights, "model.embed_tokens.weight", (a.vocab_size, a.dim))
         head = emb if a.tie_embeddings else "lm_head.weight"
         _shape(weights, head, (a.vocab_size, a.dim))
-        made: dict[str, torch.Tensor] = {}  # the float table, once made
+        table: torch.Tensor | None = None  # the float table, once made
 
         def floats(name: str) -> torch.Tensor:
+            nonlocal table
             if name != emb:
                 return weights[name]
-            if emb not in made:
-                made[emb] = weights[emb].float()
-            return made[emb]
+            if table is None:
+                table = weights[emb].float()
+            return table
 
         if self._ext is not None:
             head_blocks = blocks.get(head) or quantize_q8(floats(head))
@@ -199,10 +200,10 @@ class Transformer:
             self.lm_head = Linear.make(floats(head), dtype, "int8" if quant == "int4" else quant, device=device)
         # Lookups take the file's codes row by row (coded_rows.py), unless a dense float32 head of a
         # tied model holds the float table anyway: then they share it.
-        shared = emb in made and self.lm_head.w.data_ptr() == made[emb].data_ptr()
+        shared = table is not None and self.lm_head.w.data_ptr() == table.data_ptr()
         coded = rows is not None and emb in rows and device.type == "cpu" and not shared
         self.embed: torch.Tensor | CodedRows = rows[emb] if coded else floats(emb).to(device)  # type: ignore[index]
-        made.clear()  # the layers are built without the float table unless it is kept
+        table = None  # the layers are built without the float table unless it is kept
         # Folding g into the columns would change each 4-bit group's values: int4 keeps the norms apart.
         fold = quant != "int4"
         self.norm = _take(weights, "model.norm.weight", (a.dim,)).float().to(device)
