@@ -142,9 +142,9 @@ std::pair<int64_t, int64_t> pool_rows(const Tensor& k, const Tensor& v, const op
   return {slot_rows, head_rows};
 }
 
-// Every slot a step writes or reads lies in the pool's n_slots: the kernels index the pool with them.
+// Every key slot a step reads lies in the pool's n_slots: the kernels index the pool with them.
+// Its callers have checked that slots and first hold one entry per query.
 void check_slots(const std::vector<Tensor>& slots, const std::vector<int64_t>& first, int64_t n_slots) {
-  TORCH_CHECK(slots.size() == first.size(), "keys per query: ", slots.size(), " slot lists, ", first.size(), " starts");
   for (size_t i = 0; i < slots.size(); i++) {
     const Tensor& s = slots[i];
     TORCH_CHECK(s.scalar_type() == at::kLong && s.dim() == 1 && s.is_contiguous() && s.numel() >= 1,
