@@ -361,8 +361,13 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
             }
           }
           auto out_of = [&](int64_t u, int64_t g) { return part_of(u, h) + g * (d + 2); };
-          if (d == 64) bf16::attend_tile<K, 64>(HeadKeys<K, 64>{&t, h}, t.n, qr, qsc, qsums, len, nt, group, out_of);
-          else bf16::attend_tile<K, 128>(HeadKeys<K, 128>{&t, h}, t.n, qr, qsc, qsums, len, nt, group, out_of);
+          const int64_t then_n = h + 1 < h1 ? t.n : 0;  // the next head's keys, of the same chunk
+          if (d == 64)
+            bf16::attend_tile<K, 64>(HeadKeys<K, 64>{&t, h}, t.n, qr, qsc, qsums, len, nt, group, out_of,
+                                     HeadKeys<K, 64>{&t, h + 1}, then_n);
+          else
+            bf16::attend_tile<K, 128>(HeadKeys<K, 128>{&t, h}, t.n, qr, qsc, qsums, len, nt, group, out_of,
+                                      HeadKeys<K, 128>{&t, h + 1}, then_n);
         }
         continue;
       }
