@@ -148,11 +148,14 @@ inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
   }
 }
 
-// The next block's K and V rows, prefetched a few lines at a time between the arithmetic of the
-// current one, so that their loads overlap it. Without them the pack of each block waited on
-// memory with no arithmetic beside it: the hardware prefetcher did not run far enough ahead of
-// this loop (one thread read 5.9 GB/s of an int8 pool 16K deep, 7.7 with them). A burst of a
-// whole block's prefetches at its start stalled the block's own work instead: 1.3x slower.
+// The K and V rows of the block two on, prefetched into L2 a few lines at a time between the
+// arithmetic of the current one, so that their loads overlap it. Without them the pack of each
+// block waited on memory with no arithmetic beside it: the hardware prefetcher did not run far
+// enough ahead of this loop (one thread read 5.9 GB/s of an int8 pool 16K deep; 8.8 with them).
+// A burst of a whole block's prefetches at its start stalled the block's own work instead (1.3x
+// slower); the next block alone, or into L1, hid less of the wait (7.4-7.9 GB/s).
+constexpr int64_t kAheadBlocks = 2;
+
 template <typename K, int D>
 struct Ahead {
   static constexpr int kLines = (D * static_cast<int>(sizeof(K)) + 63) / 64;  // cache lines per row
@@ -171,7 +174,7 @@ struct Ahead {
   }
   void issue() {
     for (const int end = std::min(lines, at + per); at < end; at++)
-      _mm_prefetch(rows[at / kLines] + 64 * (at % kLines), _MM_HINT_T0);
+      _mm_prefetch(rows[at / kLines] + 64 * (at % kLines), _MM_HINT_T1);
   }
 };
 
@@ -298,8 +301,8 @@ inline void round_queries(const float* q, int64_t n, float scale, uint32_t* out)
 // keys: k_row(i), v_row(i) of the chunk's key i, and scales(nb, count, ks, vs) of its first nb keys.
 // Over int8 keys, q holds each row's int8 query and qs, qsum its scale and byte sum
 // (quantize_queries); else bfloat16 pairs (round_queries), and qs, qsum are unused. then: the
-// keys the thread reads next (the next kv head's of the task) and how many, whose first block the
-// last block prefetches; none when then_n is 0.
+// keys the thread reads next (the next kv head's of the task) and how many, whose first blocks
+// the last blocks prefetch; none when then_n is 0.
 template <typename K, int D, typename Keys, typename Out>
 void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const float* qs, const int32_t* qsum,
                  const int64_t* len, int64_t nq, int64_t group, Out out, const Keys& then, int64_t then_n) {
@@ -325,8 +328,10 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
     const auto block = keys.at(b0);
     pack<K>(block, nb, &pk);
     constexpr int steps = (i8 ? D / 4 : D / 2) + kBlock / 2;  // issue() calls of one score and one value pass
-    if (b0 + nb < n) ahead.start(keys, b0 + nb, std::min(kBlock, n - b0 - nb), steps);
-    else ahead.start(then, 0, std::min(kBlock, then_n), steps);
+    // the block kAheadBlocks on: this chunk's, or past its last block the next head's
+    const int64_t f = b0 + kAheadBlocks * kBlock, end = (n + kBlock - 1) / kBlock * kBlock;
+    if (f < n) ahead.start(keys, f, std::min(kBlock, n - f), steps);
+    else ahead.start(then, f - end, std::clamp<int64_t>(then_n - (f - end), 0, kBlock), steps);
     for (int r0 = 0; r0 < rows; r0 += kScoreRows) {
       switch (std::min(kScoreRows, rows - r0)) {
 #define WARMKV_ROWS(N)                                           \
