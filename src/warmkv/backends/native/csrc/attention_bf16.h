@@ -73,8 +73,9 @@ inline __m512i load32_i16(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// r[i]'s dword j -> r[j]'s dword i.
-inline void transpose16(__m512i* r) {
+// r[i]'s dword j -> r[j]'s dword i. Inlined by force: GCC left it a call, and the rows then went
+// through memory (the kernel 0.15 -> 0.14 ms with K/V in cache).
+__attribute__((always_inline)) inline void transpose16(__m512i* r) {
   __m512i t[16];
   for (int a = 0; a < 8; a++) {
     t[2 * a] = _mm512_unpacklo_epi32(r[2 * a], r[2 * a + 1]);
