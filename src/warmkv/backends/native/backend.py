@@ -371,10 +371,10 @@ class NativeBackend:
             blocks = max(1, budget // (layout.bytes_per_token() * bs))
             if kv_mb is None:
                 blocks = max(per_seq, min(worst, blocks))
-        # Head-major where the bf16 kernel reads it: it walks one head's keys at a time, a stream the
-        # hardware prefetcher follows (a decode row's attention 16K deep 1.4x sooner at 135M, 2x at
-        # the 1.7B shape: scripts/decode_attention.py). The float32 kernel walks a key's heads in
-        # turn and reads slot-major faster (1.25x at the 1.7B shape).
+        # Head-major where the bf16 kernel reads it: it walks one head's keys at a time, one stream
+        # it prefetches ahead of itself (a decode row's attention 16K deep 1.4x sooner at 135M, 2x
+        # at the 1.7B shape: scripts/decode_attention.py). The float32 kernel walks a key's heads
+        # in turn and reads slot-major faster (1.25x at the 1.7B shape).
         head_major = self.options.attention == "bf16"
         self._layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, blocks, bs, layout.dtype, head_major)
         return self._layout

@@ -328,7 +328,9 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
     const int nc = static_cast<int>((nb + 15) / 16);
     const auto block = keys.at(b0);
     pack<K>(block, nb, &pk);
-    constexpr int steps = (i8 ? D / 4 : D / 2) + kBlock / 2;  // issue() calls of one score and one value pass
+    // issue() calls of one score and one value pass over a whole block: a tile of more rows than
+    // a pass takes issues its lines within the first passes, a short last block leaves some unissued
+    constexpr int steps = (i8 ? D / 4 : D / 2) + kBlock / 2;
     // the block kAheadBlocks on: this chunk's, or past its last block the next head's
     const int64_t f = b0 + kAheadBlocks * kBlock, end = (n + kBlock - 1) / kBlock * kBlock;
     if (f < n) ahead.start(keys, f, std::min(kBlock, n - f), steps);
