@@ -2,13 +2,15 @@
 
 One query (a decode row) attends over `--depth` keys in each of `--layers` pool layers, as a
 decode step does layer by layer; nothing else of the step runs, so a change to the kernel shows
-without the matmuls and the scheduler around it. Pools are random K/V in the pool's storage type
+without the matmuls and the scheduler around it. `--piece N` times a prefill piece instead: N
+queries, causal, the last of them at `--depth`. Pools are random K/V in the pool's storage type
 (int8 with a scale per key and kv head for q8_0). Each repetition runs every kernel once, in
 turn; the median and best are printed with the bytes of K/V read and the rate.
 
     .venv/bin/python scripts/decode_attention.py                      # default model's shape, 16K
     .venv/bin/python scripts/decode_attention.py --kv f16 --kernels f32,bf16 --threads 2
     .venv/bin/python scripts/decode_attention.py --heads 32 --kv-heads 32 --layers 24   # 1.7B shape
+    .venv/bin/python scripts/decode_attention.py --piece 64 --depth 4096 --threads 2  # a prefill piece
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ def main() -> None:
     ap.add_argument("--kv", default="q8_0", choices=sorted(KV))
     ap.add_argument("--kernels", default="bf16", help="side by side, e.g. f32,bf16")
     ap.add_argument("--layout", default="head", choices=["head", "slot"], help="the pool's: head-major (the engine's)")
+    ap.add_argument("--piece", type=int, default=1, help="queries: 1 a decode row, more a prefill piece")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
@@ -71,8 +74,11 @@ def main() -> None:
         raise SystemExit("the C++ extension cannot be built here")
     gen = torch.Generator().manual_seed(0)
     layers = pools(args, gen)
-    q = torch.randn(1, args.heads * args.head_dim, generator=gen)
-    slots = [torch.arange(args.depth)]
+    if not 1 <= args.piece <= args.depth:
+        raise SystemExit(f"--piece {args.piece} must be within 1..--depth {args.depth}")
+    q = torch.randn(args.piece, args.heads * args.head_dim, generator=gen)
+    every = torch.arange(args.depth)  # one tensor: the piece's queries share their keys' list, as in a step
+    slots = [every[: args.depth - args.piece + 1 + i] for i in range(args.piece)]
     scale = args.head_dim**-0.5
     kernels = args.kernels.split(",")
     times: dict[str, list[float]] = {k: [] for k in kernels}
@@ -80,18 +86,25 @@ def main() -> None:
         for kernel in kernels:
             t0 = time.perf_counter()
             for k, v, ks, vs in layers:
-                ext.attend(q, k, v, ks, vs, slots, [0], args.heads, scale, kernel)
+                ext.attend(q, k, v, ks, vs, slots, [0] * args.piece, args.heads, scale, kernel)
             times[kernel].append(time.perf_counter() - t0)
     elem = layers[0][0].element_size()  # type: ignore[union-attr]
     per_key = 2 * args.kv_heads * args.head_dim * elem + (8 * args.kv_heads if args.kv == "q8_0" else 0)
     gb = per_key * args.depth * args.layers / 1e9
+    keys_seen = sum(len(x) for x in slots)
+    gflop = 4 * args.heads * args.head_dim * keys_seen * args.layers / 1e9  # q.k and p.v, 2 FLOPs a product
     print(
         f"{args.layers} layers x {args.depth} keys, {args.heads} heads / {args.kv_heads} kv heads x {args.head_dim}, "
-        f"kv {args.kv} {args.layout}-major, {args.threads} thread(s): {gb * 1e3:.0f} MB of K/V a step"
+        f"kv {args.kv} {args.layout}-major, {args.threads} thread(s), "
+        f"{args.piece} quer{'y' if args.piece == 1 else 'ies'}: "
+        f"{gb * 1e3:.0f} MB of K/V, {gflop:.1f} GFLOP a step"
     )
     for kernel, ts in times.items():
         med, best = statistics.median(ts), min(ts)
-        print(f"{kernel:5} median {med * 1e3:7.2f} ms  best {best * 1e3:7.2f} ms  ({gb / med:5.1f} GB/s at the median)")
+        print(
+            f"{kernel:5} median {med * 1e3:7.2f} ms  best {best * 1e3:7.2f} ms  "
+            f"({gb / med:5.1f} GB/s, {gflop / med:5.0f} GFLOP/s at the median)"
+        )
 
 
 if __name__ == "__main__":
