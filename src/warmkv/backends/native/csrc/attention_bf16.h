@@ -122,7 +122,7 @@ inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
     if constexpr (i8) return kr ? _mm512_xor_si512(_mm512_loadu_si512(kr + 64 * z), flip) : flip;
     else return kr ? load32(kr + 32 * z) : _mm512_setzero_si512();
   };
-  for (int c = 0; c < kRegs && 16 * c < nb; c++) {
+  for (int c = 0; c < kRegs; c++) {  // every register, past nb zeros: the scores then take no count
     __m512i rows[ZK][16];
     for (int64_t i = 0; i < 16; i++) {
       const K* kr = 16 * c + i < nb ? keys.k_row(16 * c + i) : nullptr;
@@ -179,10 +179,11 @@ struct Ahead {
   }
 };
 
-// s[r][c] = q_r . k (keys 16c..16c+15) for NR rows over the block's first nc registers of keys:
-// each row's dot products in one order, whatever NR.
+// s[r][c] = q_r . k (keys 16c..16c+15) for NR rows: each row's dot products in one order,
+// whatever NR. Not inlined, here and in the value loops: inlined into attend_tile, GCC 12 copied
+// every accumulator between registers at each step, and tested the key count at each product.
 template <int D, int NR, typename A>
-inline void scores(const Packed<D>& p, const uint32_t* const* q, int nc, __m512 (*s)[kRegs], A& ahead) {
+__attribute__((noinline)) void scores(const Packed<D>& p, const uint32_t* const* q, __m512 (*s)[kRegs], A& ahead) {
   __m512 acc[NR][kRegs];
   for (int r = 0; r < NR; r++)
     for (int c = 0; c < kRegs; c++) acc[r][c] = _mm512_setzero_ps();
@@ -191,7 +192,7 @@ inline void scores(const Packed<D>& p, const uint32_t* const* q, int nc, __m512 
     for (int r = 0; r < NR; r++) {
       const __m512bh w = (__m512bh)_mm512_set1_epi32(q[r][j]);
       for (int c = 0; c < kRegs; c++)
-        if (c < nc) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)p.k[j][c], w);
+        acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)p.k[j][c], w);
     }
   }
   for (int r = 0; r < NR; r++)
@@ -201,8 +202,8 @@ inline void scores(const Packed<D>& p, const uint32_t* const* q, int nc, __m512 
 // scores over int8 keys: row r's query as int8 bytes, 4 dims a dword, with its scale qs[r] and
 // the sum of its bytes qsum[r]; exact integer sums (|sum| < 2^24 for D <= 128), one rounding.
 template <int D, int NR, typename A>
-inline void scores_i8(const Packed<D>& p, const uint32_t* const* q, const float* qs, const int32_t* qsum, int nc,
-                      __m512 (*s)[kRegs], A& ahead) {
+__attribute__((noinline)) void scores_i8(const Packed<D>& p, const uint32_t* const* q, const float* qs,
+                                         const int32_t* qsum, __m512 (*s)[kRegs], A& ahead) {
   __m512i acc[NR][kRegs];
   for (int r = 0; r < NR; r++)
     for (int c = 0; c < kRegs; c++) acc[r][c] = _mm512_setzero_si512();
@@ -211,7 +212,7 @@ inline void scores_i8(const Packed<D>& p, const uint32_t* const* q, const float*
     for (int r = 0; r < NR; r++) {
       const __m512i w = _mm512_set1_epi32(static_cast<int>(q[r][j]));
       for (int c = 0; c < kRegs; c++)
-        if (c < nc) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], p.k[j][c], w);
+        acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], p.k[j][c], w);
     }
   }
   for (int r = 0; r < NR; r++) {
@@ -244,7 +245,8 @@ inline void quantize_queries(const float* q, int64_t rows, int64_t d, float scal
 
 // o[r] += sum over key pairs i < n of (p[r][2i], p[r][2i + 1]) . (v[2i], v[2i + 1]), NR rows at once.
 template <int D, int NR, typename A>
-inline void values(const Packed<D>& p, const uint32_t (*pb)[kBlock / 2], int64_t n, float (*o)[D], A& ahead) {
+__attribute__((noinline)) void values(const Packed<D>& p, const uint32_t (*pb)[kBlock / 2], int64_t n, float (*o)[D],
+                                      A& ahead) {
   __m512 acc[NR][D / 16];
   for (int r = 0; r < NR; r++)
     for (int z = 0; z < D / 16; z++) acc[r][z] = _mm512_load_ps(o[r] + 16 * z);
@@ -262,8 +264,8 @@ inline void values(const Packed<D>& p, const uint32_t (*pb)[kBlock / 2], int64_t
 // values over an int8 pool: pb holds int16 weight pairs, row r's weight unit ws[r]; the block's
 // sums are exact in int32 (64 keys x 32767 x 128 < 2^31), then o[r] += sum * ws[r], one rounding.
 template <int D, int NR, typename A>
-inline void values_i16(const Packed<D>& p, const uint32_t (*pb)[kBlock / 2], const float* ws, int64_t n,
-                       float (*o)[D], A& ahead) {
+__attribute__((noinline)) void values_i16(const Packed<D>& p, const uint32_t (*pb)[kBlock / 2], const float* ws,
+                                          int64_t n, float (*o)[D], A& ahead) {
   __m512i acc[NR][D / 16];
   for (int r = 0; r < NR; r++)
     for (int z = 0; z < D / 16; z++) acc[r][z] = _mm512_setzero_si512();
@@ -325,7 +327,6 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
   const bool scaled = keys.scaled();
   for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
     const int64_t nb = std::min(kBlock, n - b0);
-    const int nc = static_cast<int>((nb + 15) / 16);
     const auto block = keys.at(b0);
     pack<K>(block, nb, &pk);
     // issue() calls of one score and one value pass over a whole block: a tile of more rows than
@@ -340,9 +341,9 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
 #define WARMKV_ROWS(N)                                           \
   case N:                                                        \
     if constexpr (i8)                                            \
-      scores_i8<D, N>(pk, q + r0, qs + r0, qsum + r0, nc, s + r0, ahead); \
+      scores_i8<D, N>(pk, q + r0, qs + r0, qsum + r0, s + r0, ahead); \
     else                                                         \
-      scores<D, N>(pk, q + r0, nc, s + r0, ahead);               \
+      scores<D, N>(pk, q + r0, s + r0, ahead);               \
     break;
         WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4) WARMKV_ROWS(5) WARMKV_ROWS(6)
 #undef WARMKV_ROWS
