@@ -364,51 +364,62 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
       }
     }
     if (scaled) block.scales(nb, kBlock, ks, vs);
+    // The softmax in passes over the tile's rows. A row's steps each wait on the one before (its
+    // max, e^x, the sums); a row at a time, the core sat in those waits (~40% of the kernel's time
+    // in a prefill piece), where a pass overlaps the rows' chains.
     int64_t pairs = 0;  // key pairs (quads over an int8 pool) any row of the tile sees in this block
-    for (int r = 0; r < rows; r++) {
-      const int64_t valid = std::min(nb, len[r / group] - b0);
-      std::fill(pb[r], pb[r] + kBlock / 2, 0u);
-      ws[r] = 0.f;
-      if (valid <= 0) continue;  // no key of this block is the row's: its state stays as it is
-      pairs = std::max(pairs, i8 ? (valid + 3) / 4 : (valid + 1) / 2);
-      __mmask16 mask[kRegs];
-      __m512 sc[kRegs];
+    int64_t valid[kMaxRows];  // the block's keys each row sees; none: its state stays as it is
+    float top[kMaxRows];  // a row's largest weight in the block (its max score, in the first pass)
+    __mmask16 mask[kMaxRows][kRegs];  // the keys of each register a row sees
+    for (int r = 0; r < rows; r++) {  // scale the scores; each row's max
+      valid[r] = std::min(nb, len[r / group] - b0);
+      if (valid[r] <= 0) continue;
+      pairs = std::max(pairs, i8 ? (valid[r] + 3) / 4 : (valid[r] + 1) / 2);
       __m512 mx = _mm512_set1_ps(-INFINITY);
       for (int c = 0; c < kRegs; c++) {
-        const int64_t left = std::clamp<int64_t>(valid - 16 * c, 0, 16);
-        mask[c] = static_cast<__mmask16>((1u << left) - 1);
-        sc[c] = scaled ? _mm512_mul_ps(s[r][c], _mm512_load_ps(ks + 16 * c)) : s[r][c];
-        mx = _mm512_mask_max_ps(mx, mask[c], mx, sc[c]);
+        mask[r][c] = static_cast<__mmask16>((1u << std::clamp<int64_t>(valid[r] - 16 * c, 0, 16)) - 1);
+        if (scaled) s[r][c] = _mm512_mul_ps(s[r][c], _mm512_load_ps(ks + 16 * c));
+        mx = _mm512_mask_max_ps(mx, mask[r][c], mx, s[r][c]);
       }
-      const float mn = std::max(m[r], _mm512_reduce_max_ps(mx));
-      if (mn != m[r]) {
-        const float alpha = std::exp(m[r] - mn);
-        l[r] *= alpha;
-        const __m512 av = _mm512_set1_ps(alpha);
-        for (int z = 0; z < D / 16; z++) _mm512_store_ps(o[r] + 16 * z, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * z), av));
-        m[r] = mn;
-      }
-      __m512 sum = _mm512_setzero_ps(), top = _mm512_setzero_ps();
-      __m512 pv[kRegs];  // the weights of the values: p times V's scale
-      int used = 0;
-      for (; used < kRegs && mask[used]; used++) {
-        const int c = used;
-        const __m512 p = _mm512_maskz_mov_ps(mask[c], exp16(_mm512_sub_ps(sc[c], _mm512_set1_ps(mn))));
+      top[r] = _mm512_reduce_max_ps(mx);
+    }
+    for (int r = 0; r < rows; r++) {  // a row's new max: what it has summed so far is rescaled
+      const float mn = std::max(m[r], top[r]);
+      if (valid[r] <= 0 || mn == m[r]) continue;
+      const float alpha = std::exp(m[r] - mn);
+      l[r] *= alpha;
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int z = 0; z < D / 16; z++) _mm512_store_ps(o[r] + 16 * z, _mm512_mul_ps(_mm512_load_ps(o[r] + 16 * z), av));
+      m[r] = mn;
+    }
+    for (int r = 0; r < rows; r++) {  // the weights: e^(s - max), times V's scale (in s)
+      if (valid[r] <= 0) continue;
+      const __m512 mn = _mm512_set1_ps(m[r]);
+      __m512 sum = _mm512_setzero_ps(), tv = _mm512_setzero_ps();
+      for (int c = 0; c < kRegs; c++) {  // past the row's keys, weights 0: they add and weigh nothing
+        const __m512 p = _mm512_maskz_mov_ps(mask[r][c], exp16(_mm512_sub_ps(s[r][c], mn)));
         sum = _mm512_add_ps(sum, p);
-        pv[c] = scaled ? _mm512_mul_ps(p, _mm512_load_ps(vs + 16 * c)) : p;
-        top = _mm512_max_ps(top, pv[c]);
+        s[r][c] = scaled ? _mm512_mul_ps(p, _mm512_load_ps(vs + 16 * c)) : p;
+        tv = _mm512_max_ps(tv, s[r][c]);
       }
       l[r] += _mm512_reduce_add_ps(sum);
+      top[r] = _mm512_reduce_max_ps(tv);  // >= 0: p and V's scales are
+    }
+    for (int r = 0; r < rows; r++) {  // rounded for the value products
+      if (valid[r] <= 0) {
+        std::fill(pb[r], pb[r] + kBlock / 2, 0u);
+        ws[r] = 0.f;
+        continue;
+      }
       if constexpr (i8) {
-        const float t = _mm512_reduce_max_ps(top);  // >= 0: p and V's scales are
-        ws[r] = t / 255.f;
-        const __m512 inv = _mm512_set1_ps(t > 0.f ? 255.f / t : 0.f);
-        for (int c = 0; c < used; c++)
+        ws[r] = top[r] / 255.f;
+        const __m512 inv = _mm512_set1_ps(top[r] > 0.f ? 255.f / top[r] : 0.f);
+        for (int c = 0; c < kRegs; c++)
           _mm_store_si128(reinterpret_cast<__m128i*>(pb[r] + 4 * c),
-                          _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(pv[c], inv))));
+                          _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(s[r][c], inv))));
       } else {
-        for (int c = 0; c < used; c++)
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + 8 * c), (__m256i)_mm512_cvtneps_pbh(pv[c]));
+        for (int c = 0; c < kRegs; c++)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r] + 8 * c), (__m256i)_mm512_cvtneps_pbh(s[r][c]));
       }
     }
     // Rows whose keys end sooner weigh the pairs beyond with zeros: adding them changes no bit.
