@@ -352,12 +352,12 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
     else ahead.start(then, f - end, std::clamp<int64_t>(then_n - (f - end), 0, kBlock), steps);
     for (int r0 = 0; r0 < rows; r0 += kScoreRows) {
       switch (std::min(kScoreRows, rows - r0)) {
-#define WARMKV_ROWS(N)                                           \
-  case N:                                                        \
-    if constexpr (i8)                                            \
+#define WARMKV_ROWS(N)                                                \
+  case N:                                                             \
+    if constexpr (i8)                                                 \
       scores_i8<D, N>(pk, q + r0, qs + r0, qsum + r0, s + r0, ahead); \
-    else                                                         \
-      scores<D, N>(pk, q + r0, s + r0, ahead);               \
+    else                                                              \
+      scores<D, N>(pk, q + r0, s + r0, ahead);                        \
     break;
         WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4) WARMKV_ROWS(5) WARMKV_ROWS(6)
 #undef WARMKV_ROWS
@@ -425,12 +425,12 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
     // Rows whose keys end sooner weigh the pairs beyond with zeros: adding them changes no bit.
     for (int r0 = 0; r0 < rows; r0 += kValueRows) {
       switch (std::min(kValueRows, rows - r0)) {
-#define WARMKV_ROWS(N)                                       \
-  case N:                                                    \
-    if constexpr (i8)                                        \
+#define WARMKV_ROWS(N)                                             \
+  case N:                                                          \
+    if constexpr (i8)                                              \
       values_u8<D, N>(pk, pb + r0, ws + r0, pairs, o + r0, ahead); \
-    else                                                     \
-      values<D, N>(pk, pb + r0, pairs, o + r0, ahead);              \
+    else                                                           \
+      values<D, N>(pk, pb + r0, pairs, o + r0, ahead);             \
     break;
         WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4)
 #undef WARMKV_ROWS
