@@ -323,8 +323,8 @@ inline void round_queries(const float* q, int64_t n, float scale, uint32_t* out)
 template <typename K, int D, typename Keys, typename Out>
 void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const float* qs, const int32_t* qsum,
                  const int64_t* len, int64_t nq, int64_t group, Out out, const Keys& then, int64_t then_n) {
-  constexpr int kScoreRows = 6, kValueRows = D == 64 ? 4 : 2;  // accumulators that fit the registers
   constexpr bool i8 = std::is_same_v<K, int8_t>;
+  constexpr int kScoreRows = 6, kValueRows = D == 64 ? (i8 ? 6 : 4) : 2;  // accumulators that fit the registers
   const int rows = static_cast<int>(nq * group);
   alignas(64) float o[kMaxRows][D];
   alignas(64) uint32_t pb[kMaxRows][kBlock / 2];
@@ -432,7 +432,7 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
     else                                                           \
       values<D, N>(pk, pb + r0, pairs, o + r0, ahead);             \
     break;
-        WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4)
+        WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4) WARMKV_ROWS(5) WARMKV_ROWS(6)
 #undef WARMKV_ROWS
       }
     }
