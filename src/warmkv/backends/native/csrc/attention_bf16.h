@@ -384,8 +384,9 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
       top[r] = _mm512_reduce_max_ps(mx);
     }
     for (int r = 0; r < rows; r++) {  // a row's new max: what it has summed so far is rescaled
+      if (valid[r] <= 0) continue;  // top[r] was not set
       const float mn = std::max(m[r], top[r]);
-      if (valid[r] <= 0 || mn == m[r]) continue;
+      if (mn == m[r]) continue;
       const float alpha = std::exp(m[r] - mn);
       l[r] *= alpha;
       const __m512 av = _mm512_set1_ps(alpha);
