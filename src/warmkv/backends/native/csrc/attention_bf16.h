@@ -426,12 +426,14 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
     // Rows whose keys end sooner weigh the pairs beyond with zeros: adding them changes no bit.
     for (int r0 = 0; r0 < rows; r0 += kValueRows) {
       switch (std::min(kValueRows, rows - r0)) {
-#define WARMKV_ROWS(N)                                             \
-  case N:                                                          \
-    if constexpr (i8)                                              \
-      values_u8<D, N>(pk, pb + r0, ws + r0, pairs, o + r0, ahead); \
-    else                                                           \
-      values<D, N>(pk, pb + r0, pairs, o + r0, ahead);             \
+#define WARMKV_ROWS(N)                                                          \
+  case N:                                                                       \
+    if constexpr (N <= kValueRows) { /* wider passes: never taken, not built */ \
+      if constexpr (i8)                                                         \
+        values_u8<D, N>(pk, pb + r0, ws + r0, pairs, o + r0, ahead);            \
+      else                                                                      \
+        values<D, N>(pk, pb + r0, pairs, o + r0, ahead);                        \
+    }                                                                           \
     break;
         WARMKV_ROWS(1) WARMKV_ROWS(2) WARMKV_ROWS(3) WARMKV_ROWS(4) WARMKV_ROWS(5) WARMKV_ROWS(6)
 #undef WARMKV_ROWS
