@@ -233,25 +233,45 @@ struct HeadKeys {
   const Task<K>* t;
   int64_t h, b0 = 0;
   HeadKeys at(int64_t b) const { return {t, h, b0 + b}; }
-  const K* k_row(int64_t i) const { return t->k_row(b0 + i, h, D); }
-  const K* v_row(int64_t i) const { return t->v_row(b0 + i, h, D); }
   bool scaled() const { return t->pool.k_scale != nullptr; }
+  // kr[i], vr[i] = the K and V rows of keys i < nb, nullptr for nb <= i < count (a multiple of 8):
+  // 8 addresses in a few instructions, once a block. A key at a time, each address reloaded the
+  // task's fields and took two multiplies, and the prefetch and the pack each did it again.
+  void rows(int64_t nb, int64_t count, const K** kr, const K** vr) const {
+    const __m512i bytes = _mm512_set1_epi64(D * static_cast<int64_t>(sizeof(K)));
+    const __m512i kb = _mm512_set1_epi64(reinterpret_cast<int64_t>(t->pool.k));
+    const __m512i vb = _mm512_set1_epi64(reinterpret_cast<int64_t>(t->pool.v));
+    for (int64_t i = 0; i < count; i += 8) {
+      const __mmask8 m = mask(nb, i);
+      const __m512i at = _mm512_mul_epu32(row_ids(i, m), bytes);  // rows < 2^32
+      _mm512_storeu_si512(kr + i, _mm512_maskz_add_epi64(m, kb, at));
+      _mm512_storeu_si512(vr + i, _mm512_maskz_add_epi64(m, vb, at));
+    }
+  }
   // ks[i], vs[i] = the scales of keys i < nb, 0 for nb <= i < count (a multiple of 8): gathered 8
   // at a time (one per key, through the slot list or a pool row apart in a slot-major pool: a
   // scalar loop of them cost as much as the scores of a decode row)
   void scales(int64_t nb, int64_t count, float* ks, float* vs) const {
-    const __m512i step = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i slot_rows = _mm512_set1_epi64(t->pool.slot_rows), head = _mm512_set1_epi64(h * t->pool.head_rows);
     for (int64_t i = 0; i < count; i += 8) {
-      const int64_t left = std::clamp<int64_t>(nb - i, 0, 8);
-      const __mmask8 m = static_cast<__mmask8>((1u << left) - 1);
-      const int64_t at = t->t0 + b0 + i;
-      const __m512i slot = t->first >= 0 ? _mm512_add_epi64(_mm512_set1_epi64(t->first + at), step)
-                                         : _mm512_maskz_loadu_epi64(m, t->slots + at);
-      const __m512i row = _mm512_add_epi64(_mm512_mul_epu32(slot, slot_rows), head);  // slots < 2^32
+      const __mmask8 m = mask(nb, i);
+      const __m512i row = row_ids(i, m);
       _mm256_storeu_ps(ks + i, _mm512_mask_i64gather_ps(_mm256_setzero_ps(), m, row, t->pool.k_scale, 4));
       _mm256_storeu_ps(vs + i, _mm512_mask_i64gather_ps(_mm256_setzero_ps(), m, row, t->pool.v_scale, 4));
     }
+  }
+
+ private:
+  static __mmask8 mask(int64_t nb, int64_t i) {  // keys i..i + 7 that are below nb
+    return static_cast<__mmask8>((1u << std::clamp<int64_t>(nb - i, 0, 8)) - 1);
+  }
+  // The pool rows of keys i..i + 7 (those in m; the others are unset)
+  __m512i row_ids(int64_t i, __mmask8 m) const {
+    const int64_t at = t->t0 + b0 + i;
+    const __m512i slot = t->first >= 0
+                             ? _mm512_add_epi64(_mm512_set1_epi64(t->first + at), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7))
+                             : _mm512_maskz_loadu_epi64(m, t->slots + at);
+    const __m512i slot_rows = _mm512_set1_epi64(t->pool.slot_rows);
+    return _mm512_add_epi64(_mm512_mul_epu32(slot, slot_rows), _mm512_set1_epi64(h * t->pool.head_rows));  // slots < 2^32
   }
 };
 #endif

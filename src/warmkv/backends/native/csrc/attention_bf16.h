@@ -120,12 +120,13 @@ inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
     if constexpr (i8) return kr ? _mm512_xor_si512(_mm512_loadu_si512(kr + 64 * z), flip) : flip;
     else return kr ? load32(kr + 32 * z) : _mm512_setzero_si512();
   };
+  const K* kr[kBlock];
+  const K* vr[kBlock];
+  keys.rows(nb, kBlock, kr, vr);  // past nb: nullptr
   for (int c = 0; c < kRegs; c++) {  // every register, past nb zeros: the scores then take no count
     __m512i rows[ZK][16];
-    for (int64_t i = 0; i < 16; i++) {
-      const K* kr = 16 * c + i < nb ? keys.k_row(16 * c + i) : nullptr;
-      for (int z = 0; z < ZK; z++) rows[z][i] = key_reg(kr, z);
-    }
+    for (int64_t i = 0; i < 16; i++)
+      for (int z = 0; z < ZK; z++) rows[z][i] = key_reg(kr[16 * c + i], z);
     for (int z = 0; z < ZK; z++) {
       transpose16(rows[z]);
       for (int j = 0; j < 16; j++) out->k[16 * z + j][c] = rows[z][j];
@@ -133,8 +134,7 @@ inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
   }
   if constexpr (i8) {
     for (int64_t i = 0; i < nb; i += 4) {  // a missing key: zeros, as beyond a row's end
-      const K* r[4];
-      for (int64_t e = 0; e < 4; e++) r[e] = i + e < nb ? keys.v_row(i + e) : nullptr;
+      const K* const* r = vr + i;
       auto row = [&](int e, int z) { return r[e] ? _mm512_loadu_si512(r[e] + 64 * z) : _mm512_setzero_si512(); };
       for (int z = 0; z < D / 64; z++) {
         const __m512i a = row(0, z), b = row(1, z), c = row(2, z), d = row(3, z);
@@ -150,8 +150,8 @@ inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
   }
   auto value_reg = [&](const K* vr, int z) { return load32(vr + 32 * z); };
   for (int64_t i = 0; i < nb; i += 2) {
-    const K* a = keys.v_row(i);
-    const K* b = i + 1 < nb ? keys.v_row(i + 1) : nullptr;  // a missing key: zeros, as beyond a row's end
+    const K* a = vr[i];
+    const K* b = vr[i + 1];  // a missing key: zeros, as beyond a row's end
     for (int z = 0; z < Z; z++) {
       const __m512i x = value_reg(a, z);
       const __m512i y = b ? value_reg(b, z) : _mm512_setzero_si512();
@@ -172,22 +172,23 @@ constexpr int64_t kAheadBlocks = 2;
 template <typename K, int D>
 struct Ahead {
   static constexpr int kLines = (D * static_cast<int>(sizeof(K)) + 63) / 64;  // cache lines per row
-  const char* rows[2 * kBlock];
+  const K* k[kBlock];
+  const K* v[kBlock];
   int lines = 0, at = 0, per = 0;  // lines to prefetch, lines issued, lines per step
-  // keys [first, first + count) of keys, over `steps` calls of issue()
+  // the first count keys of keys, over `steps` calls of issue()
   template <typename Keys>
-  void start(const Keys& keys, int64_t first, int64_t count, int steps) {
-    for (int64_t i = 0; i < count; i++) {
-      rows[2 * i] = reinterpret_cast<const char*>(keys.k_row(first + i));
-      rows[2 * i + 1] = reinterpret_cast<const char*>(keys.v_row(first + i));
-    }
+  void start(const Keys& keys, int64_t count, int steps) {
     lines = static_cast<int>(2 * count) * kLines;
     at = 0;
     per = (lines + steps - 1) / steps;
+    if (count > 0) keys.rows(count, kBlock, k, v);
   }
-  void issue() {
-    for (const int end = std::min(lines, at + per); at < end; at++)
-      _mm_prefetch(rows[at / kLines] + 64 * (at % kLines), _MM_HINT_T1);
+  void issue() {  // rows in turn: key i's K row, then its V row
+    for (const int end = std::min(lines, at + per); at < end; at++) {
+      const int row = at / kLines;
+      const K* r = (row % 2 ? v : k)[row / 2];
+      _mm_prefetch(reinterpret_cast<const char*>(r) + 64 * (at % kLines), _MM_HINT_T1);
+    }
   }
 };
 
@@ -315,7 +316,7 @@ inline void round_queries(const float* q, int64_t n, float scale, uint32_t* out)
 
 // One tile over one kv head and chunk: rows r = u * group + g (query u of the tile, query head g
 // of the kv head) see the chunk's first len[u] keys; (max, sum, acc[D]) of row r go to out(u, g).
-// keys: k_row(i), v_row(i) of the chunk's key i, and scales(nb, count, ks, vs) of its first nb keys.
+// keys: rows(nb, count, kr, vr) and scales(nb, count, ks, vs) of the chunk's first nb keys.
 // Over int8 keys, q holds each row's int8 query and qs, qsum its scale and byte sum
 // (quantize_queries); else bfloat16 pairs (round_queries), and qs, qsum are unused. then: the
 // keys the thread reads next (the next kv head's of the task) and how many, whose first blocks
@@ -348,8 +349,8 @@ void attend_tile(const Keys& keys, int64_t n, const uint32_t* const* q, const fl
     constexpr int steps = i8 ? D / 4 + kBlock / 4 : D / 2 + kBlock / 2;
     // the block kAheadBlocks on: this chunk's, or past its last block the next head's
     const int64_t f = b0 + kAheadBlocks * kBlock, end = (n + kBlock - 1) / kBlock * kBlock;
-    if (f < n) ahead.start(keys, f, std::min(kBlock, n - f), steps);
-    else ahead.start(then, f - end, std::clamp<int64_t>(then_n - (f - end), 0, kBlock), steps);
+    if (f < n) ahead.start(keys.at(f), std::min(kBlock, n - f), steps);
+    else ahead.start(then.at(f - end), std::clamp<int64_t>(then_n - (f - end), 0, kBlock), steps);
     for (int r0 = 0; r0 < rows; r0 += kScoreRows) {
       switch (std::min(kScoreRows, rows - r0)) {
 #define WARMKV_ROWS(N)                                                \
