@@ -141,14 +141,19 @@ def test_the_pools_memory_order_changes_no_bit(ext: ModuleType, n_heads: int, n_
     moved = tuple(_head_major(t) for t in pool[:4])
     assert moved[0].stride(1) == 700 * d  # type: ignore[union-attr]
     q = torch.randn(40, n_heads * d, generator=gen)
-    slots = torch.randperm(700, generator=gen)
-    for kernel in _kernels(ext, d, n_heads // n_kv):
-        for positions in ([699], range(600, 640)):  # a decode row, a prefill piece
-            keys = [slots[: p + 1] for p in positions]
-            n = len(keys)
-            want = ext.attend(q[:n], *pool[:4], keys, [-1] * n, n_heads, d**-0.5, kernel)
-            got = ext.attend(q[:n], *moved, keys, [-1] * n, n_heads, d**-0.5, kernel)
-            assert torch.equal(got, want), f"{kernel}, {n} queries"
+    # Slots in any order, and as a paged pool's block table leaves them: runs of 16 consecutive
+    # slots (whose scales a head-major pool holds side by side) in shuffled blocks.
+    blocks = torch.randperm(700 // 16 + 1, generator=gen)
+    paged = (blocks[:, None] * 16 + torch.arange(16)).reshape(-1)
+    paged = paged[paged < 700]
+    for slots in (torch.randperm(700, generator=gen), paged):
+        for kernel in _kernels(ext, d, n_heads // n_kv):
+            for positions in ([699], range(600, 640)):  # a decode row, a prefill piece
+                keys = [slots[: p + 1] for p in positions]
+                n = len(keys)
+                want = ext.attend(q[:n], *pool[:4], keys, [-1] * n, n_heads, d**-0.5, kernel)
+                got = ext.attend(q[:n], *moved, keys, [-1] * n, n_heads, d**-0.5, kernel)
+                assert torch.equal(got, want), f"{kernel}, {n} queries"
     with pytest.raises(RuntimeError, match="dense"):  # a layout the kernels do not read
         ext.attend(q[:1], pool[0][::2], pool[1][::2], None, None, [slots[:1]], [-1], n_heads, d**-0.5, "f32")
 
