@@ -361,13 +361,27 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
 #endif
   parallel_tasks(task_at[n_tiles], [&](const auto& take) {
     std::vector<float> s(fa ? 0 : kTileQ * per_span * group * kChunk);
-    for (int64_t task; take(task);) {
-      const int64_t j = std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1;
-      const int64_t local = task - task_at[j], nc = tile_chunks[j], i0 = tile_at[j], nt = tile_at[j + 1] - i0;
-      const int64_t h0 = (local / nc) * per_span, h1 = std::min(n_kv, h0 + per_span), c = local % nc;
-      if (h0 >= h1) continue;
+    auto tile_of = [&](int64_t task) { return std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1; };
+    auto task_keys = [&](int64_t task) {  // a task's keys, kv heads and chunk (no heads: h0 >= h1)
+      const int64_t j = tile_of(task), local = task - task_at[j], nc = tile_chunks[j], c = local % nc;
+      const int64_t h0 = (local / nc) * per_span, h1 = std::min(n_kv, h0 + per_span);
       const QueryKeys& k = keys[tile_longest[j]];
-      const Task<K> t{pool, k.slots, k.first, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
+      return Task<K>{pool, k.slots, k.first, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
+    };
+    // Each thread claims its next task before it runs the current one, so that the current one's
+    // last blocks prefetch the next one's first: they lie elsewhere in the pool, where the
+    // hardware prefetcher has no stream to follow.
+    int64_t task = 0, next = 0;
+    bool has_next = false;
+    for (bool ok = take(task); ok; ok = has_next, task = next) {
+      has_next = take(next);
+      const Task<K> after = has_next ? task_keys(next) : Task<K>{pool, nullptr, 0, 0, 0, 0, 0};
+      const int64_t j = tile_of(task);
+      const int64_t local = task - task_at[j], nc = tile_chunks[j], i0 = tile_at[j], nt = tile_at[j + 1] - i0;
+      const int64_t c = local % nc;
+      const Task<K> t = task_keys(task);
+      const int64_t h0 = t.h0, h1 = t.h1;
+      if (h0 >= h1) continue;
       int64_t len[kMaxTile];
       const float* qt[kMaxTile];
       for (int64_t u = 0; u < nt; u++) {
@@ -391,13 +405,16 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
             }
           }
           auto out_of = [&](int64_t u, int64_t g) { return part_of(u, h) + g * (d + 2); };
-          const int64_t then_n = h + 1 < h1 ? t.n : 0;  // the next head's keys, of the same chunk
+          // then: the next head's keys of the same chunk, or past the last head the next task's first
+          const bool last = h + 1 == h1;
+          const Task<K>* tt = last ? &after : &t;
+          const int64_t th = last ? after.h0 : h + 1, then_n = !last || after.h0 < after.h1 ? tt->n : 0;
           if (d == 64)
             bf16::attend_tile<K, 64>(HeadKeys<K, 64>{&t, h}, t.n, qr, qsc, qsums, len, nt, group, out_of,
-                                     HeadKeys<K, 64>{&t, h + 1}, then_n);
+                                     HeadKeys<K, 64>{tt, th}, then_n);
           else
             bf16::attend_tile<K, 128>(HeadKeys<K, 128>{&t, h}, t.n, qr, qsc, qsums, len, nt, group, out_of,
-                                      HeadKeys<K, 128>{&t, h + 1}, then_n);
+                                      HeadKeys<K, 128>{tt, th}, then_n);
         }
         continue;
       }
