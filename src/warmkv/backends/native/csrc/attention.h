@@ -362,8 +362,9 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
   parallel_tasks(task_at[n_tiles], [&](const auto& take) {
     std::vector<float> s(fa ? 0 : kTileQ * per_span * group * kChunk);
     auto tile_of = [&](int64_t task) { return std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1; };
-    auto task_keys = [&](int64_t task) {  // a task's keys, kv heads and chunk (no heads: h0 >= h1)
-      const int64_t j = tile_of(task), local = task - task_at[j], nc = tile_chunks[j], c = local % nc;
+    // task (of tile j)'s keys, kv heads and chunk (no heads: h0 >= h1)
+    auto task_keys = [&](int64_t task, int64_t j) {
+      const int64_t local = task - task_at[j], nc = tile_chunks[j], c = local % nc;
       const int64_t h0 = (local / nc) * per_span, h1 = std::min(n_kv, h0 + per_span);
       const QueryKeys& k = keys[tile_longest[j]];
       return Task<K>{pool, k.slots, k.first, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
@@ -375,12 +376,10 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
     bool has_next = false;
     for (bool ok = take(task); ok; ok = has_next, task = next) {
       has_next = take(next);
-      const Task<K> after = has_next ? task_keys(next) : Task<K>{pool, nullptr, 0, 0, 0, 0, 0};
-      const int64_t j = tile_of(task);
-      const int64_t local = task - task_at[j], nc = tile_chunks[j], i0 = tile_at[j], nt = tile_at[j + 1] - i0;
-      const int64_t c = local % nc;
-      const Task<K> t = task_keys(task);
-      const int64_t h0 = t.h0, h1 = t.h1;
+      const Task<K> after = has_next ? task_keys(next, tile_of(next)) : Task<K>{pool, nullptr, 0, 0, 0, 0, 0};
+      const int64_t j = tile_of(task), i0 = tile_at[j], nt = tile_at[j + 1] - i0;
+      const Task<K> t = task_keys(task, j);
+      const int64_t h0 = t.h0, h1 = t.h1, c = t.t0 / kChunk;
       if (h0 >= h1) continue;
       int64_t len[kMaxTile];
       const float* qt[kMaxTile];
