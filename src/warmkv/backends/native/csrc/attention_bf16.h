@@ -148,7 +148,7 @@ inline void pack(const Keys& keys, int64_t nb, Packed<D>* out) {
     }
     return;
   }
-  auto value_reg = [&](const K* vr, int z) { return load32(vr + 32 * z); };
+  auto value_reg = [&](const K* p, int z) { return load32(p + 32 * z); };
   for (int64_t i = 0; i < nb; i += 2) {
     const K* a = vr[i];
     const K* b = vr[i + 1];  // a missing key: zeros, as beyond a row's end
