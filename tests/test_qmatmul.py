@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -158,3 +160,27 @@ def test_prefill_weights_resolve_and_name_the_matmuls(ext) -> None:  # type: ign
             assert (b._model.dense_bytes() > 0) == (resolved == "bf16")
         finally:
             b.close()
+
+
+def test_the_arena_lays_matrices_one_after_another(ext) -> None:  # type: ignore[no-untyped-def]
+    """Packed matrices copied in order onto cache-line boundaries of one slab; one past the slab's
+    room starts the next, one larger than a slab gets its own; qmatmul reads a copy as the original."""
+    from warmkv.backends.native import weight_arena as wa
+
+    arena = wa.WeightArena(ext)
+    sizes = [(kind, n, k) for kind, n, k in (("Q4_1", 960, 576), ("Q4_0", 576, 576), ("Q8_0", 100, 64))]
+    packed = [_blocks(kind, n, k).pack() for kind, n, k in sizes]
+    placed = [arena.place(w) for w in packed]
+    for (kind, n, k), w, p in zip(sizes, packed, placed, strict=True):
+        assert torch.equal(p, w) and p.data_ptr() % 64 == 0
+        x = torch.randn(3, k)
+        code = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}[kind]
+        assert torch.equal(ext.qmatmul(x, p, code, n), ext.qmatmul(x, w, code, n))
+    for a, b in itertools.pairwise(placed):  # the next right after, on the next cache line
+        assert b.data_ptr() == a.data_ptr() + wa.aligned(a.numel())
+    room = wa.SLAB_BYTES - (placed[-1].data_ptr() + wa.aligned(placed[-1].numel()) - placed[0].data_ptr())
+    past = arena.place(torch.ones(room + 1, dtype=torch.uint8))  # does not fit the first slab's room
+    assert past.data_ptr() % (2 << 20) == 0 and torch.equal(past, torch.ones(room + 1, dtype=torch.uint8))
+    big = arena.place(torch.full((wa.SLAB_BYTES + 64,), 7, dtype=torch.uint8))
+    assert big.data_ptr() % (2 << 20) == 0 and int(big.min()) == 7 and big.numel() == wa.SLAB_BYTES + 64
+    assert torch.equal(placed[0], packed[0])  # the first slab lives on in its matrices

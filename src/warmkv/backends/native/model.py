@@ -24,6 +24,7 @@ from .decode_ext import DecodeLoop
 from .paged_kv import PagedKVCache
 from .qweights import KINDS, Blocks, cat, quantize_q4, quantize_q8
 from .rope import Rope, apply
+from .weight_arena import WeightArena
 
 log = logging.getLogger(__name__)
 INT4_GROUP = 32  # Q4_0/Q4_1's block: a GGUF's own 4-bit codes come back exactly
@@ -69,11 +70,12 @@ class Linear:
         return Linear(q, b, scale.to(dtype))
 
     @staticmethod
-    def blocks(blocks: Blocks, ext: ModuleType, bias: torch.Tensor | None, dense: bool) -> Linear:
-        """qmatmul's packed blocks; dense: also keep a bfloat16 copy for prefill rows."""
+    def blocks(blocks: Blocks, arena: WeightArena, bias: torch.Tensor | None, dense: bool) -> Linear:
+        """qmatmul's packed blocks, placed in the model's arena; dense: also keep a bfloat16 copy
+        for prefill rows."""
         w = blocks.dequantize().to(torch.bfloat16) if dense else None
-        packed = ext.huge_page_copy(blocks.pack())
-        return Linear(packed, bias, qkind=KINDS[blocks.kind], n=blocks.shape[0], dense=w, ext=ext)
+        packed = arena.place(blocks.pack())
+        return Linear(packed, bias, qkind=KINDS[blocks.kind], n=blocks.shape[0], dense=w, ext=arena.ext)
 
     @staticmethod
     def _int4(w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> Linear:
@@ -178,6 +180,8 @@ class Transformer:
         self.args, self.dtype, self.device = a, dtype, device
         blocks = blocks if blocks is not None else Lazy.none()  # read while building, never kept: it maps the file
         self._ext = ext if quant == "int4" else None
+        # the packed matrices one after another as built: the head's, then the layers' in step order
+        arena = None if self._ext is None else WeightArena(self._ext)
         self._dense = prefill_dense
         q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         emb = _shape(weights, "model.embed_tokens.weight", (a.vocab_size, a.dim))
@@ -193,9 +197,9 @@ class Transformer:
                 table = weights[emb].float()
             return table
 
-        if self._ext is not None:
+        if arena is not None:
             head_blocks = blocks.get(head) or quantize_q8(floats(head))
-            self.lm_head = Linear.blocks(head_blocks, self._ext, None, dense=False)
+            self.lm_head = Linear.blocks(head_blocks, arena, None, dense=False)
         else:
             self.lm_head = Linear.make(floats(head), dtype, "int8" if quant == "int4" else quant, device=device)
         # Lookups take the file's codes row by row (coded_rows.py), unless a dense float32 head of a
@@ -230,11 +234,11 @@ class Transformer:
                 qk_norm = torch.cat((qn.float().expand(a.n_heads, -1), kn.float().expand(a.n_kv_heads, -1)))
             self.layers.append(
                 Layer(
-                    qkv=self._linear(weights, blocks, qkv, attn_norm if fold else None, quant, bias),
-                    o=self._linear(weights, blocks, [o], None, quant),
+                    qkv=self._linear(weights, blocks, arena, qkv, attn_norm if fold else None, quant, bias),
+                    o=self._linear(weights, blocks, arena, [o], None, quant),
                     qk_norm=None if qk_norm is None else qk_norm.to(device),
-                    gate_up=self._linear(weights, blocks, gate_up, ffn_norm if fold else None, quant),
-                    down=self._linear(weights, blocks, [down], None, quant),
+                    gate_up=self._linear(weights, blocks, arena, gate_up, ffn_norm if fold else None, quant),
+                    down=self._linear(weights, blocks, arena, [down], None, quant),
                     attn_norm=None if fold else attn_norm.to(device),
                     ffn_norm=None if fold else ffn_norm.to(device),
                 )
@@ -248,6 +252,7 @@ class Transformer:
         self,
         weights: Lazy[torch.Tensor],
         blocks: Lazy[Blocks],
+        arena: WeightArena | None,
         names: list[str],
         norm: torch.Tensor | None,
         quant: str,
@@ -264,14 +269,14 @@ class Transformer:
             return w if norm is None else w * norm
 
         cols = weights.shape(names[0])[1]  # type: ignore[index]
-        if self._ext is None or cols % INT4_GROUP:
+        if arena is None or cols % INT4_GROUP:
             return Linear.make(dense(), self.dtype, quant, bias, self.device)
         fused = None
         if all(n in blocks for n in names):
             parts = [blocks[n] for n in names]
             fused = cat(parts) if all(p.kind != "Q8_0" for p in parts) else None
         b = None if bias is None else bias.to(self.dtype)
-        return Linear.blocks(fused or quantize_q4(dense()), self._ext, b, dense=self._dense)
+        return Linear.blocks(fused or quantize_q4(dense()), arena, b, dense=self._dense)
 
     def dense_bytes(self) -> int:
         """Memory held by the bfloat16 prefill copies."""

@@ -66,8 +66,6 @@ Tensor huge_page_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::empty(sizes, opts);
 }
 
-Tensor huge_page_copy(const Tensor& t) { return huge_page_empty(t.sizes(), t.scalar_type()).copy_(t); }
-
 // How many threads at::parallel_for really runs on here: 1 in a build without OpenMP, whatever
 // at::get_num_threads() says (its pragma then compiles to nothing).
 int64_t parallel_threads() {
@@ -387,7 +385,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qmatmul_isa", &warmkv::qmm::isa);
   m.def("attend", &attend, py::call_guard<py::gil_scoped_release>());
   m.def("bf16_attention", &DecodeLoop::bf16_usable);  // (head_dim, group): is the bf16 kernel built for it
-  m.def("huge_page_copy", &huge_page_copy);
+  m.def("huge_page_empty", &huge_page_empty);
   m.def("parallel_threads", &parallel_threads);
   m.def("set_qmatmul_grain", [](int64_t g) { warmkv::qmm::tile_grain = std::max<int64_t>(1, g); });
 }
