@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <tuple>
 #include <vector>
 
 #include "attention_bf16.h"
@@ -346,6 +347,25 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
   const int64_t per_span = (n_kv + spans - 1) / spans;
   std::vector<int64_t> task_at(n_tiles + 1, 0);  // tile j's tasks: [task_at[j], task_at[j + 1])
   for (int64_t j = 0; j < n_tiles; j++) task_at[j + 1] = task_at[j] + spans * tile_chunks[j];
+  // The order tasks are taken in: the tiles of one key list (a prefill piece's) side by side for
+  // each (head range, chunk), so a thread reads a chunk's K/V from memory once for all of them
+  // and from its cache after, where tile by tile every tile read the whole context again.
+  // (tile, local task) pairs; the order changes no partial's bits.
+  std::vector<std::pair<int64_t, int64_t>> order(task_at[n_tiles]);
+  {
+    std::vector<int64_t> group(n_tiles, 0);  // tiles over one key list share a group
+    for (int64_t j = 1; j < n_tiles; j++) {
+      const QueryKeys &a = keys[tile_longest[j - 1]], &b = keys[tile_longest[j]];
+      group[j] = group[j - 1] + (a.slots == b.slots && a.first == b.first ? 0 : 1);
+    }
+    for (int64_t j = 0; j < n_tiles; j++)
+      for (int64_t local = 0; local < task_at[j + 1] - task_at[j]; local++) order[task_at[j] + local] = {j, local};
+    auto key = [&](const std::pair<int64_t, int64_t>& t) {  // (group, head range, chunk)
+      const int64_t nc = tile_chunks[t.first];
+      return std::make_tuple(group[t.first], t.second / nc, t.second % nc);
+    };
+    std::stable_sort(order.begin(), order.end(), [&](const auto& x, const auto& y) { return key(x) < key(y); });
+  }
   // Every partial is written before it is read: no need to zero megabytes of it per layer.
   std::unique_ptr<float[]> part(new float[part_at[nq]]);
   std::vector<float> qs(fa ? 0 : nq * row);
@@ -361,10 +381,10 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
 #endif
   parallel_tasks(task_at[n_tiles], [&](const auto& take) {
     std::vector<float> s(fa ? 0 : kTileQ * per_span * group * kChunk);
-    auto tile_of = [&](int64_t task) { return std::upper_bound(task_at.begin(), task_at.end(), task) - task_at.begin() - 1; };
+    auto tile_of = [&](int64_t task) { return order[task].first; };
     // task (of tile j)'s keys, kv heads and chunk (no heads: h0 >= h1)
     auto task_keys = [&](int64_t task, int64_t j) {
-      const int64_t local = task - task_at[j], nc = tile_chunks[j], c = local % nc;
+      const int64_t local = order[task].second, nc = tile_chunks[j], c = local % nc;
       const int64_t h0 = (local / nc) * per_span, h1 = std::min(n_kv, h0 + per_span);
       const QueryKeys& k = keys[tile_longest[j]];
       return Task<K>{pool, k.slots, k.first, h0, h1, c * kChunk, std::min(kChunk, k.n - c * kChunk)};
