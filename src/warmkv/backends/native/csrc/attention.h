@@ -321,12 +321,14 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
   constexpr int64_t kMaxTile = kTileQ;
   (void)bf16;
 #endif
+  // Queries over one key list (a prefill piece's) share tiles, and their tiles a task order.
+  auto same_keys = [&](int64_t a, int64_t b) { return keys[a].slots == keys[b].slots && keys[a].first == keys[b].first; };
   std::vector<int64_t> chunks(nq), part_at(nq + 1, 0), tile_at{0};
   for (int64_t i = 0; i < nq; i++) {
     chunks[i] = (keys[i].n + kChunk - 1) / kChunk;
     part_at[i + 1] = part_at[i] + n_kv * chunks[i] * stride;
     const int64_t t0 = tile_at.back();
-    const bool joins = i > t0 && i - t0 < kTileQ && keys[i].slots == keys[t0].slots && keys[i].first == keys[t0].first;
+    const bool joins = i > t0 && i - t0 < kTileQ && same_keys(i, t0);
     if (i > 0 && !joins) tile_at.push_back(i);
   }
   tile_at.push_back(nq);
@@ -354,10 +356,7 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
   std::vector<std::pair<int64_t, int64_t>> order(task_at[n_tiles]);
   {
     std::vector<int64_t> group(n_tiles, 0);  // tiles over one key list share a group
-    for (int64_t j = 1; j < n_tiles; j++) {
-      const QueryKeys &a = keys[tile_longest[j - 1]], &b = keys[tile_longest[j]];
-      group[j] = group[j - 1] + (a.slots == b.slots && a.first == b.first ? 0 : 1);
-    }
+    for (int64_t j = 1; j < n_tiles; j++) group[j] = group[j - 1] + (same_keys(tile_at[j - 1], tile_at[j]) ? 0 : 1);
     for (int64_t j = 0; j < n_tiles; j++)
       for (int64_t local = 0; local < task_at[j + 1] - task_at[j]; local++) order[task_at[j] + local] = {j, local};
     auto key = [&](const std::pair<int64_t, int64_t>& t) {  // (group, head range, chunk)
