@@ -166,6 +166,7 @@ def test_the_arena_lays_matrices_one_after_another(ext) -> None:  # type: ignore
     """Packed matrices copied in order onto cache-line boundaries of one slab; one past the slab's
     room starts the next, one larger than a slab gets its own; qmatmul reads a copy as the original."""
     from warmkv.backends.native import weight_arena as wa
+    from warmkv.backends.native.qweights import KINDS
 
     arena = wa.WeightArena(ext)
     sizes = [(kind, n, k) for kind, n, k in (("Q4_1", 960, 576), ("Q4_0", 576, 576), ("Q8_0", 100, 64))]
@@ -174,8 +175,7 @@ def test_the_arena_lays_matrices_one_after_another(ext) -> None:  # type: ignore
     for (kind, n, k), w, p in zip(sizes, packed, placed, strict=True):
         assert torch.equal(p, w) and p.data_ptr() % 64 == 0
         x = torch.randn(3, k)
-        code = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}[kind]
-        assert torch.equal(ext.qmatmul(x, p, code, n), ext.qmatmul(x, w, code, n))
+        assert torch.equal(ext.qmatmul(x, p, KINDS[kind], n), ext.qmatmul(x, w, KINDS[kind], n))
     for a, b in itertools.pairwise(placed):  # the next right after, on the next cache line
         assert b.data_ptr() == a.data_ptr() + wa.aligned(a.numel())
     room = wa.SLAB_BYTES - (placed[-1].data_ptr() + wa.aligned(placed[-1].numel()) - placed[0].data_ptr())
