@@ -68,7 +68,6 @@ def main() -> None:
         for turn in range(args.turns):
             s.ensure_prefix(prefix)
             s.prefill_suffix(f"[turn {turn}] tool output:\n{tool}")
-            spent.clear()
             at: list[float] = []
             for chunk in s.decode(decode):
                 if chunk.token_ids:
