@@ -78,7 +78,7 @@ def _attend(ext: ModuleType, kernel: str, q, pool, slots, starts, n_heads, scale
 @pytest.mark.parametrize("kv", list(KV))
 def test_kernels_agree_with_sdpa(ext: ModuleType, n_heads: int, n_kv: int, d: int, kv: str) -> None:
     gen = torch.Generator().manual_seed(n_heads * 1000 + d)
-    for start, n in ((0, 1), (0, 37), (100, 1), (517, 64), (2000, 5)):
+    for start, n in ((0, 1), (0, 37), (100, 1), (517, 64), (2000, 5), (4200, 3)):
         pool = _pool(start + n, n_kv, d, kv, gen)
         q = torch.randn(n, n_heads * d, generator=gen)
         ref = _sdpa(q, pool[4], pool[5], start, n_heads, d**-0.5)
@@ -99,30 +99,30 @@ def test_a_query_gets_the_same_bits_however_it_is_batched(
     ext: ModuleType, n_heads: int, n_kv: int, d: int, kv: str
 ) -> None:
     gen = torch.Generator().manual_seed(7)
-    n_ctx = 1400  # several chunks of keys for either kernel
+    n_ctx, at = 4400, 4300  # several chunks of keys for either kernel; queries at..n_ctx
     pool = _pool(n_ctx, n_kv, d, kv, gen)
     q = torch.randn(n_ctx, n_heads * d, generator=gen)
     # Slots shuffled as a paged pool leaves them: keys are read through the list.
     slots = torch.randperm(n_ctx, generator=gen)
-    positions = list(range(1300, 1400))
+    positions = list(range(at, n_ctx))
     scale = d**-0.5
     threads = torch.get_num_threads()
     for kernel in _kernels(ext, d, n_heads // n_kv):
-        piece = _attend(ext, kernel, q[1300:1400], pool, slots, positions, n_heads, scale)
-        for p in (1300, 1337, 1399):  # decoded alone
+        piece = _attend(ext, kernel, q[at:], pool, slots, positions, n_heads, scale)
+        for p in (at, at + 37, n_ctx - 1):  # decoded alone
             alone = _attend(ext, kernel, q[p : p + 1], pool, slots, [p], n_heads, scale)
-            assert torch.equal(alone[0], piece[p - 1300]), f"{kernel}: position {p} decoded"
-        for a, b in ((1300, 1311), (1311, 1340), (1340, 1400)):  # pieces beginning elsewhere
+            assert torch.equal(alone[0], piece[p - at]), f"{kernel}: position {p} decoded"
+        for a, b in ((at, at + 11), (at + 11, at + 40), (at + 40, n_ctx)):  # pieces beginning elsewhere
             part = _attend(ext, kernel, q[a:b], pool, slots, range(a, b), n_heads, scale)
-            assert torch.equal(part, piece[a - 1300 : b - 1300]), f"{kernel}: piece {a}..{b}"
+            assert torch.equal(part, piece[a - at : b - at]), f"{kernel}: piece {a}..{b}"
         # Beside another sequence's queries (other keys), and on one thread.
         other = torch.arange(300)
         keys = [other[: i + 1] for i in range(290, 300)] + [slots[: p + 1] for p in positions]
-        mixed = ext.attend(torch.cat([q[:10], q[1300:1400]]), *pool[:4], keys, [-1] * len(keys), n_heads, scale, kernel)
+        mixed = ext.attend(torch.cat([q[:10], q[at:]]), *pool[:4], keys, [-1] * len(keys), n_heads, scale, kernel)
         assert torch.equal(mixed[10:], piece), kernel
         try:
             torch.set_num_threads(1)
-            one = _attend(ext, kernel, q[1300:1400], pool, slots, positions, n_heads, scale)
+            one = _attend(ext, kernel, q[at:], pool, slots, positions, n_heads, scale)
         finally:
             torch.set_num_threads(threads)
         assert torch.equal(one, piece), f"{kernel}: one thread"

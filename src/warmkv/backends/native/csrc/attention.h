@@ -306,7 +306,7 @@ struct QueryKeys {
 //
 // bf16: the flash kernel of attention_bf16.h where it is built and takes the head size (bfloat16
 // products, or int8 scores over int8 K: close to the float32 kernel, not bitwise), with tiles of
-// up to 24 query rows and chunks of 512 keys; else the float32 kernel above.
+// up to 24 query rows and chunks of 2048 keys; else the float32 kernel above.
 template <typename K>
 void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& keys, int64_t n_heads, int64_t n_kv,
             int64_t d, float scale, float* out, bool bf16 = false) {
