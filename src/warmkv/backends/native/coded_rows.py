@@ -38,5 +38,16 @@ class CodedRows:
     def __getitem__(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` (a 1-D integer tensor on the CPU) as float32 [len(index), cols]."""
         ids = index.numpy()
-        rows = gguf.quants.dequantize(self.codes[ids], self.qtype)
+        if self.qtype == gguf.GGMLQuantizationType.Q8_0:
+            rows = _q8_0(self.codes[ids])
+        else:
+            rows = gguf.quants.dequantize(self.codes[ids], self.qtype)
         return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32).reshape(len(ids), self.cols))
+
+
+def _q8_0(codes: np.ndarray) -> np.ndarray:
+    """gguf's Q8_0 dequantize, the same product (int8 code x float16 scale, in float32) without its
+    generic path: a decode step looks up one row, and there gguf took ~0.2 ms with the caches cold
+    after a step's stream (this, ~0.08 ms)."""
+    blocks = codes.reshape(-1, 34)  # a float16 scale, then 32 int8 codes
+    return blocks[:, 2:].view(np.int8).astype(np.float32) * blocks[:, :2].view(np.float16).astype(np.float32)
