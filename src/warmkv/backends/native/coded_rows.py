@@ -3,8 +3,8 @@
 A step looks up one row per token, yet the table was held whole in float32: 113 MB for the
 default model where its Q8_0 codes are 30 MB, 671 MB for Gemma 3's 262,144-token vocabulary
 (Q8_0: 178 MB), 2.1 GB for a Llama-3 vocabulary at 4,096 wide. gguf's own `dequantize` makes
-each looked-up row, the function that made the whole table, so a row has the same bits either
-way (elementwise per block of the row).
+each looked-up row, the function that made the whole table (Q8_0 rows: its same product, without
+its generic path), so a row has the same bits either way (elementwise per block of the row).
 """
 
 from __future__ import annotations

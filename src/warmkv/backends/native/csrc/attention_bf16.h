@@ -34,15 +34,16 @@ constexpr int kRegs = 4;  // registers of scores per row in a block
 constexpr int64_t kBlock = 16 * kRegs;  // keys per block
 // Keys per task: fixed, so results do not depend on the thread count. 2048 rather than 512: a
 // quarter of the partials to write and merge, and each task's K/V one longer run (a decode row
-// 16K deep, 2 threads: 7.7-8.9 -> 6.6-7.2 ms; its 8 tasks still keep both threads busy).
+// 16K deep, 2 threads: 7.7-8.3 -> 6.6-7.2 ms; its 8 tasks still keep both threads busy).
 constexpr int64_t kChunk = 2048;
 constexpr int kMaxRows = 24;  // query rows per tile
 
-// 2^t (t <= 0) for the lanes in m, 0 in the others: 2^(t - n) for n = round(t) by a degree-4
-// polynomial (relative error 3e-6, below the 2^-9 of the bfloat16 or byte the weight is rounded to
-// next), scaled by 2^n in one vscalefps (exact, down through the subnormals). The softmax calls it
-// on s * log2(e) - max * log2(e), one fma. Cephes' full-precision e^x took 14 instructions to
-// this one's 8; in a prefill tile the softmax issued as many as the dot products.
+// 2^t (t <= 0, or a rounding above) for the lanes in m, 0 in the others: 2^(t - n) for
+// n = round(t) by a degree-4 polynomial (relative error 3e-6, below the 2^-9 of the bfloat16 or
+// byte the weight is rounded to next), scaled by 2^n in one vscalefps (exact, down through the
+// subnormals). The softmax calls it on s * log2(e) - max * log2(e), one fma. Cephes'
+// full-precision e^x took 14 instructions to this one's 8; in a prefill tile the softmax issued
+// as many as the dot products.
 inline __m512 exp2_16(__mmask16 m, __m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-150.f));  // 2^-150 is below the smallest float: 0
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
