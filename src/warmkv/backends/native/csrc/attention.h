@@ -355,13 +355,13 @@ void attend(const float* q, PoolLayer<K> pool, const std::vector<QueryKeys>& key
   // (tile, local task) pairs; the order changes no partial's bits.
   std::vector<std::pair<int64_t, int64_t>> order(task_at[n_tiles]);
   {
-    std::vector<int64_t> group(n_tiles, 0);  // tiles over one key list share a group
-    for (int64_t j = 1; j < n_tiles; j++) group[j] = group[j - 1] + (same_keys(tile_at[j - 1], tile_at[j]) ? 0 : 1);
+    std::vector<int64_t> list(n_tiles, 0);  // tiles over one key list share its number
+    for (int64_t j = 1; j < n_tiles; j++) list[j] = list[j - 1] + (same_keys(tile_at[j - 1], tile_at[j]) ? 0 : 1);
     for (int64_t j = 0; j < n_tiles; j++)
       for (int64_t local = 0; local < task_at[j + 1] - task_at[j]; local++) order[task_at[j] + local] = {j, local};
-    auto key = [&](const std::pair<int64_t, int64_t>& t) {  // (group, head range, chunk)
+    auto key = [&](const std::pair<int64_t, int64_t>& t) {  // (key list, head range, chunk)
       const int64_t nc = tile_chunks[t.first];
-      return std::make_tuple(group[t.first], t.second / nc, t.second % nc);
+      return std::make_tuple(list[t.first], t.second / nc, t.second % nc);
     };
     std::stable_sort(order.begin(), order.end(), [&](const auto& x, const auto& y) { return key(x) < key(y); });
   }
