@@ -4,7 +4,7 @@
 .PHONY: run test lint bench setup
 
 setup:
-	scripts/setup.sh dev,bench,server,native
+	scripts/setup/setup.sh dev,bench,server,native
 
 run: setup
 	.venv/bin/warmkv serve
@@ -20,3 +20,4 @@ test: setup
 lint: setup
 	.venv/bin/ruff check src tests
 	.venv/bin/ruff format --check src tests
+	.venv/bin/lint-imports

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 import warmkv
-from warmkv.context import ResidentContext
-from warmkv.scheduler import Scheduler
+from warmkv.engine.context import ResidentContext
+from warmkv.engine.scheduler import Scheduler
 
 # Session operations that may change what is resident; each is checked when it returns or raises.
 SESSION_OPS = ("ensure_prefix", "prefill_suffix", "open_decode", "fork", "snapshot", "_restore", "close")

@@ -34,7 +34,7 @@ def redis_binary() -> str:
     found = shutil.which("redis-server") or shutil.which("valkey-server")
     if found is None:
         pytest.fail(
-            "redis-server is not on PATH: scripts/setup.sh dev installs it (Debian: apt-get install redis-server)"
+            "redis-server is not on PATH: scripts/setup/setup.sh dev installs it (Debian: apt-get install redis-server)"
         )
     return found
 

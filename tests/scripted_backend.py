@@ -29,7 +29,7 @@ from warmkv.backends.base import BlobKV, ForwardRow, KVMemory, ModelInfo, ModelS
 from warmkv.backends.slots import SeqSlots
 from warmkv.config import DecodeConfig, RuntimeConfig
 from warmkv.errors import ForwardFailed, InvalidInput, KVCacheFull, SessionFatal, Unsupported, WarmkvError
-from warmkv.sampling import Sampler
+from warmkv.prompt.sampling import Sampler
 
 N_VOCAB = 259
 OFFSET = 3

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from warmkv.backends.native import decode_ext
+from warmkv.backends.native.cpp import decode_ext
 
 SHAPES = [(9, 3, 64), (8, 2, 128), (4, 4, 64), (32, 8, 128)]  # (heads, kv heads, head size)
 KV = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "q8_0": torch.int8}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from warmkv.bench.stream_timing import TimedStream
+from warmkv.bench.live.stream_timing import TimedStream
 from warmkv.cli import app
 
 runner = CliRunner()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import warmkv
-from warmkv.chat import CHATML, GEMMA, ChatTemplate, check_template_kwargs, resolve_template
 from warmkv.errors import InvalidConfig, InvalidInput, Unsupported
+from warmkv.prompt.chat import CHATML, GEMMA, ChatTemplate, check_template_kwargs, resolve_template
 
 NO_TIERS = {"prefix_cache_mb": 0, "kv_store_mb": 0}
 QWEN3 = Path(__file__).parent / "fixtures" / "templates" / "qwen3.jinja"

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from warmkv.chunk_match import Match, find_runs
+from warmkv.engine.chunk_match import Match, find_runs
 
 
 def _block(rng: random.Random, n: int) -> list[int]:

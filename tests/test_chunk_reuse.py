@@ -16,7 +16,7 @@ from warmkv.types import PrefixInput
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
 
-SOURCE = (Path(__file__).parent.parent / "src" / "warmkv" / "session.py").read_text()
+SOURCE = (Path(__file__).parent.parent / "src" / "warmkv" / "engine" / "session.py").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_server_reports_chunk_reuse(chunk_rt: warmkv.Runtime) -> None:
 
 @pytest.mark.skipif("native" not in warmkv.available_backends(), reason="needs the native engine")
 def test_bench_chunks_reports_reuse_and_quality() -> None:
-    from warmkv.bench.chunks import run_chunks
+    from warmkv.bench.engine.chunks import run_chunks
 
     # The prompt quotes warmkv's own sources (a repo map, two files), so it grows with them: room to spare.
     with warmkv.Runtime.load(backend="native", num_ctx=3072, n_seq_max=4, reuse_mode="chunks", **NO_TIERS) as rt:

@@ -14,8 +14,8 @@ from warmkv.errors import ModelNotFound
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
-from warmkv.backends.native.coded_rows import CodedRows  # noqa: E402
-from warmkv.backends.native.gguf_loader import hf_name, load_gguf  # noqa: E402
+from warmkv.backends.native.load.coded_rows import CodedRows  # noqa: E402
+from warmkv.backends.native.load.gguf_loader import hf_name, load_gguf  # noqa: E402
 
 
 def _files() -> list[str]:

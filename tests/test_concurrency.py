@@ -1,6 +1,6 @@
 """Many threads on one runtime at once: restore, fork, close, snapshot and decode never deadlock.
 
-The lock order (warmkv.runtime's module doc) is what this checks: every thread must
+The lock order (warmkv.engine.runtime's module doc) is what this checks: every thread must
 finish within its deadline, and the only errors allowed are typed warmkv errors
 (SessionClosed when a shared session was closed under a call, SessionLimit when
 every sequence is taken, ...).

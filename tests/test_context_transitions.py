@@ -20,8 +20,8 @@ import warmkv
 from context_checks import check_context
 from scripted_backend import N_VOCAB, OFFSET, ScriptedBackend
 from warmkv.backends.base import ForwardRow
-from warmkv.context import ResidentContext
-from warmkv.scheduler import Scheduler
+from warmkv.engine.context import ResidentContext
+from warmkv.engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # the Session half: checked after every step
 

@@ -8,8 +8,8 @@ import pytest
 
 import warmkv
 from conftest import SYSTEM, USER_A, USER_B, greedy_tokens
-from warmkv.prefix_plan import PrefixLoad
-from warmkv.tokens import common_prefix_len
+from warmkv.engine.prefix_plan import PrefixLoad
+from warmkv.prompt.tokens import common_prefix_len
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
 

@@ -11,8 +11,8 @@ import pytest
 
 import warmkv
 from scripted_backend import ScriptedBackend
-from warmkv.scheduler import Scheduler
-from warmkv.stats import SchedulerStats
+from warmkv.engine.scheduler import Scheduler
+from warmkv.engine.stats import SchedulerStats
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
 

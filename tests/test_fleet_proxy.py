@@ -49,7 +49,7 @@ SYSTEM = "You are a careful assistant for a Python repository. " + " ".join(
 def _binary(name: str) -> str:
     path = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
     if path is None:
-        pytest.skip(f"{name} is not installed (scripts/setup.sh dev installs it)")
+        pytest.skip(f"{name} is not installed (scripts/setup/setup.sh dev installs it)")
     return path
 
 

@@ -29,7 +29,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("redis")
 
 from redis_server import RedisServer, free_port  # noqa: E402
-from warmkv.cache.container import read_container  # noqa: E402
+from warmkv.cache.disk.container import read_container  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -111,7 +111,7 @@ def _nginx(nodes: list[Node]) -> Iterator[str]:
     """deploy/nginx's configs with one server line per node, on a free port."""
     binary = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/sbin")
     if binary is None:
-        pytest.skip("nginx is not installed (scripts/setup.sh dev installs it)")
+        pytest.skip("nginx is not installed (scripts/setup/setup.sh dev installs it)")
     run = Path(tempfile.mkdtemp(prefix="warmkv-nginx-"))
     run.chmod(0o777)
     port = free_port()

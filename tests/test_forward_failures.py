@@ -40,7 +40,7 @@ def fail_once(rt: warmkv.Runtime, *, after: int) -> Iterator[None]:
 
         mp.setattr(model, "forward", wrap(model.forward, boom))
     else:
-        from warmkv.backends import llamacpp
+        from warmkv.backends.llamacpp import backend as llamacpp
 
         mp.setattr(llamacpp.lc, "llama_decode", wrap(llamacpp.lc.llama_decode, lambda: 2))  # 2: aborted
     try:
@@ -101,7 +101,7 @@ def lose_rollback_of(rt: warmkv.Runtime, seq: int) -> Iterator[None]:
 
         mp.setattr(cache, "truncate", truncate)
     else:
-        from warmkv.backends import llamacpp
+        from warmkv.backends.llamacpp import backend as llamacpp
 
         real_rm = llamacpp.lc.llama_memory_seq_rm
         mp.setattr(llamacpp.lc, "llama_memory_seq_rm", lambda mem, s, p0, p1: s != seq and real_rm(mem, s, p0, p1))

@@ -4,7 +4,7 @@ Each runs two turns of one conversation non-interactively. Turn 1 must end with 
 error; turn 2 must reuse at least 90% of its prompt, in the harness's own usage figures
 (Claude Code's cache_read_input_tokens, Codex's cached_input_tokens). One test keeps each
 harness's default prompt (Claude Code's ~20K tokens); the others shrink it with the CLI's
-own options to stay fast. scripts/setup.sh installs the CLIs under harnesses/.
+own options to stay fast. scripts/setup/setup.sh installs the CLIs under harnesses/.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from warmkv.bench.server_proc import serve  # noqa: E402
+from warmkv.bench.live.server_proc import serve  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = ROOT / "harnesses" / "node_modules" / ".bin"
@@ -34,7 +34,7 @@ APP = 'from flask import Flask\n\napp = Flask(__name__)\n\n\n@app.route("/")\nde
 def _cli(name: str) -> Path:
     path = BIN / name
     if not path.exists():
-        pytest.fail(f"{path} is missing: scripts/setup.sh installs the pinned agent CLIs (needs npm)")
+        pytest.fail(f"{path} is missing: scripts/setup/setup.sh installs the pinned agent CLIs (needs npm)")
     return path
 
 

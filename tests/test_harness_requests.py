@@ -17,15 +17,15 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from warmkv.server import ignored
-from warmkv.server.anthropic_routes import _ignored, _messages, _tools
-from warmkv.server.anthropic_schemas import ClearThinking, ClearToolUses, Message, MessagesRequest
-from warmkv.server.context_edits import PLACEHOLDER, apply_edits
-from warmkv.server.reasoning_store import ReasoningStore
-from warmkv.server.responses_routes import NAMESPACE_SEP, _offered, _responses_ignored
-from warmkv.server.responses_routes import _messages as responses_messages
-from warmkv.server.responses_schemas import ResponsesRequest
-from warmkv.server.routing import conversation_key, uses
+from warmkv.server.api.anthropic.context_edits import PLACEHOLDER, apply_edits
+from warmkv.server.api.anthropic.routes import _ignored, _messages, _tools
+from warmkv.server.api.anthropic.schemas import ClearThinking, ClearToolUses, Message, MessagesRequest
+from warmkv.server.api.responses.routes import NAMESPACE_SEP, _offered, _responses_ignored
+from warmkv.server.api.responses.routes import _messages as responses_messages
+from warmkv.server.api.responses.schemas import ResponsesRequest
+from warmkv.server.fleet.routing import conversation_key, uses
+from warmkv.server.turn import ignored
+from warmkv.server.turn.reasoning_store import ReasoningStore
 
 ROOT = Path(__file__).resolve().parent.parent
 # What _ignored reads of the server: whether the model's template thinks, and its signed reasoning.

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import warmkv
-from warmkv.bench import changed_lines
+from warmkv.bench.engine import changed_lines
 from warmkv.bench.shapes import Shape, shape_gguf
 
 pytestmark = pytest.mark.skipif("llamacpp" not in warmkv.available_backends(), reason="llama.cpp not installed")

@@ -11,7 +11,7 @@ import pytest
 import warmkv
 from conftest import BACKENDS, NO_TIERS
 from warmkv.bench.shapes import Shape, write_f16
-from warmkv.infill import ExtraFile
+from warmkv.prompt.infill import ExtraFile
 
 FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 PREFIX = "def area(w, h):\n    "

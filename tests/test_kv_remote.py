@@ -23,11 +23,11 @@ from conftest import BACKENDS
 from redis_server import RedisServer
 from server_harness import live_server
 from warmkv.cache import block_keys
-from warmkv.cache.container import read_container
-from warmkv.cache.remote_rates import RemoteRates
-from warmkv.cache.remote_store import RemoteStore, namespace, session_key
-from warmkv.cache.remote_types import PASSWORD_ENV, RemoteConfig, parse_remote_url
-from warmkv.cache.store_types import Snapshot
+from warmkv.cache.disk.container import read_container
+from warmkv.cache.disk.types import Snapshot
+from warmkv.cache.remote.rates import RemoteRates
+from warmkv.cache.remote.store import RemoteStore, namespace, session_key
+from warmkv.cache.remote.types import PASSWORD_ENV, RemoteConfig, parse_remote_url
 from warmkv.cli import app
 from warmkv.server.metrics import ServerMetrics
 
@@ -63,7 +63,7 @@ def turn(rt: warmkv.Runtime, prefix: str) -> tuple[warmkv.PrefixStatus, list[int
         return status, [t for c in s.decode(GREEDY) for t in c.token_ids]
 
 
-def remote_stats(rt: warmkv.Runtime) -> warmkv.cache.remote_types.RemoteStats:
+def remote_stats(rt: warmkv.Runtime) -> warmkv.cache.remote.types.RemoteStats:
     assert rt.tiers is not None and rt.tiers.remote is not None
     return rt.tiers.remote.stats()
 

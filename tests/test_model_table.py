@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from warmkv.server.errors import ApiError
-from warmkv.server.model_table import ModelSpec, ModelStatus, ModelTable
+from warmkv.server.models.table import ModelSpec, ModelStatus, ModelTable
 
 
 @dataclass

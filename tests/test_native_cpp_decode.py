@@ -14,7 +14,8 @@ import torch
 import warmkv
 from test_native_parity import tiny_model
 from warmkv.backends.base import ForwardRow
-from warmkv.backends.native import NativeBackend, decode_ext
+from warmkv.backends.native import NativeBackend
+from warmkv.backends.native.cpp import decode_ext
 from warmkv.errors import BackendUnavailable, InvalidConfig
 
 CFG = warmkv.RuntimeConfig(num_ctx=256, num_batch=32, num_ubatch=32, n_seq_max=3)
@@ -211,7 +212,7 @@ def test_without_a_compiler(
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here yet
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     path = str(tiny_dirs["qwen2"])
-    with caplog.at_level(logging.WARNING, logger="warmkv.backends.native.decode_ext"):
+    with caplog.at_level(logging.WARNING, logger="warmkv.backends.native.cpp.decode_ext"):
         backend = NativeBackend(path, CFG, cpp_decode="auto")
     try:
         assert backend._model.decode_loop is None

@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 
 from warmkv.backends.base import ForwardRow  # noqa: E402
 from warmkv.backends.native import NativeBackend  # noqa: E402
-from warmkv.backends.native.attention import paged_attention, plan_row  # noqa: E402
-from warmkv.backends.native.paged_kv import KVLayout, PagedKVCache  # noqa: E402
+from warmkv.backends.native.kv.paged_kv import KVLayout, PagedKVCache  # noqa: E402
+from warmkv.backends.native.model.attention import paged_attention, plan_row  # noqa: E402
 
 try:
     GEMMA3 = warmkv.models.gemma3_path()
@@ -89,7 +89,7 @@ def test_llamacpp_tokens_and_greedy_parity(rt: warmkv.Runtime) -> None:
     """Token ids equal llama.cpp's (its SPM vocabulary, specials included), and so do greedy tokens."""
     if "llamacpp" not in warmkv.available_backends():
         pytest.skip("llama.cpp backend not installed")
-    from warmkv.backends.llamacpp import LlamaCppBackend
+    from warmkv.backends.llamacpp.backend import LlamaCppBackend
 
     peer = LlamaCppBackend(str(GEMMA3), rt.config)
     try:
@@ -108,7 +108,7 @@ def test_llamacpp_tokens_and_greedy_parity(rt: warmkv.Runtime) -> None:
 def test_logits_match_transformers(rt: warmkv.Runtime) -> None:
     """Next-token logits against transformers' Gemma 3 on the same weights, within and past the window."""
     transformers = pytest.importorskip("transformers")
-    from warmkv.backends.native.gguf_loader import load_gguf
+    from warmkv.backends.native.load.gguf_loader import load_gguf
 
     ckpt = load_gguf(GEMMA3)
     a = ckpt.args

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif("native" not in warmkv.available_backends(), rea
 
 
 def test_int4_linear_rows_are_batch_invariant() -> None:
-    from warmkv.backends.native.model import Linear
+    from warmkv.backends.native.model.transformer import Linear
 
     torch.manual_seed(0)
     lin = Linear.make(torch.randn(256, 96), torch.bfloat16, "int4")
@@ -80,10 +80,10 @@ def test_auto_compute_dtype_runs_4bit_ggufs_as_int4(tmp_path: Path) -> None:
 def test_int4_layers_come_from_the_files_codes_alone() -> None:
     """A Q4 GGUF's layer matrices go from its blocks straight to the kernels: the loader makes
     no float copy of them (a 3B model's layers alone would be 11 GB as float32)."""
-    from warmkv.backends.native import decode_ext
-    from warmkv.backends.native.checkpoint import Lazy
-    from warmkv.backends.native.gguf_loader import load_gguf
-    from warmkv.backends.native.model import Transformer
+    from warmkv.backends.native.cpp import decode_ext
+    from warmkv.backends.native.load.checkpoint import Lazy
+    from warmkv.backends.native.load.gguf_loader import load_gguf
+    from warmkv.backends.native.model.transformer import Transformer
 
     ext = decode_ext.extension("auto")
     if ext is None:

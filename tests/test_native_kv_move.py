@@ -18,12 +18,12 @@ import warmkv
 from test_native_parity import tiny_model
 from warmkv.backends import load_backend
 from warmkv.backends.base import ForwardRow
-from warmkv.backends.native.args import ModelArgs
-from warmkv.backends.native.attention import plan_row
 from warmkv.backends.native.backend import NativeBackend
-from warmkv.backends.native.kv_move import MovedKV, place, stash
-from warmkv.backends.native.paged_kv import KVLayout, PagedKVCache
-from warmkv.backends.native.rope import Rope, apply
+from warmkv.backends.native.kv.move import MovedKV, place, stash
+from warmkv.backends.native.kv.paged_kv import KVLayout, PagedKVCache
+from warmkv.backends.native.model.args import ModelArgs
+from warmkv.backends.native.model.attention import plan_row
+from warmkv.backends.native.model.rope import Rope, apply
 
 HEAD_DIM, KV_HEADS, LAYERS, BS = 32, 2, 2, 4
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

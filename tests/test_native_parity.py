@@ -19,9 +19,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import warmkv
 from warmkv.backends.base import ForwardRow
 from warmkv.backends.native import NativeBackend
-from warmkv.backends.native.gguf_loader import load_gguf
-from warmkv.backends.native.tokenizer import _unicode_to_byte
-from warmkv.bench.hf_reference import transformers_llama
+from warmkv.backends.native.load.gguf_loader import load_gguf
+from warmkv.backends.native.load.tokenizer import _unicode_to_byte
+from warmkv.bench.peers.hf_reference import transformers_llama
 
 TOL = 1e-3
 PARITY_CFG = warmkv.RuntimeConfig(num_ctx=256, num_batch=16, num_ubatch=16, n_seq_max=3, kv_cache_type="f32")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from warmkv.backends.native.attention import paged_attention, plan_row
-from warmkv.backends.native.paged_kv import KVLayout, PagedKVCache
+from warmkv.backends.native.kv.paged_kv import KVLayout, PagedKVCache
+from warmkv.backends.native.model.attention import paged_attention, plan_row
 
 HEADS, KV_HEADS, DIM, BS = 6, 2, 16, 4
 SCALE = DIM**-0.5

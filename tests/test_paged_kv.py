@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import warmkv
-from warmkv.backends.native.paged_kv import KVLayout, PagedKVCache
+from warmkv.backends.native.kv.paged_kv import KVLayout, PagedKVCache
 
 BS = 4
 
@@ -261,7 +261,7 @@ def test_the_pool_commits_memory_only_where_sequences_grow() -> None:
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "int8"])
 def test_a_head_major_pool_holds_and_exports_what_a_slot_major_one_does(dtype: str) -> None:
-    from warmkv.backends.native.kv_blob import export_seq, import_seq
+    from warmkv.backends.native.kv.blob import export_seq, import_seq
 
     layouts = [KVLayout(2, 3, 8, num_blocks=12, block_size=BS, dtype=dtype, head_major=h) for h in (False, True)]
     pools = [PagedKVCache(layout) for layout in layouts]
@@ -290,7 +290,7 @@ def test_a_head_major_pool_holds_and_exports_what_a_slot_major_one_does(dtype: s
 def test_a_background_export_of_a_head_major_pool_takes_blob_sized_memory() -> None:
     import tracemalloc
 
-    from warmkv.backends.native.kv_blob import export_seq
+    from warmkv.backends.native.kv.blob import export_seq
 
     c = PagedKVCache(KVLayout(4, 3, 64, num_blocks=2000, block_size=16, dtype="int8", head_major=True))
     slots = c.append(0, 100)

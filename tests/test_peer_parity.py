@@ -14,7 +14,7 @@ import pytest
 import warmkv
 from conftest import BACKENDS, NO_TIERS, SYSTEM, USER_A, USER_B, greedy_tokens
 from warmkv.backends.compute_thread import compute_thread
-from warmkv.bench.peer import peer_close, peer_llama
+from warmkv.bench.peers.llamacpp import peer_close, peer_llama
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -46,7 +46,7 @@ def test_greedy_matches_llama(rt: warmkv.Runtime, peer, suffix: str) -> None:
                 break
         return expected
 
-    expected = compute_thread().call(peer_tokens)  # where the peer runs (warmkv.bench.peer)
+    expected = compute_thread().call(peer_tokens)  # where the peer runs (warmkv.bench.peers.llamacpp)
     with rt.session() as s:
         s.ensure_prefix(SYSTEM)
         s.prefill_suffix(suffix)

@@ -7,7 +7,7 @@ import threading
 import time
 
 import warmkv
-from warmkv.scheduler import Scheduler, SchedulerConfig
+from warmkv.engine.scheduler import Scheduler, SchedulerConfig
 
 PROMPT = "<|im_start|>user\nCount from one to one hundred.<|im_end|>\n<|im_start|>assistant\n"
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from warmkv.cache import EvictedEntry, PrefixCache, PrefixCacheConfig, block_keys
-from warmkv.cache.cache_integrity import check_cache
+from warmkv.cache.memory.integrity import check_cache
 from warmkv.errors import CacheCorrupt, CacheEntryGone, CacheFull, InvalidConfig, InvalidInput
 
 

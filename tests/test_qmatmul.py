@@ -17,13 +17,13 @@ torch = pytest.importorskip("torch")
 
 @pytest.fixture(scope="module")
 def ext():  # type: ignore[no-untyped-def]
-    from warmkv.backends.native import decode_ext
+    from warmkv.backends.native.cpp import decode_ext
 
     return decode_ext.extension("on")
 
 
 def _blocks(kind: str, n: int, k: int):  # type: ignore[no-untyped-def]
-    from warmkv.backends.native import qweights as qw
+    from warmkv.backends.native.load import qweights as qw
 
     g = torch.Generator().manual_seed(n * 1000 + k)
     d = (torch.rand(n, k // 32, generator=g) * 0.1 + 0.01).half()
@@ -47,7 +47,7 @@ def _reference(blocks, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-unty
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize(("n", "k"), [(40, 96), (17, 32), (33, 576), (1, 64)])
 def test_kernel_matches_the_float_reference(ext, kind: str, n: int, k: int) -> None:  # type: ignore[no-untyped-def]
-    from warmkv.backends.native.qweights import KINDS
+    from warmkv.backends.native.load.qweights import KINDS
 
     b = _blocks(kind, n, k)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(k))
@@ -65,7 +65,7 @@ def test_kernel_matches_the_float_reference(ext, kind: str, n: int, k: int) -> N
 def test_activation_ties_round_to_even(ext, kind: str) -> None:  # type: ignore[no-untyped-def]
     """Codes on a .5 tie round to even (the SIMD path's cvtps and the scalar nearbyint agree with
     torch.round); rounding half away from zero would be a whole code off, far above the bound."""
-    from warmkv.backends.native.qweights import KINDS
+    from warmkv.backends.native.load.qweights import KINDS
 
     b = _blocks(kind, 24, 64)
     halves = torch.arange(31, dtype=torch.float32) - 15.5  # -15.5 .. 14.5: every one a tie
@@ -79,7 +79,7 @@ def test_activation_ties_round_to_even(ext, kind: str) -> None:  # type: ignore[
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_a_rows_result_does_not_depend_on_the_batch(ext, kind: str) -> None:  # type: ignore[no-untyped-def]
     """Rows are grouped only to share weight loads: T=1 and every T>1 give the same bits."""
-    from warmkv.backends.native.qweights import KINDS
+    from warmkv.backends.native.load.qweights import KINDS
 
     b = _blocks(kind, 50, 160)
     packed = b.pack()
@@ -108,7 +108,7 @@ def test_gguf_codes_come_through_exactly() -> None:
     """The default model's Q4_1 layers and Q8_0 embeddings: the packed blocks dequantize to gguf's own floats."""
     import gguf
 
-    from warmkv.backends.native.qweights import from_gguf
+    from warmkv.backends.native.load.qweights import from_gguf
 
     reader = gguf.GGUFReader(str(warmkv.default_model_path()))
     seen = set()
@@ -122,7 +122,7 @@ def test_gguf_codes_come_through_exactly() -> None:
 
 
 def test_q4_0_converts_to_q4_1_exactly() -> None:
-    from warmkv.backends.native.qweights import cat
+    from warmkv.backends.native.load.qweights import cat
 
     a, b = _blocks("Q4_0", 5, 64), _blocks("Q4_1", 3, 64)
     fused = cat([a, b])
@@ -165,8 +165,8 @@ def test_prefill_weights_resolve_and_name_the_matmuls(ext) -> None:  # type: ign
 def test_the_arena_lays_matrices_one_after_another(ext) -> None:  # type: ignore[no-untyped-def]
     """Packed matrices copied in order onto cache-line boundaries of one slab; one past the slab's
     room starts the next, one larger than a slab gets its own; qmatmul reads a copy as the original."""
-    from warmkv.backends.native import weight_arena as wa
-    from warmkv.backends.native.qweights import KINDS
+    from warmkv.backends.native.load import weight_arena as wa
+    from warmkv.backends.native.load.qweights import KINDS
 
     arena = wa.WeightArena(ext)
     sizes = [(kind, n, k) for kind, n, k in (("Q4_1", 960, 576), ("Q4_0", 576, 576), ("Q8_0", 100, 64))]

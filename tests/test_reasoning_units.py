@@ -8,11 +8,11 @@ from pathlib import Path
 import llguidance
 import pytest
 
-from warmkv.chat import CHATML, ChatTemplate
-from warmkv.constraint import Constraint
-from warmkv.reasoning import ReasoningSplitter, parses, starts_inside, template_thinks
-from warmkv.reasoning_history import KeptRenderer
-from warmkv.server.reasoning_store import ReasoningStore
+from warmkv.prompt.chat import CHATML, ChatTemplate
+from warmkv.prompt.constraint import Constraint
+from warmkv.prompt.reasoning import ReasoningSplitter, parses, starts_inside, template_thinks
+from warmkv.prompt.reasoning_history import KeptRenderer
+from warmkv.server.turn.reasoning_store import ReasoningStore
 from warmkv.tools import ToolChoice, make_tool
 from warmkv.tools.formats import detect
 from warmkv.tools.grammar import tool_grammar, with_thinking

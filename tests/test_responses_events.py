@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from warmkv.server.chat_turn import ReasoningDelta, TurnEnd, TurnStep
-from warmkv.server.responses_schemas import ResponsesRequest
-from warmkv.server.responses_wire import ResponsesEncoder, Shape
+from warmkv.server.api.responses.schemas import ResponsesRequest
+from warmkv.server.api.responses.wire import ResponsesEncoder, Shape
+from warmkv.server.turn.chat_turn import ReasoningDelta, TurnEnd, TurnStep
 from warmkv.tools import ArgsDelta, CallEnd, CallStart, TextDelta
 from warmkv.types import StreamChunk, Usage
 

@@ -12,7 +12,7 @@ pytest.importorskip("starlette")
 from starlette.datastructures import Headers
 
 from warmkv.errors import InvalidConfig
-from warmkv.server.routing import RoutingKey, conversation_key, routing_key, uses
+from warmkv.server.fleet.routing import RoutingKey, conversation_key, routing_key, uses
 from warmkv.server.settings import ServerSettings
 
 FIXTURES = Path(__file__).parent / "fixtures" / "harnesses"

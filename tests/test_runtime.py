@@ -19,7 +19,7 @@ def test_tokenize_roundtrip(rt: warmkv.Runtime) -> None:
 
 
 def test_spelled_lengths_count_what_spell_gives(rt: warmkv.Runtime) -> None:
-    from warmkv.tokens import spell
+    from warmkv.prompt.tokens import spell
 
     text = "<|im_start|>user\ndef f():\n    return 'ünïcödé 🎉 漢字'<|im_end|>\n"
     ids = rt.tokenize(text, add_bos=False)
@@ -41,7 +41,7 @@ def _valid_utf8(b: bytes) -> bool:
 
 
 def test_a_resent_prompt_is_tokenized_once(rt: warmkv.Runtime) -> None:
-    from warmkv.runtime import RECENT_PROMPTS
+    from warmkv.engine.runtime import RECENT_PROMPTS
 
     calls: list[str] = []
     backend_tokenize = rt.backend.tokenize

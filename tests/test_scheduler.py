@@ -12,7 +12,7 @@ import pytest
 import warmkv
 from conftest import BACKENDS, NO_TIERS, SYSTEM
 from warmkv.backends.base import Backend, ForwardRow
-from warmkv.scheduler import Scheduler, SchedulerConfig
+from warmkv.engine.scheduler import Scheduler, SchedulerConfig
 from warmkv.server.errors import from_warmkv
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step

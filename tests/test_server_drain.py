@@ -20,9 +20,9 @@ pytest.importorskip("fastapi")
 
 import warmkv  # noqa: E402
 from server_harness import live_server  # noqa: E402
-from warmkv.server.drain import Drain  # noqa: E402
-from warmkv.server.model_table import ModelSlot, ModelSpec, ModelStatus  # noqa: E402
-from warmkv.server.readiness import readiness  # noqa: E402
+from warmkv.server.fleet.drain import Drain  # noqa: E402
+from warmkv.server.fleet.readiness import readiness  # noqa: E402
+from warmkv.server.models.table import ModelSlot, ModelSpec, ModelStatus  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 KEY = "drain-test-key"

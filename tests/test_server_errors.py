@@ -13,9 +13,9 @@ httpx = pytest.importorskip("httpx")
 import warmkv  # noqa: E402
 from server_harness import live_server  # noqa: E402
 from warmkv.errors import SchedulerClosed, StreamLimit  # noqa: E402
-from warmkv.server.admission import Admission  # noqa: E402
 from warmkv.server.errors import ApiError, from_warmkv  # noqa: E402
-from warmkv.server.pool import SessionPool  # noqa: E402
+from warmkv.server.sessions.admission import Admission  # noqa: E402
+from warmkv.server.sessions.pool import SessionPool  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 MSGS = [{"role": "user", "content": "Say hi."}]

@@ -21,8 +21,8 @@ jsonschema = pytest.importorskip("jsonschema")
 import warmkv  # noqa: E402
 from server_harness import live_server  # noqa: E402
 from warmkv.errors import InvalidInput  # noqa: E402
-from warmkv.server import ignored  # noqa: E402
-from warmkv.server.keep_alive import keep_alive_seconds  # noqa: E402
+from warmkv.server.models.keep_alive import keep_alive_seconds  # noqa: E402
+from warmkv.server.turn import ignored  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_CTX = 2048

@@ -78,8 +78,8 @@ class _FakeSession:
 def test_keyed_requests_keep_their_sessions() -> None:
     """Two agent sessions sharing a long system prompt: each goes back to its own history, and a
     new one takes a warm prefix whose owner loses little, but not another live conversation."""
-    from warmkv.server.admission import Admission
-    from warmkv.server.pool import SessionPool
+    from warmkv.server.sessions.admission import Admission
+    from warmkv.server.sessions.pool import SessionPool
 
     system = list(range(1000))
 

@@ -22,7 +22,7 @@ anthropic = pytest.importorskip("anthropic")
 
 import warmkv  # noqa: E402
 from server_harness import live_server  # noqa: E402
-from warmkv.constraint import Guide, build_tokenizer  # noqa: E402
+from warmkv.prompt.constraint import Guide, build_tokenizer  # noqa: E402
 from warmkv.tools import ToolChoice, detect, make_tool, tool_grammar  # noqa: E402
 
 QWEN3 = (Path(__file__).parent / "fixtures" / "templates" / "qwen3.jinja").read_text()

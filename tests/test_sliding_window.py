@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 import warmkv
-from warmkv.bench.changed_lines import divergence, prompt
+from warmkv.bench.engine.changed_lines import divergence, prompt
 from warmkv.errors import ModelNotFound
 from warmkv.models import gemma3_path
 
@@ -26,7 +26,7 @@ except ModelNotFound:
 
 pytestmark = [
     pytest.mark.skipif("llamacpp" not in warmkv.available_backends(), reason="llama.cpp backend not installed"),
-    pytest.mark.skipif(GEMMA is None, reason="Gemma 3 270M is not assembled (scripts/setup.sh)"),
+    pytest.mark.skipif(GEMMA is None, reason="Gemma 3 270M is not assembled (scripts/setup/setup.sh)"),
 ]
 
 # The changed line: divergences at about 1,150 and 3,330 tokens, past two and six 512-token

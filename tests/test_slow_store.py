@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import warmkv
-import warmkv.tiers
+import warmkv.engine.tiers
 from conftest import USER_A
 from warmkv.cache import KVStore
 
@@ -105,7 +105,7 @@ class Stream:
 
 @pytest.fixture()
 def rt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[warmkv.Runtime]:
-    monkeypatch.setattr(warmkv.tiers, "KVStore", SlowStore)
+    monkeypatch.setattr(warmkv.engine.tiers, "KVStore", SlowStore)
     r = warmkv.Runtime.load(
         backend="llamacpp", num_ctx=2048, n_seq_max=4, kv_store_dir=str(tmp_path / "kv"), prefix_cache_mb=0
     )
@@ -176,7 +176,7 @@ def test_spills_and_disk_hits_do_not_stop_a_running_decode(rt: warmkv.Runtime) -
 def test_a_disk_hit_in_the_scheduler_does_not_stop_its_streams(rt: warmkv.Runtime) -> None:
     """The server's path: the scheduler reads a turn's disk hit on its reader thread, so the
     other streams keep their steps (read on the scheduler's own thread, they would all wait)."""
-    from warmkv.scheduler import Scheduler
+    from warmkv.engine.scheduler import Scheduler
 
     store: SlowStore = rt.tiers.store  # type: ignore[union-attr, assignment]
     with rt.session() as b:
@@ -224,7 +224,7 @@ def test_a_disk_hit_in_the_scheduler_does_not_stop_its_streams(rt: warmkv.Runtim
 def test_a_turn_waiting_on_the_disk_does_not_hold_back_the_next_turns_prefill(rt: warmkv.Runtime) -> None:
     """With the step budget spent on decode rows, each step still prefills a piece of one waiting
     turn: the first that can go, not the first in line while its disk read is under way."""
-    from warmkv.scheduler import Scheduler, SchedulerConfig
+    from warmkv.engine.scheduler import Scheduler, SchedulerConfig
 
     store: SlowStore = rt.tiers.store  # type: ignore[union-attr, assignment]
     with rt.session() as b:
@@ -266,7 +266,7 @@ def test_a_spills_copy_does_not_stop_a_running_decode(tmp_path: Path, monkeypatc
 
     Both ways of copying are slowed; under the lock (the old design) the stream would stop.
     """
-    from warmkv.backends.native.kv_pin import PinnedKV
+    from warmkv.backends.native.kv.pin import PinnedKV
 
     windows: list[tuple[float, float]] = []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from warmkv.cache import KVStore, StoreConfig, block_keys, read_container
-from warmkv.cache.blob_files import TMP_PREFIX
+from warmkv.cache.disk.blobs import TMP_PREFIX
 from warmkv.errors import InvalidInput, ManifestMismatch, SnapshotNotFound, StoreCorrupt, StoreFull
 
 MD = "a" * 64

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from warmkv.cache import KVStore, StoreConfig, block_keys
-from warmkv.cache.store_writer import LazyBlob, StoreWriter
+from warmkv.cache.disk.writer import LazyBlob, StoreWriter
 from warmkv.errors import WarmkvError
 
 BLOCK = 4

@@ -20,9 +20,9 @@ import pytest
 
 import warmkv
 from conftest import BACKENDS, NO_TIERS, SYSTEM
-from warmkv.prefix_plan import PrefixLoad
-from warmkv.scheduler import Scheduler
-from warmkv.stats import SchedulerStats
+from warmkv.engine.prefix_plan import PrefixLoad
+from warmkv.engine.scheduler import Scheduler
+from warmkv.engine.stats import SchedulerStats
 from warmkv.types import PrefixInput
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
@@ -115,7 +115,7 @@ def failing_rows(rt: warmkv.Runtime, seq: int, start: int, failed: list[int], *,
         if lose:
             mp.setattr(cache, "truncate", failing_truncate)
     else:
-        from warmkv.backends import llamacpp
+        from warmkv.backends.llamacpp import backend as llamacpp
 
         decode, seq_rm = llamacpp.lc.llama_decode, llamacpp.lc.llama_memory_seq_rm
 

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from warmkv.text import StopMatcher, Utf8Stream
+from warmkv.prompt.text import StopMatcher, Utf8Stream
 
 
 @given(st.text(), st.lists(st.integers(min_value=0, max_value=64), max_size=20))

@@ -14,7 +14,7 @@ import pytest
 
 import warmkv
 from conftest import BACKENDS, USER_A, USER_B, greedy_tokens
-from warmkv.tokens import common_prefix_len
+from warmkv.prompt.tokens import common_prefix_len
 
 SYSTEM = "<|im_start|>system\nYou review Python patches. Rules:\n" + "".join(
     f"{i}. Keep functions under {10 + i} lines and name things plainly.\n" for i in range(40)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from warmkv.backends.native.sampler import TorchSampler
+from warmkv.backends.native.model.sampler import TorchSampler
 from warmkv.config import DecodeConfig
 from warmkv.errors import InvalidInput
-from warmkv.sampling import Sampler
+from warmkv.prompt.sampling import Sampler
 
 
 def reference_dist(

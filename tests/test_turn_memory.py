@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import warmkv
-from warmkv.turn_memory import TurnMemory
+from warmkv.prompt.turn_memory import TurnMemory
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
 

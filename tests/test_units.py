@@ -9,7 +9,7 @@ import warmkv
 from warmkv.backends import LlamaCppOptions, NativeOptions, make_options
 from warmkv.config import ResolvedConfig, RuntimeConfig
 from warmkv.manifest import ContextManifest
-from warmkv.sampling import Sampler
+from warmkv.prompt.sampling import Sampler
 
 
 def _manifest(**over: object) -> ContextManifest:
@@ -141,7 +141,7 @@ def test_seq_slots_reserve_one_for_the_runtime() -> None:
 
 
 def test_lookup_draft_follows_the_latest_earlier_occurrence() -> None:
-    from warmkv.tokens import lookup_draft
+    from warmkv.prompt.tokens import lookup_draft
 
     assert lookup_draft([1, 2, 3, 4, 5, 6, 1, 2, 3], 3) == [4, 5, 6]
     assert lookup_draft([1, 2, 3, 4, 5, 6, 1, 2, 3], 10) == [4, 5, 6, 1, 2, 3]  # runs up to the end
@@ -151,7 +151,7 @@ def test_lookup_draft_follows_the_latest_earlier_occurrence() -> None:
 
 
 def test_template_keeps_a_bos_the_runtime_does_not_add() -> None:
-    from warmkv.chat import CHATML, ChatTemplate
+    from warmkv.prompt.chat import CHATML, ChatTemplate
 
     msgs = [{"role": "user", "content": "hi"}]
     # SmolLM2's BOS is <|im_start|>, which its template writes first: without a BOS policy it must stay.

@@ -16,7 +16,7 @@ import pytest
 
 import warmkv
 from conftest import BACKENDS, SYSTEM
-from warmkv.scheduler import Scheduler, SchedulerConfig
+from warmkv.engine.scheduler import Scheduler, SchedulerConfig
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
 

@@ -2,7 +2,8 @@
 
 from .backends import available_backends, registered_backends
 from .config import DecodeConfig, RuntimeConfig
-from .constraint import Constraint
+from .engine.runtime import Completion, Runtime
+from .engine.session import Session
 from .errors import (
     BackendUnavailable,
     CacheCorrupt,
@@ -34,8 +35,7 @@ from .errors import (
 )
 from .manifest import ContextManifest, Segment, hash_token_ids
 from .models import default_model_path
-from .runtime import Completion, Runtime
-from .session import Session
+from .prompt.constraint import Constraint
 from .types import (
     ContextReport,
     Divergence,

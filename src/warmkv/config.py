@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
-from .cache.remote_types import check_prefill_rate, parse_remote_url
-from .chat import check_template_kwargs
-from .constraint import Constraint
+from .cache.remote.types import check_prefill_rate, parse_remote_url
 from .errors import InvalidConfig, InvalidInput
+from .prompt.chat import check_template_kwargs
+from .prompt.constraint import Constraint
 
 # llama.cpp names; the native engine also takes f32 and bf16 (each backend rejects what it can't store).
 # "auto": each backend's own default (RuntimeConfig.resolved's kv_auto).

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache.block_hash import token_bytes
+from .cache.memory.block_hash import token_bytes
 from .errors import InvalidInput, ManifestMismatch
 
 _CHUNK = 1 << 20

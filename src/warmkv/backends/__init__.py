@@ -33,7 +33,7 @@ def register(spec: BackendSpec) -> None:
 register(
     BackendSpec(
         name="llamacpp",
-        module="warmkv.backends.llamacpp",
+        module="warmkv.backends.llamacpp.backend",
         requires=("llama_cpp",),
         install_hint="pip install 'llama-cpp-python==0.3.36'",
         options=LlamaCppOptions,

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..cache.store_types import Blob
+from ..cache.disk.types import Blob
 from ..config import DecodeConfig, ResolvedConfig
 from ..errors import ContextOverflow, InvalidInput
 
@@ -174,7 +174,7 @@ def check_runs(runs: object, seq: int, length: int) -> tuple[tuple[int, int], ..
 
 
 class TokenSampler(Protocol):
-    """Chooses the next token from one row of logits (warmkv.sampling.Sampler's chain)."""
+    """Chooses the next token from one row of logits (warmkv.prompt.sampling.Sampler's chain)."""
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int: ...
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cache.store_types import cache_root
+from ..cache.disk.types import cache_root
 from ..errors import InvalidConfig
 from ..models import default_model_path
 

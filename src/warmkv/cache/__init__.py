@@ -1,7 +1,11 @@
 """Shared prefix cache (in memory) and persistent KV store (on disk), independent of any engine."""
 
-from .block_hash import block_keys, seed_key
-from .cache_types import (
+from .disk.container import BlobHeader, ContainerError, read_container, write_container
+from .disk.store import KVStore
+from .disk.types import Snapshot, SnapshotInfo, StoreConfig, StoreEntry, StoreMatch, StoreStats, default_store_dir
+from .memory.block_hash import block_keys, seed_key
+from .memory.prefix_cache import PrefixCache, PrefixCacheConfig
+from .memory.types import (
     CacheEntry,
     CacheState,
     CacheStats,
@@ -11,10 +15,6 @@ from .cache_types import (
     NodeState,
     PrefixMatch,
 )
-from .container import BlobHeader, ContainerError, read_container, write_container
-from .prefix_cache import PrefixCache, PrefixCacheConfig
-from .store import KVStore
-from .store_types import Snapshot, SnapshotInfo, StoreConfig, StoreEntry, StoreMatch, StoreStats, default_store_dir
 
 __all__ = [
     "BlobHeader",

@@ -34,9 +34,9 @@ def bench_coding_loop(
     opts: RuntimeOptions,
 ) -> None:
     """TTFT per turn of a coding-agent loop: warm session vs cold vs llama-cpp-python."""
-    from ..bench.coding_loop import plot, run_coding_loop
-    from ..bench.restart import run_restart
-    from ..bench.workspaces import run_workspaces
+    from ..bench.engine.coding_loop import plot, run_coding_loop
+    from ..bench.engine.restart import run_restart
+    from ..bench.engine.workspaces import run_workspaces
 
     no_tiers = {"prefix_cache_mb": 0, "kv_store_mb": 0}
     try:
@@ -142,7 +142,7 @@ def bench_throughput(
     ] = 1,
 ) -> None:
     """Prefill and decode tokens/s: native engine dtypes vs transformers vs llama.cpp, in one run."""
-    from ..bench.throughput import ENGINES, run_throughput
+    from ..bench.engine.throughput import ENGINES, run_throughput
 
     model = _model_or_shape(model, shape, quant)
     chosen = tuple(e.strip() for e in engines.split(",") if e.strip())
@@ -211,7 +211,7 @@ def bench_deep(
     json_out: Annotated[Path | None, typer.Option("--json", help="write the report as JSON")] = None,
 ) -> None:
     """A warm turn deep in a context: cold prefill, warm TTFT and decode per engine, beside their limits."""
-    from ..bench.deep import DeepConfig, run_deep
+    from ..bench.engine.deep import DeepConfig, run_deep
 
     model = _model_or_shape(model, shape, quant)
     try:
@@ -257,7 +257,7 @@ def bench_speculative(
     opts: RuntimeOptions,
 ) -> None:
     """Speculative decoding with drafts looked up in the context, on a copy task, vs plain greedy."""
-    from ..bench.speculative import run_speculative
+    from ..bench.engine.speculative import run_speculative
 
     sizes = tuple(_positive_ints("--drafts", drafts, "3,5,8"))
     try:
@@ -302,8 +302,8 @@ def bench_serve(
     """Decode tokens/s and inter-token gaps of `warmkv serve` per stream count and beside a long prefill.
 
     --backend takes a comma list (llama.cpp,native): each backend runs on a fresh server."""
-    from ..bench.serve import ServeBenchConfig, backend_names, run_serve_bench
-    from ..bench.serve_table import print_serve_report
+    from ..bench.live.serve import ServeBenchConfig, backend_names, run_serve_bench
+    from ..bench.live.serve_table import print_serve_report
 
     levels = _positive_ints("--streams", streams, "1,4,8,16")
     try:
@@ -335,8 +335,8 @@ def bench_agent(
     opts: RuntimeOptions,
 ) -> None:
     """A tool-calling agent loop through `warmkv serve` per API: reuse, TTFT and call validity per turn."""
-    from ..bench.agent import DRIVERS, run_agent_loop
-    from ..bench.server_proc import serve
+    from ..bench.live.agent import DRIVERS, run_agent_loop
+    from ..bench.live.server_proc import serve
 
     chosen = [a.strip() for a in apis.split(",") if a.strip()]
     unknown = sorted(set(chosen) - set(DRIVERS))
@@ -401,8 +401,8 @@ def bench_reasoning_loop(
     """A reasoning tool loop per API: the reuse at the next user message, thinking history keep vs template.
 
     Give a reasoning template with --chat-template-file (e.g. tests/fixtures/templates/qwen3.jinja)."""
-    from ..bench.reasoning_loop import measure
-    from ..bench.server_proc import serve
+    from ..bench.live.reasoning_loop import measure
+    from ..bench.live.server_proc import serve
 
     report: dict[str, Any] = {"backend": opts.backend, "modes": {}}
     try:
@@ -436,7 +436,7 @@ def bench_chunks(
     opts: RuntimeOptions,
 ) -> None:
     """An aider-shaped conversation: exact vs chunks reuse, TTFT, and quality against cold."""
-    from ..bench.chunks import run_chunks
+    from ..bench.engine.chunks import run_chunks
 
     try:  # tiers off: the cold session must be cold; chunks mode so both modes run on one runtime
         rt = opts.load(prefix_cache_mb=0, kv_store_mb=0, reuse_mode="chunks", num_ctx=opts.runtime.get("num_ctx", 8192))

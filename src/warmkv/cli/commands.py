@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from .. import Constraint, DecodeConfig, InvalidInput, Runtime, WarmkvError, available_backends, registered_backends
-from ..reasoning import template_thinks
+from ..prompt.reasoning import template_thinks
 from .options import RuntimeOptions, console, err, fail, runtime_options
 
 

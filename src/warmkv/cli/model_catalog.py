@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..engine.runtime import Runtime
 from ..errors import InvalidConfig, ModelNotFound
 from ..models import MODEL_NAMES, default_model_path, gemma3_path, resolve_model
-from ..runtime import Runtime
-from ..server.model_table import ModelSpec
+from ..server.models.table import ModelSpec
 from .options import RuntimeOptions
 
 

@@ -24,8 +24,8 @@ from rich.console import Console
 from ..backends import BackendOptions, make_options
 from ..backends.choose import AUTO
 from ..config import RuntimeConfig
+from ..engine.runtime import Runtime
 from ..errors import InvalidConfig
-from ..runtime import Runtime
 
 # Piped into a file or a CI log, rich would lay tables out at 80 columns and cut the benches'
 # cells short; a terminal, or COLUMNS, still sets the width.

@@ -15,32 +15,30 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
 from .. import __version__
-from ..cache.remote_types import RemoteStats
+from ..cache.remote.types import RemoteStats
+from ..engine.runtime import Runtime
+from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..errors import InvalidConfig
-from ..runtime import Runtime
-from ..scheduler import Scheduler, SchedulerConfig
-from . import (
-    admin_routes,
-    anthropic_routes,
-    errors,
-    infill_routes,
-    model_routes,
-    ollama_routes,
-    openai_routes,
-    responses_routes,
-    session_routes,
-    utility_routes,
-)
-from .admission import Admission
-from .drain import Drain, offload
-from .guard import Guard
-from .leases import Leases
+from . import errors
+from .api.anthropic import routes as anthropic_routes
+from .api.llamacpp import routes as infill_routes
+from .api.llamacpp import utility as utility_routes
+from .api.ollama import routes as ollama_routes
+from .api.openai import routes as openai_routes
+from .api.responses import routes as responses_routes
+from .fleet import routes as admin_routes
+from .fleet.drain import Drain, offload
+from .fleet.readiness import readiness
+from .http.guard import Guard
+from .http.leases import Leases
+from .http.node import NodeGate
 from .metrics import ServerMetrics
-from .model_table import ModelSpec, ModelTable, name_map
-from .node import NodeGate
-from .pool import SessionPool
-from .readiness import readiness
-from .registry import SNAPSHOT_PREFIX, SessionRegistry, session_snapshot_name
+from .models import routes as model_routes
+from .models.table import ModelSpec, ModelTable, name_map
+from .sessions import routes as session_routes
+from .sessions.admission import Admission
+from .sessions.pool import SessionPool
+from .sessions.registry import SNAPSHOT_PREFIX, SessionRegistry, session_snapshot_name
 from .settings import ServerSettings, TableSettings, default_pool_size
 from .state import Hub, ServerState
 
@@ -215,7 +213,7 @@ def _close_sessions(pool: SessionPool, registry: SessionRegistry) -> None:
 
 
 def _gauges(hub: Hub) -> None:
-    """Gauges read the published stats (warmkv.stats) and the loop's own state: never the model lock.
+    """Gauges read the published stats (warmkv.engine.stats) and the loop's own state: never the model lock.
     Each sums over the loaded models."""
     m = hub.metrics
 
@@ -293,10 +291,10 @@ async def _sweep_loop(hub: Hub) -> None:
 
 
 async def health(request: Request, response: Response) -> dict[str, Any]:
-    """Readiness (200 when the node can serve, 503 while it drains: server/readiness.py) plus what is
+    """Readiness (200 when the node can serve, 503 while it drains: server/fleet/readiness.py) plus what is
     in use: sessions, streams, queue; `degraded` says what runs short, and why.
 
-    The engine's figures are the stats it published after its last step (warmkv.stats): a
+    The engine's figures are the stats it published after its last step (warmkv.engine.stats): a
     probe never waits for the model lock, so it answers while a long prompt prefills.
     """
     hub: Hub = request.app.state.warmkv

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ..config import SERVE_N_SEQ_MAX, SESSIONS_RESERVED
 from ..errors import InvalidConfig
-from ..reasoning import REASONING_FORMATS
+from ..prompt.reasoning import REASONING_FORMATS
 from ..tools.formats import FORMAT_NAMES
 
 LOOPBACK_NAMES = ("localhost",)

@@ -16,28 +16,28 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
+from ..engine.runtime import Runtime
+from ..engine.scheduler import Scheduler
 from ..errors import WarmkvError
-from ..reasoning import parses
-from ..runtime import Runtime
-from ..scheduler import Scheduler
+from ..prompt.reasoning import parses
 from ..tools import ToolFormat
-from .admission import Admission
-from .drain import Drain
 from .errors import ApiError
-from .keep_alive import keep_alive_seconds
-from .leases import hold
-from .message_log import MessageLog
+from .fleet.drain import Drain
+from .http.leases import hold
 from .metrics import ModelMetrics, ServerMetrics
-from .pool import SessionPool
-from .reasoning_store import ReasoningStore
-from .registry import SessionRegistry
-from .session_share import restore_shared, shares
+from .models.keep_alive import keep_alive_seconds
+from .sessions.admission import Admission
+from .sessions.pool import SessionPool
+from .sessions.registry import SessionRegistry
+from .sessions.share import restore_shared, shares
 from .settings import ServerSettings
+from .turn.message_log import MessageLog
+from .turn.reasoning_store import ReasoningStore
 
 log = logging.getLogger("warmkv.server")
 
 if TYPE_CHECKING:
-    from .model_table import ModelSlot, ModelTable
+    from .models.table import ModelSlot, ModelTable
 
 
 @dataclass

@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..constraint import Constraint
+from ..prompt.constraint import Constraint
 from .formats import ToolFormat
 from .spec import ToolChoice, ToolSpec
 

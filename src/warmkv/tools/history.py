@@ -14,8 +14,8 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from ..chat import ROLES, content_text
 from ..errors import InvalidInput
+from ..prompt.chat import ROLES, content_text
 from .formats import ToolFormat
 from .spec import ToolSpec
 

@@ -30,19 +30,19 @@ from ..base import Blob, ForwardRow, KVMemory, ModelInfo, ModelState, TokenSampl
 from ..compute_thread import ComputeThread, compute_thread, on_compute_thread
 from ..options import NATIVE_KV_STORAGE, NativeOptions
 from ..slots import SeqSlots
-from . import decode_ext
-from .batch import BatchPlanner, Part
-from .checkpoint import Checkpoint
-from .gemma3 import CPP_LOOP_UNSUPPORTED, Gemma3
-from .gguf_header import GGUF_MAGIC
-from .gguf_loader import load_gguf
-from .hf_loader import load_hf
-from .kv_blob import export_seq, import_seq
-from .kv_move import MovedKV, place, stash
-from .kv_pin import PinnedKV
-from .model import Transformer
-from .paged_kv import KVLayout, PagedKVCache
-from .sampler import TorchSampler
+from .cpp import decode_ext
+from .kv.blob import export_seq, import_seq
+from .kv.move import MovedKV, place, stash
+from .kv.paged_kv import KVLayout, PagedKVCache
+from .kv.pin import PinnedKV
+from .load.checkpoint import Checkpoint
+from .load.gguf_header import GGUF_MAGIC
+from .load.gguf_loader import load_gguf
+from .load.hf_loader import load_hf
+from .model.batch import BatchPlanner, Part
+from .model.gemma3 import CPP_LOOP_UNSUPPORTED, Gemma3
+from .model.sampler import TorchSampler
+from .model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 # Architectures whose attention is full-context causal with RoPE on K: their KV runs can move.
@@ -373,7 +373,7 @@ class NativeBackend:
                 blocks = max(per_seq, min(worst, blocks))
         # Head-major where the bf16 kernel reads it: it walks one head's keys at a time, one stream
         # it prefetches ahead of itself (a decode row's attention 16K deep 1.4x sooner at 135M, 2x
-        # at the 1.7B shape: scripts/decode_attention.py). The float32 kernel walks a key's heads
+        # at the 1.7B shape: scripts/kernels/decode_attention.py). The float32 kernel walks a key's heads
         # in turn and reads slot-major faster (1.25x at the 1.7B shape).
         head_major = self.options.attention == "bf16"
         self._layout = KVLayout(a.n_layers, a.n_kv_heads, a.head_dim, blocks, bs, layout.dtype, head_major)

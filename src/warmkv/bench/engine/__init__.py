@@ -1,0 +1,1 @@
+"""Benchmarks of the engine in process: coding loop, throughput, deep turns, chunks, speculative."""

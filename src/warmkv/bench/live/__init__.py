@@ -1,0 +1,1 @@
+"""Benchmarks of a live server: serve, agent loops, reasoning loops, stream timing."""

@@ -1,0 +1,320 @@
+"""The persistent KV store: prefix entries and named snapshots on local disk.
+
+On-disk layout of a store directory:
+
+    index.sqlite3 (+ -wal, -shm)   SQLite index in WAL mode (see store_index)
+    blobs/<random>.wkv             one container per entry or snapshot (see container)
+    blobs/.tmp-<pid>-<random>      a blob being written; removed on open once its writer is dead
+
+Crash safety: a blob is written to a temp file, fsynced, renamed to a fresh final
+name and the directory fsynced (blob_files) *before* the index row that points to
+it is committed; an entry is only ever found through its row. A writer killed at
+any moment leaves either no row (a stray file, cleaned later) or a row whose blob
+is complete. Every read checks size, the crc32c trailer against the index and the
+header against the row; a blob failing any check is deleted with its row and
+reported as a miss (snapshots: StoreCorrupt), never served.
+
+Several processes may share one directory: index changes run in BEGIN IMMEDIATE
+transactions, blob files are immutable once renamed, and rows are deleted before
+their files, so a reader sees a complete blob or none. The size cap covers every
+blob; prefix entries are evicted least recently used first, snapshots never.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from ...errors import (
+    InvalidConfig,
+    InvalidInput,
+    ManifestMismatch,
+    SnapshotNotFound,
+    StoreCorrupt,
+    StoreError,
+    StoreFull,
+)
+from ...prompt.tokens import common_prefix_len
+from .blobs import read_blob, remove_leftovers, unlink_quiet, write_blob
+from .checks import check_blob, check_name, check_payload, check_tokens, manifest_diff
+from .container import BlobHeader, json_object, make_header
+from .index import Row, StoreIndex
+from .types import Snapshot, SnapshotInfo, StoreConfig, StoreEntry, StoreMatch, StoreStats, default_store_dir
+
+
+class KVStore:
+    """Prefix entries (put/get/longest_prefix/delete) and snapshots, thread- and process-safe."""
+
+    def __init__(self, directory: str | Path | None = None, config: StoreConfig | None = None) -> None:
+        config = StoreConfig() if config is None else config
+        if not isinstance(config, StoreConfig):
+            raise InvalidConfig(f"config must be a StoreConfig, got {type(config).__name__}")
+        self.config = config
+        self.directory = Path(directory).expanduser() if directory is not None else default_store_dir()
+        self._blobs = self.directory / "blobs"
+        try:
+            self._blobs.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create KV store directory {self._blobs}: {e}") from None
+        self._index = StoreIndex(self.directory / "index.sqlite3", config.busy_timeout_s)
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._corrupt = self._evictions = 0
+        self.gc()
+
+    def gc(self) -> int:
+        """Remove temp files of dead writers and stale unindexed blobs; return how many."""
+        with self._lock:
+            return remove_leftovers(self._blobs, self._index.files(), self.config.stale_after_s)
+
+    # -- prefix entries ------------------------------------------------------
+
+    def put(
+        self,
+        key: str,
+        manifest_digest: str,
+        tokens: Sequence[int],
+        blob: bytes,
+        meta: Mapping[str, object] | None = None,
+        *,
+        block_keys: Sequence[str] | None = None,
+    ) -> None:
+        """Store (or replace) the KV blob of tokens under key; block_keys (default (key,)) index its prefixes."""
+        key, md = check_name(key, "key"), check_name(manifest_digest, "manifest_digest")
+        toks, payload, meta = check_tokens(tokens), check_payload(blob), json_object(meta or {}, "meta")
+        if isinstance(block_keys, str):
+            raise InvalidInput("block_keys must be a sequence of keys, not one string")
+        bkeys = (key,) if block_keys is None else tuple(check_name(k, "block key") for k in block_keys)
+        header = make_header("prefix", key, md, toks, payload, meta)
+        self._install(header, payload, lambda c, row, now: self._index.put_entry(c, row, bkeys, now))
+
+    def get(self, key: str, manifest_digest: str | None = None) -> StoreEntry | None:
+        """The verified entry, or None (missing, or corrupt and now deleted). ManifestMismatch if digests differ."""
+        key = check_name(key, "key")
+        entry = self._load(key, None if manifest_digest is None else check_name(manifest_digest, "manifest_digest"))
+        with self._lock:
+            self._hits += entry is not None
+            self._misses += entry is None
+        return entry
+
+    def longest_prefix(
+        self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], *, block_size: int
+    ) -> StoreMatch | None:
+        """The stored entry sharing the most full blocks with tokens (keys = their block keys), or None."""
+        md, toks = check_name(manifest_digest, "manifest_digest"), check_tokens(tokens)
+        if isinstance(keys, str):
+            raise InvalidInput("keys must be a sequence of block keys, not one string")
+        keys = [check_name(k, "block key") for k in keys]
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise InvalidInput(f"block_size must be an integer >= 1, got {block_size!r}")
+        if len(keys) != len(toks) // block_size:
+            raise InvalidInput(f"{len(keys)} keys for {len(toks)} tokens of block size {block_size}")
+        with self._lock:
+            candidates = self._index.prefix_candidates(md, keys)
+        for entry_key, depth in candidates:
+            try:
+                entry = self._load(entry_key, md)
+            except ManifestMismatch:  # replaced by another process meanwhile
+                continue
+            n = common_prefix_len(entry.tokens, toks) if entry else 0
+            if entry is not None and n >= depth * block_size:
+                with self._lock:
+                    self._hits += 1
+                return StoreMatch(depth, n, entry)
+        with self._lock:
+            self._misses += 1
+        return None
+
+    def delete(self, key: str) -> bool:
+        """Delete an entry; False when there was none."""
+        key = check_name(key, "key")
+        return self._remove(lambda c: self._index.delete_entry(c, key)) is not None
+
+    def _load(self, key: str, manifest_digest: str | None) -> StoreEntry | None:
+        with self._lock:
+            row = self._index.entry(key)
+        if row is None:
+            return None
+        if manifest_digest is not None and row.manifest_digest != manifest_digest:
+            raise ManifestMismatch(
+                f"store entry {key[:16]} was computed under manifest {row.manifest_digest[:16]}, "
+                f"asked for {manifest_digest[:16]}"
+            )
+        got = self._verified(row, "prefix", lambda c: self._index.delete_entry(c, row.key, row.file))
+        if isinstance(got, str):
+            return None
+        header, payload = got
+        self._touch("entries", key)
+        return StoreEntry(key, row.manifest_digest, header.tokens, payload, header.meta)
+
+    # -- snapshots -----------------------------------------------------------
+
+    def put_snapshot(
+        self,
+        name: str,
+        manifest_digest: str,
+        manifest: Mapping[str, object],
+        tokens: Sequence[int],
+        blob: bytes,
+        meta: Mapping[str, object] | None = None,
+    ) -> SnapshotInfo:
+        """Store (or replace) a named snapshot; it counts toward the cap but is never evicted."""
+        name, md = check_name(name, "snapshot name"), check_name(manifest_digest, "manifest_digest")
+        man = json_object(manifest, "manifest")
+        if "digest" in man and man["digest"] != md:
+            raise InvalidInput(f"manifest says digest {str(man['digest'])[:16]} but manifest_digest is {md[:16]}")
+        toks, payload, meta = check_tokens(tokens), check_payload(blob), json_object(meta or {}, "meta")
+        header = make_header("snapshot", name, md, toks, payload, meta, man)
+        text = json.dumps(man, sort_keys=True)
+        row = self._install(header, payload, lambda c, row, now: self._index.put_snapshot(c, row, text, now))
+        return SnapshotInfo(name, md, len(toks), row.size, row.created / 1e9)
+
+    def get_snapshot(
+        self, name: str, manifest_digest: str | None = None, *, manifest: Mapping[str, object] | None = None
+    ) -> Snapshot:
+        """The verified snapshot. SnapshotNotFound; ManifestMismatch when manifest_digest differs
+        (manifest, if given, names the differing fields); StoreCorrupt when its blob failed a check."""
+        name = check_name(name, "snapshot name")
+        with self._lock:
+            found = self._index.snapshot(name)
+            count = self._index.totals()[2]
+        if found is None:
+            raise SnapshotNotFound(name, str(self.directory), count)
+        row, stored_manifest = found
+        if manifest_digest is not None and check_name(manifest_digest, "manifest_digest") != row.manifest_digest:
+            diff = manifest_diff(json.loads(stored_manifest), manifest) if manifest is not None else ""
+            raise ManifestMismatch(
+                f"snapshot {name!r} was taken under manifest {row.manifest_digest[:16]}, "
+                f"this runtime is {manifest_digest[:16]}" + (f" ({diff})" if diff else "")
+            )
+        got = self._verified(row, "snapshot", lambda c: self._index.delete_snapshot(c, name, row.file))
+        if isinstance(got, str):
+            raise StoreCorrupt(str(self._blobs / row.file), got + f"; snapshot {name!r} was deleted")
+        header, payload = got
+        self._touch("snapshots", name)
+        man = header.manifest or {}
+        return Snapshot(name, row.manifest_digest, man, header.tokens, payload, header.meta, row.created / 1e9)
+
+    def list_snapshots(self) -> list[SnapshotInfo]:
+        with self._lock:
+            rows = self._index.snapshots()
+        return [SnapshotInfo(r.key, r.manifest_digest, r.n_tokens, r.size, r.created / 1e9) for r in rows]
+
+    def delete_snapshot(self, name: str) -> None:
+        name = check_name(name, "snapshot name")
+        if self._remove(lambda c: self._index.delete_snapshot(c, name)) is None:
+            raise SnapshotNotFound(name, str(self.directory), len(self.list_snapshots()))
+
+    # -- shared machinery ----------------------------------------------------
+
+    def _install(
+        self, header: BlobHeader, payload: bytes | memoryview, insert: Callable[[sqlite3.Connection, Row, int], None]
+    ) -> Row:
+        """Write the blob durably, then commit its row, evicting LRU entries to stay under the cap."""
+        cap = self.config.capacity_bytes
+        if header.payload_len > cap:  # cheap early refusal before touching the disk
+            raise StoreFull(header.payload_len, 0, cap)
+        name, size, crc = write_blob(self._blobs, header, payload)
+        row = Row(header.key, header.manifest_digest, header.n_tokens, name, size, crc, time.time_ns())
+        snapshot = header.kind == "snapshot"
+        doomed: list[str] = []
+        try:
+            with self._lock, self._index.transaction() as c:
+                old = (self._index.delete_snapshot if snapshot else self._index.delete_entry)(c, row.key)
+                doomed += [old] if old else []
+                _, entry_bytes, _, snap_bytes = self._index.totals(c)
+                if snap_bytes + size > cap:
+                    raise StoreFull(size, snap_bytes, cap)
+                used = entry_bytes + snap_bytes + size
+                victims = []
+                for key, vsize in self._index.lru(c):
+                    if used <= cap:
+                        break
+                    victims.append(key)
+                    used -= vsize
+                doomed += [f for k in victims if (f := self._index.delete_entry(c, k))]
+                insert(c, row, row.created)
+                self._evictions += len(victims)
+        except BaseException as e:
+            unlink_quiet(self._blobs / name)
+            if isinstance(e, sqlite3.Error):
+                raise StoreError(f"KV store index {self.directory} failed: {e}") from None
+            raise
+        for f in doomed:  # rows are gone: no reader can reach these files any more
+            unlink_quiet(self._blobs / f)
+        return row
+
+    def _verified(
+        self, row: Row, kind: str, drop: Callable[[sqlite3.Connection], str | None]
+    ) -> tuple[BlobHeader, bytes] | str:
+        """(header, payload) when the blob passes every check; else delete it and return the reason."""
+        try:
+            data = read_blob(self._blobs, row.file)
+        except FileNotFoundError:
+            reason = "blob file is missing"
+        else:
+            got = check_blob(data, row, kind)
+            if not isinstance(got, str):
+                return got
+            reason = got
+        if self._remove(drop) is not None:
+            with self._lock:
+                self._corrupt += 1
+        return reason
+
+    def _remove(self, delete: Callable[[sqlite3.Connection], str | None]) -> str | None:
+        try:
+            with self._lock, self._index.transaction() as c:
+                file = delete(c)
+        except sqlite3.Error as e:
+            raise StoreError(f"KV store index {self.directory} failed: {e}") from None
+        if file:
+            unlink_quiet(self._blobs / file)
+        return file
+
+    def _touch(self, table: str, key: str) -> None:
+        try:
+            with self._lock:
+                self._index.touch(table, key, time.time_ns())
+        except sqlite3.OperationalError:
+            pass  # LRU order is advisory; a busy index must not fail a read
+
+    # -- introspection -------------------------------------------------------
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            n, eb, sn, sb = self._index.totals()
+            counts = (self._hits, self._misses, self._corrupt, self._evictions)
+            return StoreStats(str(self.directory), n, eb, sn, sb, self.config.capacity_bytes, *counts)
+
+    def check_integrity(self) -> bool:
+        """Read and verify every blob without changing anything; StoreCorrupt on the first failure."""
+        with self._lock:
+            rows = [(r, "prefix") for r in self._index.entries()] + [(r, "snapshot") for r in self._index.snapshots()]
+            orphans = self._index.orphan_blocks()
+            total = sum(self._index.totals()[1::2])
+        if orphans:
+            raise StoreCorrupt(str(self.directory), f"{orphans} block rows point to no entry")
+        if total > self.config.capacity_bytes:
+            raise StoreCorrupt(str(self.directory), f"{total} bytes stored > capacity {self.config.capacity_bytes}")
+        for row, kind in rows:
+            try:
+                got = check_blob(read_blob(self._blobs, row.file), row, kind)
+            except FileNotFoundError:
+                got = "blob file is missing"
+            if isinstance(got, str):
+                raise StoreCorrupt(str(self._blobs / row.file), got)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._index.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

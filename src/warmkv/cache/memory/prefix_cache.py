@@ -1,0 +1,363 @@
+"""The shared in-memory prefix cache of one loaded model: a trie of block keys.
+
+An entry is a cached prefix: the chained keys of its full blocks (see block_hash)
+plus an opaque payload that holds its KV (llama.cpp: an idle sequence id; the
+native engine: a list of block ids) and the bytes it costs. An entry of n blocks
+also serves every shorter prefix of itself: a match of d <= n blocks means "the
+first d blocks of this entry's KV are yours".
+
+Contract (all methods thread-safe, one lock; a rejected call changes nothing):
+
+    match(keys, lock=False) -> PrefixMatch(n_blocks, entry)   longest cached prefix
+    recent(n) -> [CacheEntry]            the n most recently used entries, newest first
+    lock(entry) / unlock(entry)          locked = referenced by a session: never evicted
+    insert(keys, payload, nbytes, lock=False) -> InsertResult  may evict LRU to make room
+    evict(nbytes) -> [EvictedEntry]      LRU over unlocked entries until nbytes are freed
+    remove(entry) / clear()              let go of one / every unlocked entry
+    stats() -> CacheStats ; state() -> CacheState (a copy, for checks)
+    check_integrity() -> True or raises CacheCorrupt
+
+Every payload the cache lets go (budget eviction, superseded by a longer entry,
+remove, clear) is handed to `on_evict` exactly once, after the cache lock is
+released, so the callback may spill it to disk or call back into the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ...errors import CacheEntryGone, CacheFull, InvalidConfig, InvalidInput
+from .integrity import check_cache
+from .types import CacheEntry, CacheState, CacheStats, EntryState, EvictedEntry, InsertResult, NodeState, PrefixMatch
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """capacity_bytes: memory budget of all entries; max_entries: e.g. idle sequence slots (None: unbounded)."""
+
+    capacity_bytes: int
+    max_entries: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 0:
+            raise InvalidConfig(f"capacity_bytes must be an integer >= 0, got {self.capacity_bytes!r}")
+        m = self.max_entries
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise InvalidConfig(f"max_entries must be None or an integer >= 0, got {m!r}")
+
+
+class _Node:
+    """One block of the trie; `entries` are the entries whose path passes through it."""
+
+    __slots__ = ("children", "depth", "end", "entries", "key", "parent")
+
+    def __init__(self, key: str, parent: _Node | None, depth: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.depth = depth
+        self.children: dict[str, _Node] = {}
+        self.entries: dict[int, CacheEntry] = {}
+        self.end: CacheEntry | None = None  # the entry whose last block this is (at most one)
+
+
+def _check_keys(keys: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(keys, str | bytes) or not isinstance(keys, Sequence):
+        raise InvalidInput(f"keys must be a sequence of block keys, got {type(keys).__name__}")
+    out = tuple(keys)
+    for i, k in enumerate(out):
+        if not isinstance(k, str) or not k:
+            raise InvalidInput(f"block key {i} of {len(out)} must be a non-empty string, got {k!r}")
+    return out
+
+
+class PrefixCache:
+    """See the module docstring for the contract."""
+
+    def __init__(self, config: PrefixCacheConfig, on_evict: Callable[[EvictedEntry], None] | None = None) -> None:
+        if not isinstance(config, PrefixCacheConfig):
+            raise InvalidConfig(f"config must be a PrefixCacheConfig, got {type(config).__name__}")
+        self.config = config
+        self._on_evict = on_evict
+        self._lock = threading.Lock()
+        self._root = _Node("", None, 0)
+        self._entries: dict[int, CacheEntry] = {}
+        self._evictable: OrderedDict[int, CacheEntry] = OrderedDict()  # unlocked entries, LRU first
+        self._next_id = 1
+        self._tick = 0
+        self._bytes = self._locked_bytes = 0
+        self._hits = self._misses = self._hit_blocks = self._inserts = self._evictions = 0
+
+    # -- lookups -------------------------------------------------------------
+
+    def match(self, keys: Sequence[str], *, lock: bool = False, count: bool = True) -> PrefixMatch:
+        """Longest cached prefix of keys; with lock=True the entry is locked atomically.
+
+        count=False: a look that is not a use (no hit or miss counted, no LRU touch), for a
+        caller that decides something before the lookup proper.
+        """
+        keys = _check_keys(keys)
+        with self._lock:
+            node = self._walk(keys)
+            if node is self._root:
+                self._misses += bool(keys) and count
+                return PrefixMatch(0, None)
+            entry = max(node.entries.values(), key=lambda e: e._tick)
+            if count:
+                self._touch(entry)
+                self._hits += 1
+                self._hit_blocks += node.depth
+            if lock:
+                self._lock_entry(entry)
+            return PrefixMatch(node.depth, entry)
+
+    def recent(self, n: int) -> list[CacheEntry]:
+        """The n most recently used entries, newest first (a look, not a use: nothing is touched)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise InvalidInput(f"n must be an integer >= 0, got {n!r}")
+        with self._lock:
+            return sorted(self._entries.values(), key=lambda e: e._tick, reverse=True)[:n]
+
+    def _walk(self, keys: tuple[str, ...]) -> _Node:
+        node = self._root
+        for k in keys:
+            child = node.children.get(k)
+            if child is None:
+                break
+            node = child
+        return node
+
+    # -- references ----------------------------------------------------------
+
+    def lock(self, entry: CacheEntry) -> None:
+        with self._lock:
+            self._lock_entry(entry)
+
+    def unlock(self, entry: CacheEntry) -> None:
+        with self._lock:
+            self._check_alive(entry)
+            if entry._locks == 0:
+                raise InvalidInput(f"prefix cache entry #{entry.id} is not locked; unlock without lock")
+            entry._locks -= 1
+            if entry._locks == 0:
+                self._locked_bytes -= entry.nbytes
+                self._tick += 1
+                entry._tick = self._tick
+                self._evictable[entry.id] = entry
+
+    def _lock_entry(self, entry: CacheEntry) -> None:
+        self._check_alive(entry)
+        if entry._locks == 0:
+            del self._evictable[entry.id]
+            self._locked_bytes += entry.nbytes
+        entry._locks += 1
+
+    def _check_alive(self, entry: CacheEntry) -> None:
+        if not isinstance(entry, CacheEntry):
+            raise InvalidInput(f"expected a CacheEntry, got {type(entry).__name__}")
+        if self._entries.get(entry.id) is not entry:
+            raise CacheEntryGone(entry.id, entry.n_blocks)
+
+    def _touch(self, entry: CacheEntry) -> None:
+        self._tick += 1
+        entry._tick = self._tick
+        if entry._locks == 0:
+            self._evictable.move_to_end(entry.id)
+
+    # -- insert / evict ------------------------------------------------------
+
+    def insert(self, keys: Sequence[str], payload: object, nbytes: int, *, lock: bool = False) -> InsertResult:
+        """Cache payload as the KV of keys' blocks.
+
+        When keys are already covered (an entry of >= len(keys) blocks starts with them) nothing is
+        added: `inserted` is False and the caller keeps its payload. Unlocked entries that are strict
+        prefixes of keys are superseded (released). Raises CacheFull when the entry cannot fit even
+        after evicting every unlocked entry; nothing is changed then.
+        """
+        keys = _check_keys(keys)
+        if not keys:
+            raise InvalidInput("cannot insert an empty prefix (0 blocks)")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidInput(f"nbytes must be an integer >= 0, got {nbytes!r}")
+        with self._lock:
+            node = self._walk(keys)
+            if node.depth == len(keys):
+                existing = max(node.entries.values(), key=lambda e: e._tick)
+                self._touch(existing)
+                if lock:
+                    self._lock_entry(existing)
+                return InsertResult(existing, False)
+            released = [self._detach(victim, reason) for victim, reason in self._plan_room(keys, node, nbytes)]
+            entry = self._attach(keys, payload, nbytes)
+            if lock:
+                self._lock_entry(entry)
+            out = InsertResult(entry, True)
+        self._hand_over(released)
+        return out
+
+    def _plan_room(self, keys: tuple[str, ...], node: _Node, nbytes: int) -> list[tuple[CacheEntry, str]]:
+        """Entries to release so the new one fits: superseded prefixes first, then LRU. Changes nothing."""
+        plan: list[tuple[CacheEntry, str]] = []
+        n = node
+        while n is not self._root:
+            if n.end is not None and n.end._locks == 0:
+                plan.append((n.end, "superseded"))
+            n = n.parent  # type: ignore[assignment]
+        chosen = {e.id for e, _ in plan}
+        used = self._bytes - sum(e.nbytes for e, _ in plan)
+        count = len(self._entries) - len(plan)
+        cap, max_n = self.config.capacity_bytes, self.config.max_entries
+        lru = iter(self._evictable.values())
+        while used + nbytes > cap or (max_n is not None and count + 1 > max_n):
+            victim = next((e for e in lru if e.id not in chosen), None)
+            if victim is None:
+                raise CacheFull(nbytes, self._bytes, self._locked_bytes, cap, len(self._entries), max_n)
+            plan.append((victim, "budget"))
+            used -= victim.nbytes
+            count -= 1
+        return plan
+
+    def evict(self, nbytes: int) -> list[EvictedEntry]:
+        """Release LRU unlocked entries until at least nbytes are freed (or none is left)."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidInput(f"nbytes must be an integer >= 0, got {nbytes!r}")
+        out: list[EvictedEntry] = []
+        with self._lock:
+            freed = 0
+            while freed < nbytes and self._evictable:
+                victim = next(iter(self._evictable.values()))
+                freed += victim.nbytes
+                out.append(self._detach(victim, "budget"))
+        self._hand_over(out)
+        return out
+
+    def remove(self, entry: CacheEntry) -> EvictedEntry:
+        """Release one unlocked entry (e.g. its KV was lost); InvalidInput if it is locked."""
+        with self._lock:
+            self._check_alive(entry)
+            if entry._locks:
+                raise InvalidInput(f"prefix cache entry #{entry.id} is locked {entry._locks} times; cannot remove")
+            ev = self._detach(entry, "removed")
+        self._hand_over([ev])
+        return ev
+
+    def clear(self) -> list[EvictedEntry]:
+        """Release every unlocked entry (model unload); locked entries stay."""
+        with self._lock:
+            out = [self._detach(e, "clear") for e in list(self._evictable.values())]
+        self._hand_over(out)
+        return out
+
+    def _attach(self, keys: tuple[str, ...], payload: object, nbytes: int) -> CacheEntry:
+        self._tick += 1
+        entry = CacheEntry(self._next_id, keys, payload, nbytes, self._tick)
+        self._next_id += 1
+        node = self._root
+        for k in keys:
+            child = node.children.get(k)
+            if child is None:
+                child = node.children[k] = _Node(k, node, node.depth + 1)
+            child.entries[entry.id] = entry
+            node = child
+        node.end = entry
+        entry._node = node
+        self._entries[entry.id] = entry
+        self._evictable[entry.id] = entry
+        self._bytes += nbytes
+        self._inserts += 1
+        return entry
+
+    def _detach(self, entry: CacheEntry, reason: str) -> EvictedEntry:
+        node: _Node = entry._node  # type: ignore[assignment]
+        node.end = None
+        while node is not self._root:
+            del node.entries[entry.id]
+            parent: _Node = node.parent  # type: ignore[assignment]
+            if not node.entries:
+                del parent.children[node.key]
+            node = parent
+        del self._entries[entry.id]
+        self._evictable.pop(entry.id, None)
+        entry._node = None
+        self._bytes -= entry.nbytes
+        self._evictions += reason == "budget"
+        return EvictedEntry(entry.id, entry.keys, entry.payload, entry.nbytes, reason)
+
+    def _hand_over(self, released: list[EvictedEntry]) -> None:
+        """Give payloads to on_evict outside the lock; every one is tried, the first error re-raised."""
+        if self._on_evict is None:
+            return
+        first: BaseException | None = None
+        for ev in released:
+            try:
+                self._on_evict(ev)
+            except Exception as e:
+                first = first or e
+        if first is not None:
+            raise first
+
+    # -- introspection -------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> CacheStats:
+        return CacheStats(
+            hits=self._hits,
+            misses=self._misses,
+            hit_blocks=self._hit_blocks,
+            inserts=self._inserts,
+            evictions=self._evictions,
+            bytes=self._bytes,
+            locked_bytes=self._locked_bytes,
+            entries=len(self._entries),
+            locked_entries=len(self._entries) - len(self._evictable),
+            capacity_bytes=self.config.capacity_bytes,
+        )
+
+    def state(self) -> CacheState:
+        """A copy of the bookkeeping (entries, LRU order, trie, counters), consistent as of one moment."""
+        with self._lock:
+            return _snapshot(self._root, self._entries, self._evictable, self._stats(), self.config.max_entries)
+
+    def check_integrity(self) -> bool:
+        """True when every invariant holds; raises CacheCorrupt naming the first broken one."""
+        check_cache(self.state())
+        return True
+
+
+def _snapshot(
+    root: _Node,
+    entries: dict[int, CacheEntry],
+    lru: OrderedDict[int, CacheEntry],
+    stats: CacheStats,
+    max_entries: int | None,
+) -> CacheState:
+    """Copy the trie and entries as they are linked, broken links included: check_cache judges them."""
+    node_ids: dict[int, int] = {}
+    seen: dict[int, EntryState] = {}
+
+    def nid(node: object) -> int:
+        return node_ids.setdefault(id(node), len(node_ids))
+
+    def entry(e: CacheEntry) -> EntryState:
+        if id(e) not in seen:
+            node = None if e._node is None else nid(e._node)
+            seen[id(e)] = EntryState(e.id, e.keys, e.nbytes, e._locks, e._tick, node)
+        return seen[id(e)]
+
+    nodes: dict[int, NodeState] = {}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        parent = None if n.parent is None else nid(n.parent)
+        children = {k: nid(c) for k, c in n.children.items()}
+        on_path = {k: entry(e) for k, e in n.entries.items()}
+        end = None if n.end is None else entry(n.end)
+        nodes[nid(n)] = NodeState(nid(n), n.key, n.depth, parent, children, on_path, end)
+        stack.extend(n.children.values())
+    indexed = {k: entry(e) for k, e in entries.items()}
+    return CacheState(indexed, tuple((k, entry(e)) for k, e in lru.items()), nodes, nid(root), stats, max_entries)

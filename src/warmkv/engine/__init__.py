@@ -1,0 +1,1 @@
+"""The engine: runtime, sessions and their resident context, prefix plans, turns and the scheduler."""

@@ -1,0 +1,438 @@
+"""The resident context of one sequence: its evaluated tokens, their regions, their logits.
+
+Region map (KV positions):
+
+    [0, prefix_len) prefix | [prefix_len, suffix_end) suffix | [suffix_end, live) generated | [live, len) detached
+
+plus `exact_end`: where the first token whose KV was moved from other positions sits
+(reuse_mode="chunks"). KV from there on is approximate: an exact reuse stops there and
+the tiers never keep it.
+
+plus `pending`: sampled tokens not yet evaluated (at most a decode's last token). They
+are fed to the model only if generation continues, so a turn that ends never pays for them.
+
+What must hold (check() tests it; tests run it after every step):
+
+    0 <= prefix_len <= suffix_end <= live + len(pending)   (a prompt's last token may be pending)
+    live <= len(tokens); detached and exact_end, when set, in [0, len(tokens))
+    len(pending) <= 1, and nothing is pending while a suffix is detached
+    len(tokens) + len(pending) <= num_ctx
+    the kept prefill logits follow a token count in (0, len(tokens)]
+
+Other modules read the fields and change them only through the transitions below (begin_prompt,
+mark_prefix, replace_suffix, append_suffix, set_pending, evaluated, accept_draft, placed, fail,
+adopt, restore, reset, settle, truncate, swap_out, swap_in): each keeps the map or refuses,
+changing nothing.
+
+`truncate(n)` is the one rollback primitive: dropping a suffix, rolling back a rejected
+draft and undoing a failed prefill are all the same call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..backends.base import Backend, Blob, ForwardRow, exact_cut
+from ..errors import SessionFatal
+
+
+class ResidentContext:
+    """Tokens whose KV is in sequence `seq`, and the logits after them. Callers hold the model lock."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        seq: int,
+        prefill_chunk: int,
+        num_ctx: int,
+        on_forward: Callable[[int, float], None] | None = None,
+    ) -> None:
+        self._backend = backend
+        self._on_forward = on_forward  # (tokens, seconds) of each forward: the runtime's prefill rate
+        self._seq = seq
+        self._chunk = prefill_chunk
+        self._num_ctx = num_ctx
+        self._tokens: list[int] = []
+        self._pending: list[int] = []
+        self._prefix_len = 0
+        self._suffix_end = 0
+        self._detached: int | None = None  # tokens[detached:] is a dropped suffix whose KV is kept for reuse
+        self._logits: np.ndarray | None = None  # after tokens[-1]; None when unknown
+        # The logits a prompt's prefill ended with, kept with the token count they follow: a resent
+        # prompt samples from them instead of evaluating its last token again alone (other rounding).
+        self._prefill_logits: tuple[int, np.ndarray] | None = None
+        self._fatal: str | None = None
+        self._exact_end: int | None = None  # tokens[exact_end:] sit on moved KV; None: all exact
+        self._swapped: Blob | None = None  # the KV, exported while its turn waits for pool room
+
+    # -- reading: properties, so that only the transitions write ----------------------------------
+    # tokens and pending are the lists themselves (typed read-only), never copies: decode reads them per token.
+
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def swapped(self) -> bool:
+        """The KV was moved out of the pool (swap_out): the sequence holds nothing until swap_in."""
+        return self._swapped is not None
+
+    @property
+    def seq(self) -> int:
+        return self._seq
+
+    @property
+    def chunk(self) -> int:
+        return self._chunk
+
+    @property
+    def num_ctx(self) -> int:
+        return self._num_ctx
+
+    @property
+    def tokens(self) -> Sequence[int]:
+        return self._tokens
+
+    @property
+    def pending(self) -> Sequence[int]:
+        return self._pending
+
+    @property
+    def prefix_len(self) -> int:
+        return self._prefix_len
+
+    @property
+    def suffix_end(self) -> int:
+        return self._suffix_end
+
+    @property
+    def detached(self) -> int | None:
+        return self._detached
+
+    @property
+    def logits(self) -> np.ndarray | None:
+        return self._logits
+
+    @property
+    def fatal(self) -> str | None:
+        return self._fatal
+
+    @property
+    def exact_end(self) -> int | None:
+        return self._exact_end
+
+    @property
+    def live(self) -> int:
+        return len(self._tokens) if self._detached is None else self._detached
+
+    @property
+    def exact(self) -> int:
+        """How many resident tokens have exactly the KV a cold prefill gives (up to rounding of the layout)."""
+        return len(self._tokens) if self._exact_end is None else self._exact_end
+
+    def check(self) -> None:
+        """Raise SessionFatal, naming the numbers, where the region map (the module docstring) does not hold.
+
+        SessionFatal because nobody then knows which tokens the KV holds: the session must be
+        evicted, and every driver (Session, Scheduler) already does that with it."""
+        n, live, p, detached = len(self._tokens), self.live, len(self._pending), self._detached
+        broken = []
+        if not 0 <= self._prefix_len <= self._suffix_end <= live + p:
+            broken.append(
+                f"not 0 <= prefix_len={self._prefix_len} <= suffix_end={self._suffix_end} <= live={live} + pending={p}"
+            )
+        if detached is not None and not 0 <= detached < n:
+            broken.append(f"detached={detached} outside [0, {n})")
+        if detached is not None and p:
+            broken.append(f"{p} pending with a suffix detached at {detached}")
+        if p > 1:
+            broken.append(f"{p} tokens pending, at most 1")
+        if n + p > self._num_ctx:
+            broken.append(f"{n} resident + {p} pending > num_ctx={self._num_ctx}")
+        if self._exact_end is not None and not 0 <= self._exact_end < n:
+            broken.append(f"exact_end={self._exact_end} outside [0, {n})")
+        if self._prefill_logits is not None and not 0 < self._prefill_logits[0] <= n:
+            broken.append(f"prefill logits after token {self._prefill_logits[0]} of {n}")
+        if self._logits is not None and self._logits.ndim != 1:
+            broken.append(f"logits of shape {self._logits.shape}, not one row")
+        if broken:
+            raise SessionFatal(f"sequence {self._seq}: region map broken: {'; '.join(broken)}", seqs=(self._seq,))
+
+    # -- transitions: the only writers of the fields above -----------------------------------------
+
+    def truncate(self, n: int, *, refill: bool = True) -> None:
+        """Keep the first n resident tokens; logits survive only where the kept prefill logits sit.
+        A cut into the prefix or the suffix shortens them: what is gone is no longer either.
+
+        Sliding-window layers forget: where the KV of exactly n cannot be had, the backend cuts to
+        the nearest exact point m < n (a checkpoint, or 0) and tokens [m, n) are prefilled again
+        (refill=False: they stay dropped, for a caller that prefills from wherever the cut lands).
+        """
+        if n < 0:
+            raise self._refused(f"truncate({n})")
+        self._cut(n, refill)
+        live = self.live
+        self._prefix_len, self._suffix_end = min(self._prefix_len, live), min(self._suffix_end, live)
+
+    def _cut(self, n: int, refill: bool) -> None:
+        """truncate, the regions left as they are (need_row moves a prompt's last token to pending)."""
+        if n < len(self._tokens):
+            m = exact_cut(self._backend, self._seq, n)
+            self._backend.truncate(self._seq, m)
+            lost = self._tokens[m:n]
+            del self._tokens[m:]
+            kept = self._prefill_logits
+            self._logits = kept[1] if kept is not None and kept[0] == m else None
+            if kept is not None and kept[0] > m:
+                self._prefill_logits = None
+            self._pending = []
+            if lost and refill:
+                self.eval(lost)
+        if self._detached is not None and self._detached >= len(self._tokens):
+            self._detached = None
+        if self._exact_end is not None and self._exact_end >= len(self._tokens):
+            self._exact_end = None
+        self._pending = []
+
+    def settle(self) -> None:
+        """Really drop a detached old suffix."""
+        if self._detached is not None:
+            self.truncate(self._detached)
+            self._detached = None
+
+    def clear(self) -> None:
+        """Drop every token and its KV (the session's KV went to the tiers, or was given up)."""
+        self.backend.truncate(self.seq, 0)
+        self.reset()
+
+    def reset(self, tokens: Sequence[int] = ()) -> None:
+        """Bookkeeping for KV that was replaced wholesale (a tier load, a snapshot, a copy)."""
+        self._tokens, self._pending, self._logits, self._prefill_logits = list(tokens), [], None, None
+        self._detached = self._exact_end = None
+        self._prefix_len = self._suffix_end = 0  # the regions of replaced KV are unknown: the caller sets them
+        self._swapped = None
+
+    def begin_prompt(self, keep: int, *, detach: bool) -> int:
+        """A prompt's load begins: keep the first `keep` tokens (at most what is resident) and drop the
+        rest, or with detach keep the rest too, detached, for a suffix to reuse. No prefix until
+        mark_prefix. Returns how many tokens are live: a cut lands on an exact point (see truncate)."""
+        if keep < 0:
+            raise self._refused(f"begin_prompt keeping {keep} tokens")
+        if detach and keep < len(self._tokens):
+            # logits unknown until settle() drops the detached part (and restores the kept prefill logits)
+            self._pending, self._logits, self._detached = [], None, keep
+        else:
+            self.truncate(keep, refill=False)  # the caller cut `keep` to an exact point already
+            self._detached = None
+        self._prefix_len = self._suffix_end = 0
+        return self.live
+
+    def mark_prefix(self, n: int) -> None:
+        """The first n resident tokens are the prompt just loaded: the prefix, no suffix after it yet."""
+        if not 0 <= n <= self.live:
+            raise self._refused(f"mark_prefix({n}) with {self.live} live tokens")
+        self._prefix_len = self._suffix_end = n
+
+    def replace_suffix(self, tokens: Sequence[int], reused: int, *, between: Callable[[], None] | None = None) -> None:
+        """The suffix becomes `tokens`: the first `reused` of them are resident after the prefix (a
+        detached old suffix counts), the rest is dropped and the others are evaluated."""
+        keep = self._prefix_len + reused
+        if not 0 <= reused <= len(tokens) or keep > len(self._tokens) + len(self._pending):
+            raise self._refused(
+                f"replace_suffix reusing {reused} of {len(tokens)} tokens after a prefix of {self._prefix_len}, "
+                f"{len(self._tokens)} resident + {len(self._pending)} pending"
+            )
+        if keep > len(self._tokens):  # the prompt's last token, pending since a decode failed: it stays
+            row = self.row(self._pending)
+            self.evaluated(row, self.forward(row))
+        self.truncate(keep)
+        self._detached = None
+        self._suffix_end = len(self._tokens)  # a failed prefill below leaves a suffix that ends here
+        self.eval(tokens[reused:], keep_logits=True, between=between)
+        self._suffix_end = len(self._tokens)
+
+    def append_suffix(self, tokens: Sequence[int], *, between: Callable[[], None] | None = None) -> None:
+        """Evaluate the pending token, then `tokens`, after what is live (a detached suffix is dropped):
+        the generated tokens and these join the suffix. On failure the pending token stays pending."""
+        new = [*self._pending, *tokens]
+        self.settle()
+        saved = self._pending, self._logits
+        self._pending = []
+        try:
+            self.eval(new, keep_logits=True, between=between)
+        except SessionFatal:
+            raise
+        except BaseException:
+            self._pending, self._logits = saved  # eval rolled the tokens back
+            raise
+        self._suffix_end = len(self._tokens)
+
+    def set_pending(self, token: int) -> None:
+        """A token sampled from the logits after the last one: evaluated only if generation goes on."""
+        if self._pending or self._logits is None or self._detached is not None or len(self._tokens) >= self._num_ctx:
+            raise self._refused(
+                f"set_pending({token}) after {len(self._tokens)} of num_ctx={self._num_ctx} tokens with "
+                f"{len(self._pending)} pending, logits known: {self._logits is not None}, detached at {self._detached}"
+            )
+        self._pending = [token]
+
+    def evaluated(self, row: ForwardRow, logits: np.ndarray | None) -> None:
+        """need_row's row (the pending token, maybe a draft after it) was evaluated: record it."""
+        n = len(self._pending)
+        if row.start != len(self._tokens) or list(row.tokens[:n]) != self._pending:
+            raise self._refused(
+                f"a row of {len(row.tokens)} tokens at {row.start} recorded as the {n} pending "
+                f"after {len(self._tokens)}"
+            )
+        self._pending = []
+        self.record(row, logits)
+
+    def accept_draft(self, row: ForwardRow, logits: np.ndarray, kept: int, token: int) -> None:
+        """A verified draft row: keep its pending token and the first `kept` drafted tokens; `token`,
+        drawn from logits[kept] (the logits after them), becomes the pending token."""
+        if not 0 <= kept < len(row.tokens) or len(logits) != len(row.tokens):
+            raise self._refused(f"accept_draft keeping {kept} of a {len(row.tokens)}-token row, {len(logits)} logits")
+        self.evaluated(row, logits)
+        self.truncate(row.start + 1 + kept)  # rejected positions roll back like any other suffix
+        self._logits = logits[kept]
+        self._pending = [token]
+
+    def fail(self, reason: str) -> None:
+        """The KV is unknown (a backend failure, a bug): the session must be evicted. The first reason stays."""
+        if self._fatal is None:
+            self._fatal = reason
+
+    def adopt(self, other: ResidentContext) -> None:
+        """Take over another context's bookkeeping: its KV was copied to our sequence."""
+        self._tokens, self._pending, self._logits = list(other._tokens), list(other._pending), other._logits
+        self._prefill_logits, self._detached, self._exact_end = other._prefill_logits, other._detached, other._exact_end
+        self._prefix_len, self._suffix_end = other._prefix_len, other._suffix_end
+
+    def restore(self, tokens: Sequence[int], prefix_len: int, suffix_end: int, exact_end: int | None) -> None:
+        """Bookkeeping for a snapshot's KV, just imported into our sequence, and its regions."""
+        n = len(tokens)
+        exact_ok = exact_end is None or 0 <= exact_end < n
+        if not 0 <= prefix_len <= suffix_end <= n <= self._num_ctx or not exact_ok:
+            raise self._refused(
+                f"a snapshot of {n} tokens (num_ctx={self._num_ctx}) with prefix_len={prefix_len}, "
+                f"suffix_end={suffix_end}, exact_end={exact_end}"
+            )
+        self.reset(tokens)
+        self._prefix_len, self._suffix_end, self._exact_end = prefix_len, suffix_end, exact_end
+
+    def _refused(self, what: str) -> SessionFatal:
+        """A transition that would break the region map: nothing was changed, the caller has a bug."""
+        return SessionFatal(f"sequence {self._seq}: refused {what} (region map broken otherwise)", seqs=(self._seq,))
+
+    def placed(self, tokens: Sequence[int]) -> None:
+        """Note that the backend appended moved KV for these tokens: from here on the KV is approximate."""
+        if self._pending:
+            raise self._refused(f"placing {len(tokens)} tokens with {len(self._pending)} pending")
+        if self._exact_end is None:
+            self._exact_end = len(self._tokens)
+        self._tokens.extend(tokens)
+        self._logits = None
+
+    # -- evaluation -------------------------------------------------------------
+
+    def piece_end(self, start: int, end: int) -> int:
+        """Where a prefill piece starting at `start` stops: the next multiple of the chunk size.
+
+        Pieces are cold-aligned, so a prompt's token at position p is always evaluated in the
+        piece [p // chunk * chunk, ...) whether its prefill started at 0 or after a reused prefix.
+        """
+        return min(end, (start // self._chunk + 1) * self._chunk)
+
+    def row(
+        self, tokens: Sequence[int], *, want_logits: bool = True, all_logits: bool = False, decode: bool = False
+    ) -> ForwardRow:
+        return ForwardRow(
+            self._seq, tuple(tokens), len(self._tokens), want_logits=want_logits, all_logits=all_logits, decode=decode
+        )
+
+    def record(self, row: ForwardRow, logits: np.ndarray | None, *, prompt_end: bool = False) -> None:
+        """Note that `row` (starting at our end) was evaluated. prompt_end: its logits end a prompt's prefill."""
+        if row.start != len(self._tokens) or self._pending:  # a pending token would sit where the row went
+            raise self._refused(
+                f"a row at position {row.start} recorded after {len(self._tokens)} tokens, {len(self._pending)} pending"
+            )
+        self._tokens.extend(row.tokens)
+        self._logits = logits[-1] if row.all_logits and logits is not None else logits
+        if prompt_end and logits is not None:
+            self._prefill_logits = (len(self._tokens), self._logits)  # type: ignore[arg-type]
+
+    def swap_out(self) -> None:
+        """Move the KV out of the pool (exported to host memory, the sequence emptied); the tokens,
+        regions and logits stay, so swap_in makes the context exactly what it was."""
+        if self._swapped is not None:
+            raise self._refused("swap_out of a swapped context")
+        blob = self._backend.export_seq(self._seq)
+        self._backend.truncate(self._seq, 0)
+        self._swapped = blob
+
+    def swap_in(self) -> None:
+        """Put the swapped-out KV back (KVCacheFull: the pool has no room yet, nothing changed)."""
+        if self._swapped is None:
+            raise self._refused("swap_in of a context that is not swapped")
+        self._backend.import_seq(self._seq, self._swapped)
+        self._swapped = None
+
+    def forward(self, row: ForwardRow) -> np.ndarray | None:
+        """Evaluate one row of ours; a fatal backend error marks the context unusable."""
+        if self._swapped is not None:
+            raise self._refused("a forward while the KV is swapped out")
+        t0 = time.perf_counter()
+        try:
+            (logits,) = self._backend.forward([row])
+        except SessionFatal as e:
+            self.fail(str(e))
+            raise
+        if self._on_forward is not None:
+            self._on_forward(len(row.tokens), time.perf_counter() - t0)
+        return logits
+
+    def eval(
+        self, tokens: Sequence[int], *, keep_logits: bool = False, between: Callable[[], None] | None = None
+    ) -> None:
+        """Append tokens in cold-aligned pieces; on failure roll back to where we were.
+
+        between() runs after every piece but the last (the runtime lets another thread take the
+        model lock there).
+        """
+        if not tokens:
+            return
+        if self._pending:  # refused before any forward: a pending token would sit where they go
+            raise self._refused(f"evaluating {len(tokens)} tokens with {len(self._pending)} pending")
+        start = len(self._tokens)
+        end = start + len(tokens)
+        try:
+            while len(self._tokens) < end:
+                at = len(self._tokens)
+                stop = self.piece_end(at, end)
+                last = stop == end
+                row = self.row(tokens[at - start : stop - start], want_logits=last)
+                self.record(row, self.forward(row), prompt_end=last and keep_logits)
+                if not last and between is not None:
+                    between()
+        except SessionFatal:
+            raise
+        except BaseException:
+            self.truncate(start)
+            raise
+
+    def need_row(self) -> ForwardRow | None:
+        """The row to evaluate before the next sample can be drawn, or None when the logits are known.
+
+        Unknown logits after the last token: move it to pending, so it is evaluated again.
+        """
+        if self._detached is not None:  # its last token is not the one to sample after: settle() first
+            raise self._refused(f"need_row with a suffix detached at {self._detached}")
+        if not self._pending and self._logits is None and self._tokens:
+            last = self._tokens[-1]
+            self._cut(len(self._tokens) - 1, True)  # it stays in its region, pending
+            self._pending = [last]
+            return self.row(self._pending)  # most often a prompt's last token: evaluated as prefill did
+        return self.row(self._pending, decode=True) if self._pending else None

@@ -1,0 +1,727 @@
+"""The runtime: loads one model into a backend, opens sessions, offers helpers.
+
+Lock order (the one place it is written; other modules refer here):
+
+1. A session's op lock (`Session._op`: one operation on that session at a time)
+   comes before the model lock (`Runtime.lock`: every backend call, the KV pool,
+   the memory tier). Never take an op lock while holding the model lock: close,
+   restore and fork's error path take the op lock first, then the model lock.
+   A thread may hold two op locks only as fork does: its own session's, then the
+   op lock of the child it has just created and nobody else can reach yet.
+2. The model lock may be let go and taken back inside an operation (prefill
+   chunks, the disk read of a tier lookup) with the op lock still held, so a
+   session's state is consistent at every such point.
+3. The KV store's writer thread (cache.store_writer) takes no lock but its own
+   and the store's. Its queue is never waited on while holding the model lock:
+   spills copy the KV bytes under the lock and queue them without waiting
+   (dropped when the queue is full); snapshot writes, flush and close wait with
+   only the op lock held (or none). The writer refuses, with RuntimeError, a
+   waiting call from a thread that holds the model lock.
+4. Store reads (restore, disk-tier hits) run without the model lock: the blob is
+   read and verified first, then the lock is taken to load it.
+5. Readers that must not wait for a forward take no lock at all: `Runtime.stats`,
+   `Scheduler.stats` and `Session.resident` are frozen records their owners replace
+   (warmkv.engine.stats), the runtime's and the sessions' under the model lock. The server's
+   event loop never takes the model lock: /health, /metrics and the pool's router read
+   those, and sessions are opened and closed in worker threads.
+
+The decode Scheduler takes the model lock, and its own condition only outside it.
+Lock-free helpers: `Session.cancel`, `Session.resident`; `Session.token_ids` takes
+the model lock only. `Session.hold`/`let_go` (the turn a session runs) take only their own
+small lock, which is taken last and takes nothing: the Scheduler's submit holds its
+condition then, and a step holds the model lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import numpy as np
+
+from ..backends import (
+    Backend,
+    BackendOptions,
+    KVMemory,
+    ModelInfo,
+    ModelState,
+    available_backends,
+    load_backend,
+    make_options,
+    options_type,
+)
+from ..backends.choose import AUTO, BackendChoice, choose_backend
+from ..cache.disk.types import Snapshot
+from ..cache.remote.types import RemoteConfig
+from ..config import REUSE_MODES, DecodeConfig, ResolvedConfig, RuntimeConfig
+from ..errors import ContextOverflow, InvalidConfig, InvalidInput, ManifestMismatch, ModelUnloaded, Unsupported
+from ..manifest import ContextManifest
+from ..models import resolve_model
+from ..prompt.chat import ChatTemplate, TemplateChoice, check_template_kwargs, resolve_template
+from ..prompt.constraint import Constraint, Guide, build_tokenizer
+from ..prompt.embeddings import EmbedInput, l2_normalize, split_inputs
+from ..prompt.infill import ExtraFile, FimTokens, check_extra, find_fim_tokens, infill_tokens
+from ..prompt.reasoning import template_thinks
+from ..prompt.reasoning_history import KeptRenderer
+from ..prompt.text import as_text
+from ..prompt.tokens import SpelledLengths, spell
+from ..prompt.turn_memory import TurnMemory
+from ..tools import Call, ToolFormat
+from ..tools import resolve as resolve_tool_format
+from ..types import PrefixInput, StreamChunk, Usage
+from .session import NO_STORE, Session
+from .stats import RuntimeStats
+from .tiers import KVTiers
+
+log = logging.getLogger(__name__)
+RECENT_PROMPTS = 8  # plain tokenizations kept: a few sessions' stable prefixes
+# Forwards of fewer tokens (decode steps, speculative rows of at most 33) say little about the prefill rate.
+PREFILL_SAMPLE_TOKENS = 48
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished (non-streamed) generation."""
+
+    text: str
+    finish_reason: str
+    usage: Usage
+    ttft_s: float
+    total_s: float
+
+
+def _has_chatml(backend: Backend) -> bool:
+    """Whether ChatML's markers are control tokens of this vocabulary (else they would read as text)."""
+    for marker in ("<|im_start|>", "<|im_end|>"):
+        ids = backend.tokenize(marker, add_bos=False, parse_special=True)
+        if len(ids) != 1 or backend.token_bytes(ids[0]):
+            return False
+    return True
+
+
+class Runtime:
+    """One loaded model. Use :meth:`load`; close it (or use `with`) when done."""
+
+    def __init__(self, backend: Backend, choice: BackendChoice | None = None) -> None:
+        self.backend = backend
+        self.backend_choice = choice or BackendChoice(backend.name, "asked for")
+        if backend.config.reuse_mode == "chunks":
+            why = backend.chunk_support()
+            if why is not None:
+                backend.close()
+                raise Unsupported("reuse_mode='chunks'", why)
+        # One lock per model: llama.cpp contexts and the KV pool are not thread-safe.
+        self.lock = threading.RLock()
+        self._lock_handoff = threading.Condition(self.lock)
+        self._sessions: dict[str, Session] = {}
+        self._helper: Session | None = None
+        self._spares: set[Session] = set()  # helper streams' sessions while the warm helper is busy
+        self._llg_tokenizer: Any = None  # llguidance's vocabulary, built on the first constrained decode
+        self._turns: TurnMemory | None = None  # generated turns' tokens, built on the first one remembered
+        self._fim: FimTokens | None = None
+        self.spelled = SpelledLengths(backend)  # divergence offsets without spelling the whole prompt
+        # The plain tokenizations of recent prompts: an agent resends the same prefix text every turn.
+        self._recent_prompts: OrderedDict[tuple[str, bool, bool], tuple[int, ...]] = OrderedDict()
+        self._helper_lock = threading.Lock()
+        c = self.config
+        try:
+            self.template_choice: TemplateChoice = resolve_template(
+                c.prompt_format,
+                given=c.chat_template,
+                model_template=backend.info.chat_template,
+                architecture=backend.info.architecture,
+                has_chatml=_has_chatml(backend),
+            )
+        except InvalidInput as e:
+            backend.close()
+            raise InvalidConfig(str(e)) from None
+        template = self.template_choice.source
+        self._template_source = template
+        self._template: ChatTemplate | None = None
+        self._kept: KeptRenderer | None = None
+        self.default_add_bos = backend.info.add_bos and not self.config.disable_bos
+        # Warm tiers need a backend that can keep, export and import a sequence's KV.
+        try:
+            self.tiers = (
+                KVTiers(
+                    backend,
+                    block_tokens=c.cache_block_tokens,
+                    memory_mb=c.prefix_cache_mb,
+                    store_dir=c.kv_store_dir,
+                    store_mb=c.kv_store_mb,
+                    unlocked=self.model_unlocked,
+                    held=self.lock._is_owned,  # type: ignore[attr-defined]
+                    remote=_remote_config(c),
+                )
+                if callable(getattr(backend, "keep_seq", None)) and (c.prefix_cache_mb or c.kv_store_mb or c.kv_remote)
+                else None
+            )
+        except BaseException:
+            backend.close()
+            raise
+        self.parked = 0  # idle sessions whose KV moved to the tiers because the pool ran short
+        backend.set_reclaimer(self._reclaim)
+        self._manifests = {
+            bos: ContextManifest.build(
+                model_digest=backend.info.file_digest,
+                tokenizer_digest=backend.info.tokenizer_digest,
+                chat_template=template,
+                numerics=backend.numerics(),
+                add_bos=bos,
+                backend=backend.name,
+            )
+            for bos in (False, True)
+        }
+        self.stats = RuntimeStats(backend.state, 0, backend.kv_memory())
+
+    def note_prefill(self, tokens: int, seconds: float) -> None:
+        """A prefill forward ran (model lock held): the measured rate a remote tier read must beat."""
+        tiers = self.tiers
+        if tiers is not None and tokens >= PREFILL_SAMPLE_TOKENS:
+            tiers.note_prefill(tokens, seconds)
+
+    def publish_stats(self) -> None:
+        """Replace `stats` with what the runtime holds now (call with the model lock held)."""
+        b = self.backend
+        if b.state is ModelState.UNLOADED:  # the backend cannot say any more: nothing is held
+            kv = replace(self.stats.kv_memory, allocated=False, held_tokens=0)
+        else:
+            kv = b.kv_memory()
+        self.stats = RuntimeStats(b.state, len(self._sessions), kv, self.parked)
+
+    def _reclaim(self) -> bool:
+        """The KV pool is short (called by the backend, model lock held): give blocks back. The tiers'
+        kept KV first, then the least recently used idle evictable session's KV goes to the tiers
+        (Session.park; its pins are reclaimed in turn). False when nothing is left to give."""
+        if self.tiers is not None and self.tiers.reclaim():
+            return True
+        for s in sorted(self._parkable(), key=lambda s: s.used_at):
+            # an operation is running or about to (on this thread too: the op lock is reentrant): not idle
+            if s._op._is_owned() or not s._op.acquire(blocking=False):  # type: ignore[attr-defined]
+                continue
+            try:
+                if not s.busy and s.park():
+                    self.parked += 1
+                    return True
+            finally:
+                s._op.release()
+        return False
+
+    def _parkable(self) -> list[Session]:
+        return [s for s in self._sessions.values() if s.evictable and not s.busy and s.resident]
+
+    def reclaimable_tokens(self, kv: KVMemory) -> int:
+        """About how many tokens the KV pool gets back when it runs short (model lock held): what idle
+        evictable sessions hold, and the memory tier's unlocked entries (an upper bound: their blocks
+        may be shared with sessions)."""
+        n = sum(len(s.ctx.tokens) for s in self._parkable())
+        memory = self.tiers.memory if self.tiers is not None else None
+        if memory is not None:
+            st = memory.stats()
+            n += (st.bytes - st.locked_bytes) // max(1, kv.bytes_per_token)
+        return n
+
+    @classmethod
+    def load(
+        cls,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        backend: str = AUTO,
+        config: RuntimeConfig | None = None,
+        backend_options: BackendOptions | Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> Runtime:
+        """Load a model (default: the bundled SmolLM2-135M-Instruct GGUF).
+
+        backend is "native", "llamacpp" or "auto" (the default: native where its C++ loop runs the
+        model on 4-bit weights, llama.cpp otherwise; `backend_choice` says which and why).
+        Options are RuntimeConfig fields (num_ctx=8192, kv_cache_type="q8_0", ...) and the
+        backend's own (NativeOptions: compute_dtype, device, cpp_decode, kv_cache_mb;
+        LlamaCppOptions: use_mmap, use_mlock), by name or as backend_options (a record or a mapping).
+        """
+        runtime_names = {f.name for f in fields(RuntimeConfig)}
+        if backend == AUTO:
+            backend_names = set(options_type("native").names()) | set(options_type("llamacpp").names())
+        else:
+            backend_names = set(options_type(backend).names())
+        unknown = sorted(set(options) - runtime_names - backend_names)
+        if unknown:
+            valid = sorted(runtime_names | backend_names)
+            raise InvalidConfig(f"unknown runtime option(s) {unknown} for backend {backend!r}; valid: {valid}")
+        runtime_opts = {k: v for k, v in options.items() if k in runtime_names}
+        if config is not None and runtime_opts:
+            raise InvalidInput("pass either config= or keyword options, not both")
+        cfg = config if config is not None else RuntimeConfig.from_kwargs(**runtime_opts)
+        if not isinstance(cfg, RuntimeConfig):
+            raise InvalidInput(f"config must be RuntimeConfig, got {type(cfg).__name__}")
+        more = {k: v for k, v in options.items() if k in backend_names and k not in runtime_names}
+        path = resolve_model(model)
+        if backend == AUTO:
+            given = backend_options.as_dict() if isinstance(backend_options, BackendOptions) else backend_options
+            if given is not None and not isinstance(given, Mapping):
+                raise InvalidConfig(f"backend options must be a mapping, got {type(given).__name__}")
+            named = {**dict(given or {}), **more}
+            choice = choose_backend(path, available_backends(), option_names=named, kv_cache_type=cfg.kv_cache_type)
+            log.info("backend auto: %s (%s)", choice.name, choice.reason)
+            opts = make_options(choice.name, named)
+        else:
+            choice = BackendChoice(backend, "asked for")
+            opts = make_options(backend, backend_options, **more)
+        return cls(load_backend(choice.name, str(path), cfg, opts), choice)
+
+    # -- facts ------------------------------------------------------------------
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.backend.info
+
+    @property
+    def config(self) -> ResolvedConfig:
+        return self.backend.config
+
+    @property
+    def state(self) -> ModelState:
+        return self.backend.state
+
+    def kv_memory(self) -> KVMemory:
+        """What the KV cache costs: bytes, and sequences x tokens per sequence (`stats` without the lock)."""
+        with self.lock:
+            self._check_loaded()
+            return self.backend.kv_memory()
+
+    def manifest(self, add_bos: bool | None = None) -> ContextManifest:
+        return self._manifests[self.default_add_bos if add_bos is None else bool(add_bos)]
+
+    def reuse_mode(self, mode: str | None = None) -> str:
+        """The reuse mode a prompt asked for (None: the runtime's), checked against what the backend can."""
+        if mode is None:
+            return self.config.reuse_mode
+        if mode not in REUSE_MODES:
+            raise InvalidInput(f"reuse_mode must be one of {', '.join(REUSE_MODES)}; got {mode!r}", param="reuse_mode")
+        if mode == "chunks":
+            why = self.backend.chunk_support()
+            if why is not None:
+                raise Unsupported("reuse_mode='chunks'", why)
+        return mode
+
+    def _check_loaded(self) -> None:
+        if self.backend.state is ModelState.UNLOADED:
+            raise ModelUnloaded("the runtime was closed")
+
+    # -- sessions -----------------------------------------------------------------
+
+    def session(self) -> Session:
+        """Open a session with its own resident sequence; SessionLimit past n_seq_max."""
+        with self.lock:
+            self._check_loaded()
+            s = Session(self, self.backend.acquire_seq())
+            self._sessions[s.id] = s
+            self.publish_stats()
+            return s
+
+    def restore(self, name: str) -> Session:
+        """A new session holding a snapshot's context, under this runtime's manifest only.
+
+        The snapshot is read and verified before the model lock is taken (lock order: module doc).
+        """
+        if not isinstance(name, str) or not name:
+            raise InvalidInput(f"snapshot name must be a non-empty string, got {name!r}")
+        self._check_loaded()
+        tiers = self.tiers
+        if tiers is None or tiers.store is None:
+            raise Unsupported("restore", NO_STORE)
+        return self.restore_snapshot(tiers.store.get_snapshot(name))
+
+    def restore_snapshot(self, snap: Snapshot) -> Session:
+        """A new session holding a verified snapshot's context (read from the disk store or the remote
+        tier); ManifestMismatch unless it was taken under this runtime's manifest. Not under the model lock."""
+        self._check_loaded()
+        name = snap.name
+        manifest = next((m for m in self._manifests.values() if m.digest == snap.manifest_digest), None)
+        if manifest is None:
+            theirs = dict(snap.manifest)
+            ours = self.manifest().identity()
+            diff = "; ".join(
+                f"{k}: {str(theirs.get(k))[:24]} != {str(v)[:24]}" for k, v in ours.items() if theirs.get(k) != v
+            )
+            raise ManifestMismatch(f"snapshot {name!r} was taken under another manifest ({diff})")
+        if len(snap.tokens) > self.config.num_ctx:
+            raise ContextOverflow("restore", 0, len(snap.tokens), self.config.num_ctx)
+        session = self.session()
+        try:
+            session._restore(snap.tokens, snap.blob, manifest, dict(snap.meta))  # its op lock, then the model lock
+        except BaseException:
+            session.close()
+            raise
+        return session
+
+    @property
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def _release(self, session: Session, seq: int) -> None:
+        self._sessions.pop(session.id, None)
+        if self.backend.state is not ModelState.UNLOADED:
+            self.backend.release_seq(seq)
+        self.publish_stats()
+
+    # -- tokens ---------------------------------------------------------------
+
+    def tokenize(self, text: str | bytes, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
+        value = as_text(text, "text")
+        with self.lock:
+            self._check_loaded()
+            bos = self.default_add_bos if add_bos is None else add_bos
+            return self.prompt_tokens(value, add_bos=bos, parse_special=parse_special)
+
+    def prompt_tokens(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
+        """text's tokens, generated turns taking the model's own tokens (call with the model lock held)."""
+        memory = self._turns
+        if parse_special and memory is not None and len(memory):
+            return memory.tokenize(
+                text, add_bos, lambda t, bos: self.backend.tokenize(t, add_bos=bos, parse_special=True)
+            )
+        key = (text, add_bos, parse_special)
+        recent = self._recent_prompts
+        tokens = recent.get(key)
+        if tokens is None:
+            tokens = recent[key] = tuple(self.backend.tokenize(text, add_bos=add_bos, parse_special=parse_special))
+            if len(recent) > RECENT_PROMPTS:
+                recent.popitem(last=False)
+        else:
+            recent.move_to_end(key)
+        return list(tokens)
+
+    # -- generated turns ------------------------------------------------------------
+
+    def remember_turn(self, prompt: Sequence[int], generated: Sequence[int], calls: Sequence[Call] = ()) -> str | None:
+        """Keep a generated turn's tokens (and its tool calls' raw text) for the requests that resend it.
+
+        prompt: the tokens it was generated after; generated: its tokens. Returns the turn's raw text
+        (None when it cannot be kept, e.g. it ended inside a UTF-8 character).
+        """
+        with self.lock:
+            self._check_loaded()
+            if self._turns is None:
+                b = self.backend
+                control = {t: b.token_text(t) for t in range(self.info.n_vocab) if not b.token_bytes(t)}
+                self._turns = TurnMemory(control, b.token_bytes, b.is_eog)
+            memory = self._turns
+        return memory.remember(prompt, generated, calls)
+
+    def raw_turn(self, calls: Sequence[Call]) -> str | None:
+        """The raw text of the generated turn that made these tool calls, if remembered and unchanged."""
+        return None if self._turns is None else self._turns.raw_turn(calls)
+
+    def tool_format(self, name: str = "auto") -> ToolFormat:
+        """How replies call tools: `name`, or detected from the chat template ("auto")."""
+        return resolve_tool_format(name, self._template_source)
+
+    def count_tokens(self, text: str | bytes, *, add_bos: bool | None = None) -> int:
+        return len(self.tokenize(text, add_bos=add_bos))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        n = self.info.n_vocab
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
+                raise InvalidInput(f"token id {t!r} out of range [0, {n})")
+        with self.lock:
+            self._check_loaded()
+            return b"".join(self.backend.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    # -- constrained decoding ---------------------------------------------------
+
+    def guide(self, constraint: Constraint) -> Guide:
+        """A fresh constraint state for one decode; the model's vocabulary for it is built once."""
+        with self.lock:
+            self._check_loaded()
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = build_tokenizer(self.backend)
+        return Guide(self._llg_tokenizer, constraint)
+
+    # -- embeddings -------------------------------------------------------------
+
+    def embedding_tokens(self, inputs: EmbedInput) -> list[list[int]]:
+        """Token ids of each embedding input: texts get the BOS policy, id lists are taken as given."""
+        return [self.tokenize(x, parse_special=False) if isinstance(x, str) else x for x in split_inputs(inputs)]
+
+    def embed(self, inputs: EmbedInput, *, normalize: bool = True) -> np.ndarray:
+        """One row per input ([n, n_embd] float32): the mean of the model's final-norm hidden
+        states over the input's tokens, L2-normalized unless normalize=False. Sessions are untouched."""
+        return self.embed_tokens(self.embedding_tokens(inputs), normalize=normalize)
+
+    def embed_tokens(self, token_lists: Sequence[Sequence[int]], *, normalize: bool = True) -> np.ndarray:
+        rows = []
+        for tokens in token_lists:
+            with self.lock:  # one input at a time: decode steps of other sessions go in between
+                self._check_loaded()
+                v = self.backend.embed(list(tokens))
+            rows.append(l2_normalize(v) if normalize else v)
+        return np.stack(rows).astype(np.float32)
+
+    # -- completion helpers -----------------------------------------------------
+
+    def chat_template(self) -> ChatTemplate:
+        if self._template_source is None:
+            raise Unsupported("chat", self.template_choice.why_none)
+        if self._template is None:
+            bos, eos = self.info.bos_token_id, self.info.eos_token_id
+            self._template = ChatTemplate(
+                self._template_source,
+                bos_token=self.backend.token_text(bos) if bos is not None else "",
+                eos_token=self.backend.token_text(eos) if eos is not None else "",
+                adds_bos=self.default_add_bos,
+            )
+        return self._template
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        thinking_history: str | None = None,
+    ) -> str:
+        """The prompt for a conversation. template_kwargs add to RuntimeConfig.chat_template_kwargs.
+
+        thinking_history (None: the config's): "keep" lets earlier turns keep their reasoning where
+        a reasoning template would drop it (reasoning_history.py); "template" renders as the template says.
+        """
+        template = self.chat_template()
+        kw = self.template_kwargs(template_kwargs)
+        args = {"add_generation_prompt": add_generation_prompt, "tools": tools, "template_kwargs": kw}
+        mode = thinking_history or self.config.thinking_history
+        if mode != "keep" or not template_thinks(template.source):
+            return template.render(messages, **args)
+        if self._kept is None:
+            self._kept = KeptRenderer(template.render)
+        return self._kept.render(messages, **args)
+
+    def template_kwargs(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The variables a render passes the template: the config's, then a request's own."""
+        return {**self.config.chat_template_kwargs, **check_template_kwargs(extra)}
+
+    def complete(
+        self, prompt: str | bytes, config: DecodeConfig | None = None, *, stream: bool = False, **decode: Any
+    ) -> Completion | Iterator[StreamChunk]:
+        """Generate after a raw prompt, reusing the runtime's own warm sequence."""
+        cfg = _decode_config(config, decode)
+        t0 = time.perf_counter()
+        chunks = self._stream(prompt, cfg)
+        return chunks if stream else _collect(chunks, t0)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        config: DecodeConfig | None = None,
+        *,
+        stream: bool = False,
+        **decode: Any,
+    ) -> Completion | Iterator[StreamChunk]:
+        """Chat through the model's template; consecutive turns reuse the shared prefix."""
+        prompt = self.render_chat(messages, add_generation_prompt=True)
+        return self.complete(prompt, config, stream=stream, **decode)
+
+    def fim_tokens(self) -> FimTokens:
+        """The model's fill-in-the-middle tokens; Unsupported (naming what is missing) without them."""
+        if self._fim is None:
+            with self.lock:
+                self._check_loaded()
+                self._fim = find_fim_tokens(self.backend)
+        return self._fim
+
+    def infill_prompt(
+        self, prefix: str, suffix: str, extra: Sequence[ExtraFile] = (), *, repo: str | None = None
+    ) -> PrefixInput:
+        """The infill prompt as a prefix: its tokens (user text never parses as control tokens) and its text."""
+        prefix, suffix = as_text(prefix, "infill prefix"), as_text(suffix, "infill suffix")
+        files = check_extra(extra)
+        fim = self.fim_tokens()
+        with self.lock:
+            tokens = infill_tokens(self.backend, fim, prefix, suffix, files, add_bos=self.default_add_bos, repo=repo)
+            start = 1 if self.default_add_bos and tokens[0] == self.info.bos_token_id else 0
+            text = spell(self.backend, tokens[start:])
+        return PrefixInput(text=text, tokens=tuple(tokens))
+
+    def infill(
+        self,
+        prefix: str,
+        suffix: str,
+        extra: Sequence[ExtraFile] = (),
+        config: DecodeConfig | None = None,
+        *,
+        repo: str | None = None,
+        stream: bool = False,
+        **decode: Any,
+    ) -> Completion | Iterator[StreamChunk]:
+        """Fill in the code between prefix and suffix (the model's FIM tokens; extra files come first)."""
+        inp = self.infill_prompt(prefix, suffix, extra, repo=repo)
+        cfg = _decode_config(config, decode)
+        cfg = replace(cfg, stop_token_ids=(*cfg.stop_token_ids, *self.fim_tokens().stops()))
+        t0 = time.perf_counter()
+        chunks = self._stream(inp, cfg)
+        return chunks if stream else _collect(chunks, t0)
+
+    def _helper_session(self) -> Session:
+        if self._helper is None or self._helper.closed:
+            with self.lock:
+                self._check_loaded()
+                acquire = getattr(self.backend, "acquire_internal_seq", self.backend.acquire_seq)
+                self._helper = Session(self, acquire())
+                self.publish_stats()
+        return self._helper
+
+    def _spare_session(self) -> Session:
+        """A session for one helper stream while another holds the warm helper (SessionLimit when
+        every sequence slot is taken); closed when its stream ends."""
+        with self.lock:
+            self._check_loaded()
+            s = Session(self, self.backend.acquire_seq())
+            self._spares.add(s)
+            return s
+
+    def _stream(self, prompt: str | bytes | PrefixInput, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+        """A helper stream; input types are checked now, the prompt at the first chunk.
+
+        Nothing is taken until the stream is iterated: an unstarted stream blocks nobody. A started
+        one holds the runtime's warm helper session, or, while another stream holds that, a session
+        of its own (a slot of n_seq_max, prefilled cold): a partly read stream never blocks a later
+        complete, chat or infill, from this thread or another. What it holds is let go when the
+        stream ends, is closed or is garbage-collected.
+        """
+        if not isinstance(cfg, DecodeConfig):
+            raise InvalidInput(f"decode config must be DecodeConfig, got {type(cfg).__name__}")
+        return self._helper_stream(PrefixInput.coerce(prompt), cfg)
+
+    def _helper_stream(self, prompt: PrefixInput, cfg: DecodeConfig) -> Iterator[StreamChunk]:
+        with ExitStack() as hold:
+            if self._helper_lock.acquire(blocking=False):  # never waits: the holder may be this thread
+                hold.callback(self._helper_lock.release)
+                s = self._helper_session()
+            else:
+                s = self._spare_session()
+                hold.callback(self._close_spare, s)
+            s.ensure_prefix(prompt)
+            for chunk in s.decode(cfg):
+                if chunk.done:
+                    hold.close()  # let go before the last chunk: a caller seldom asks past it
+                yield chunk
+
+    def _close_spare(self, s: Session) -> None:
+        s.close()
+        self._spares.discard(s)
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def yield_model_lock(self) -> None:
+        """Let a thread waiting for the model lock (e.g. the decode scheduler) take one turn.
+
+        Called between prefill chunks with the lock held; it is released completely
+        (whatever the recursion depth) for a moment, then taken back.
+        """
+        self._lock_handoff.wait(timeout=0.0005)
+
+    @contextmanager
+    def model_unlocked(self) -> Iterator[None]:
+        """Let go of the model lock completely (whatever the recursion depth) for the block, if held.
+
+        For waits on the disk inside an operation: the caller keeps its op lock, so its
+        session's state must be consistent here (lock order: module doc).
+        """
+        lock: Any = self.lock
+        if not lock._is_owned():
+            yield
+            return
+        state = lock._release_save()
+        try:
+            yield
+        finally:
+            lock._acquire_restore(state)
+
+    def spill_to_disk(self, timeout: float | None = None) -> tuple[int, bool]:
+        """Write the memory tier's KV to the disk store and drop it from memory, for a server about to
+        stop (or a model about to unload): (tokens queued, whether every queued write, these and earlier
+        ones, finished within timeout). Without a store: nothing moves. Not under the model lock."""
+        tiers = self.tiers
+        if tiers is None:
+            return 0, True
+        with self.lock:
+            n = tiers.spill_memory()
+        done = tiers.flush(timeout)
+        with self.lock:
+            tiers.release_written()
+        return n, done
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued KV store write is on disk; False on timeout. Not under the model lock."""
+        tiers = self.tiers
+        return True if tiers is None else tiers.flush(timeout)
+
+    def close(self) -> None:
+        # Sessions first, without the model lock: closing one waits for its running call.
+        for s in list(self._sessions.values()):
+            s.close()
+        for s in list(self._spares):
+            s.close()
+        if self._helper is not None:
+            self._helper.close()
+        tiers = None
+        with self.lock:
+            self.backend.set_reclaimer(None)
+            if self.tiers is not None:
+                self.tiers.spill_all()  # copies the memory tier's KV while the backend is alive
+                tiers, self.tiers = self.tiers, None
+            self.backend.close()
+            self.publish_stats()
+        if tiers is not None:
+            tiers.close()  # writes to disk without the model lock
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _remote_config(c: ResolvedConfig) -> RemoteConfig | None:
+    if c.kv_remote is None:
+        return None
+    timeout = c.kv_remote_timeout_ms / 1000
+    return RemoteConfig(
+        c.kv_remote, timeout_s=timeout, write_timeout_s=timeout * 10, prefill_rate=c.kv_remote_prefill_rate
+    )
+
+
+def _decode_config(config: DecodeConfig | None, overrides: Mapping[str, Any]) -> DecodeConfig:
+    if config is not None and overrides:
+        raise InvalidInput("pass either a DecodeConfig or keyword options, not both")
+    if config is not None:
+        return config
+    try:
+        return DecodeConfig(**overrides)
+    except TypeError as e:
+        raise InvalidInput(f"bad decode option: {e}") from None
+
+
+def _collect(stream: Iterator[StreamChunk], t0: float) -> Completion:
+    """Drain a stream into a Completion; t0 is when the request began (before prefill)."""
+    ttft = None
+    parts: list[str] = []
+    for chunk in stream:
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        parts.append(chunk.text)
+        if chunk.done:
+            if chunk.error is not None:
+                raise chunk.error
+            assert chunk.usage is not None and chunk.finish_reason is not None
+            return Completion("".join(parts), chunk.finish_reason, chunk.usage, ttft or 0.0, time.perf_counter() - t0)
+    raise RuntimeError("stream ended without a final chunk")

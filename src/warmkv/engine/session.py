@@ -1,0 +1,632 @@
+"""A persistent session: one sequence of resident KV kept warm across turns.
+
+A thin facade over three owners:
+
+- `ResidentContext` (context.py): the resident tokens, their regions and logits, and
+  `truncate`, the one rollback primitive;
+- `PrefixPlan` / `PrefixLoad` (prefix_plan.py): making a prompt resident, planned first
+  (reused, loaded from a tier, prefilled), then executed piece by piece;
+- `DecodeState` (decode_state.py): one decode's plain data and its step.
+
+`decode()` drives one DecodeState for this session alone; the Scheduler drives many,
+with prefill pieces of waiting prompts in the same steps.
+
+When ensure_prefix finds its whole prefix resident, the old suffix and generated tokens
+are dropped logically but their KV stays *detached* until the next call that needs the
+room: prefill_suffix reuses the part of it the new suffix shares (a resent conversation
+history, a repeated header) and every other call drops it first (`settle`).
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..backends.base import exact_cut
+from ..cache.disk.types import Snapshot
+from ..config import DecodeConfig
+from ..errors import (
+    ContextOverflow,
+    InvalidInput,
+    ManifestMismatch,
+    NoPrefix,
+    SessionBusy,
+    SessionClosed,
+    SessionFatal,
+    Unsupported,
+    WarmkvError,
+)
+from ..manifest import ContextManifest, hash_token_ids, validate_segments
+from ..prompt.text import as_text
+from ..prompt.tokens import common_prefix_len, spell
+from ..types import ContextReport, Divergence, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus
+from .context import ResidentContext
+from .decode_state import DecodeState
+from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan, plan_moves
+from .turn_runner import Phase, TurnRunner
+
+if TYPE_CHECKING:
+    from ..cache import SnapshotInfo
+    from .runtime import Runtime
+
+DIVERGENCE_TOKENS = 12  # excerpt of each side where reuse stopped
+DIVERGENCE_CHARS = 48
+SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NO_STORE = "the disk store is disabled (kv_store_mb=0) or the backend cannot move KV"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request's work: make its prompt resident (plan None: it already is), then decode (state)."""
+
+    session: Session
+    plan: PrefixPlan | None
+    state: DecodeState
+
+
+class Session:
+    """ensure_prefix -> prefill_suffix -> decode, with explain() and close().
+
+    Every method validates its input before touching KV, so a rejected call
+    leaves the session exactly as it was. Methods are thread-safe; decode
+    takes the model lock per token so sessions interleave.
+    """
+
+    def __init__(self, runtime: Runtime, seq: int) -> None:
+        self.id = secrets.token_hex(8)
+        self._rt = runtime
+        self._backend = runtime.backend
+        # One operation on this session at a time; the lock order is in runtime.py's docstring.
+        self._op = threading.RLock()
+        self._model_lock = runtime.lock
+        self._num_ctx: int = runtime.config.num_ctx
+        self.ctx = ResidentContext(
+            runtime.backend, seq, runtime.config.prefill_chunk, self._num_ctx, on_forward=runtime.note_prefill
+        )
+        self._manifest: ContextManifest | None = None
+        self._byte_hash: str | None = None
+        self._token_hash: str | None = None
+        self._last_prefix: PrefixStatus | None = None
+        self._cached_since_decode = 0
+        self._cancel = threading.Event()
+        self._closed = False
+        # The resident tokens as of the last operation that changed them, for readers that
+        # must not wait for the model lock (the server's router): replaced, never mutated.
+        self.resident: tuple[int, ...] = ()
+        # An evictable session's KV is a cache of its last prompt (the server's pooled sessions: each
+        # turn resends its whole prompt): when the KV pool runs short while it is idle, its KV moves to
+        # the tiers (park) and its next prompt restores it from there.
+        self.evictable = False
+        self._runner: TurnRunner | None = None  # the turn running on this session (hold/let_go)
+        self._runner_lock = threading.Lock()  # only for _runner: taken under any other lock, takes none
+        self.used_at = time.monotonic()  # when what is resident last changed: the least recent parks first
+
+    @property
+    def _seq(self) -> int:
+        return self.ctx.seq
+
+    # -- helpers -------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        """For a call that changes the session: it must be usable and no turn of it may be running."""
+        err = self.usable_error()
+        if err is not None:
+            raise err
+        if self._runner is not None:
+            raise SessionBusy(
+                f"session {self.id} is running a turn ({self._runner.phase.value}): finish or close its decode "
+                "stream, or wait for its scheduled turn to end"
+            )
+
+    @property
+    def busy(self) -> bool:
+        """A turn of this session runs: a decode stream still open, or a turn on a Scheduler."""
+        return self._runner is not None
+
+    def hold(self, runner: TurnRunner) -> None:
+        """Make runner this session's turn until let_go (SessionBusy while another one runs)."""
+        with self._runner_lock:
+            if self._runner is not None and self._runner is not runner:
+                raise SessionBusy(f"session {self.id} is already running a turn ({self._runner.phase.value})")
+            self._runner = runner
+
+    def let_go(self, runner: TurnRunner) -> None:
+        """The turn ended: the session takes calls again."""
+        with self._runner_lock:
+            if self._runner is runner:
+                self._runner = None
+
+    def usable_error(self) -> WarmkvError | None:
+        """Why this session cannot run a step now, or None."""
+        if self._closed:
+            return SessionClosed(f"session {self.id} is closed")
+        if self.ctx.fatal:
+            return SessionFatal(f"session {self.id} must be evicted: {self.ctx.fatal}")
+        return None
+
+    @contextmanager
+    def _lock(self, *, publish: bool = False) -> Iterator[None]:
+        """The op lock, then the model lock; publish: the block may change what is resident."""
+        with self._op, self._model_lock:
+            try:
+                yield
+            finally:
+                if publish:
+                    self._publish()
+
+    def publish_resident(self) -> None:
+        """Replace `resident` with the tokens resident now (call with the model lock held)."""
+        self.resident = tuple(self.ctx.tokens)
+        self.used_at = time.monotonic()
+
+    def park(self) -> int:
+        """Move the resident KV to the tiers and free the sequence; the tokens freed (model lock held,
+        and the session idle or owned by the caller). Its exact full cache blocks are remembered in the
+        tiers (memory, spilling to disk), so the next prompt that starts with them restores them."""
+        return self._park()[0]
+
+    def offload(self) -> tuple[int, int]:
+        """park() an idle session now, taking its locks (a server's drain): (tokens freed, tokens kept
+        in the tiers). SessionBusy while a turn of it runs; (0, 0) when closed or empty."""
+        with self._lock(publish=True):
+            if self._runner is not None:
+                raise SessionBusy(f"session {self.id} is running a turn ({self._runner.phase.value})")
+            return self._park()
+
+    def _park(self) -> tuple[int, int]:
+        ctx, tiers, manifest = self.ctx, self._rt.tiers, self._manifest
+        n = len(ctx.tokens)
+        if not n or self._closed or ctx.fatal:
+            return 0, 0
+        kept = 0
+        if tiers is not None and manifest is not None:
+            keys = tiers.keys(manifest.digest, ctx.tokens[: ctx.exact])
+            keep = len(keys) * tiers.block_tokens
+            if keep and exact_cut(self._backend, self._seq, keep) == keep:
+                ctx.truncate(keep, refill=False)
+                tiers.remember(self._seq, keys, ctx.tokens, manifest.digest)
+                kept = keep
+        ctx.clear()
+        self.publish_resident()
+        return n, kept
+
+    def _publish(self) -> None:
+        """An operation changed the resident KV: readers see this session's tokens and the runtime's stats."""
+        self.publish_resident()
+        self._rt.publish_stats()
+
+    # -- the contract ------------------------------------------------------------
+
+    def ensure_prefix(self, prefix: PrefixInput | str | bytes) -> PrefixStatus:
+        """Make the resident KV equal the prefix, prefilling only the divergent tail."""
+        with self._op:  # nothing else runs on this session between the plan and its execution
+            plan = self.plan_prefix(prefix)
+            return self._run_plan(plan)
+
+    def _run_plan(self, plan: PrefixPlan) -> PrefixStatus:
+        """A prefill alone: one runner, stepped a forward at a time, the model lock offered between."""
+        with self._lock(publish=True):
+            self._check_usable()
+            runner = TurnRunner(self, plan, None)
+            self.hold(runner)
+            try:
+                runner.prepare()
+                while (row := runner.next_row()) is not None:
+                    runner.accept(row, self.ctx.forward(row))
+                    if runner.phase is Phase.PREFILLING:
+                        self._rt.yield_model_lock()
+            except BaseException:
+                runner.end()
+                raise
+            finally:
+                self.let_go(runner)
+            assert runner.status is not None, runner.phase
+            return runner.status
+
+    def plan_prefix(self, prefix: PrefixInput | str | bytes) -> PrefixPlan:
+        """Check a prompt and decide what making it resident takes; the KV is not touched."""
+        inp = PrefixInput.coerce(prefix)
+        text = as_text(inp.text, "prefix text")
+        if not text:
+            raise InvalidInput("prefix text is empty; ensure_prefix needs at least one token")
+        raw = text.encode("utf-8")
+        add_bos = self._rt.default_add_bos if inp.add_bos is None else bool(inp.add_bos)
+        segments = validate_segments(inp.segments, len(raw))
+        manifest = self._rt.manifest(add_bos).with_segments(segments)
+        if inp.expect_manifest is not None and inp.expect_manifest != manifest.digest:
+            raise ManifestMismatch(
+                f"prefix expects manifest {inp.expect_manifest[:16]} but this runtime is {manifest.digest[:16]}"
+            )
+        with self._lock():
+            self._check_usable()
+            if inp.tokens is not None:
+                tokens = self._given_tokens(inp.tokens)
+            else:
+                tokens = self._rt.prompt_tokens(text, add_bos=add_bos, parse_special=inp.parse_special)
+            if not tokens:
+                raise InvalidInput("prefix text produced no tokens")
+            ctx = self.ctx
+            same = self._manifest is not None and self._manifest == manifest
+            reused = common_prefix_len(ctx.tokens, tokens) if same else 0
+            if len(tokens) > self._num_ctx:
+                raise ContextOverflow("ensure_prefix", reused, len(tokens) - reused, self._num_ctx)
+            chunks = self._rt.reuse_mode(inp.reuse_mode) == "chunks"
+            if not chunks:
+                reused = min(reused, ctx.exact)  # an exact reuse never takes moved KV
+            cfg = self._rt.config
+            runs = (cfg.chunk_min_tokens, cfg.chunk_recompute) if chunks else None
+            moves = plan_moves(tokens, ctx.tokens, reused, *runs) if runs is not None and same else ()
+            common = reused
+            if reused < len(ctx.tokens):  # window or recurrent layers: back to the nearest exact point
+                reused = exact_cut(self._backend, self._seq, reused)
+            reason = self._prefix_reason(same, manifest, reused, len(tokens))
+            if reused < common:
+                layers = getattr(self._backend, "cut_layers", "window")
+                reason += f" (diverged at token {common}; the nearest exact point of the {layers} layers is {reused})"
+            return PrefixPlan(
+                tokens=tuple(tokens),
+                raw=raw,
+                manifest=manifest,
+                reused=reused,
+                detach=same and reused == len(tokens) and len(ctx.tokens) > reused,
+                dropped=len(ctx.tokens) + len(ctx.pending) - reused,
+                reason=reason,
+                divergence=self._divergence(tokens, common, add_bos) if same and common < len(ctx.tokens) else None,
+                resident=tuple(ctx.tokens),
+                moves=moves,
+                runs=runs,
+            )
+
+    def begin_load(self, plan: PrefixPlan, disk: DiskRead | None = None) -> PrefixLoad:
+        """Start executing a plan (call with the model lock held): drop what diverged, load from a tier.
+
+        disk: the plan's disk read, made beforehand (see disk_read); else a lookup reads the disk here.
+        """
+        load = PrefixLoad(self.ctx, plan, self._rt.tiers, self._num_ctx)
+        self._manifest = plan.manifest
+        load.begin(disk)
+        return load
+
+    def disk_read(self, plan: PrefixPlan) -> Callable[[], DiskRead] | None:
+        """The read of the tiers below memory (disk, remote) begin_load would make for plan, to run on
+        another thread first; None when it would make none (call with the model lock held)."""
+        tiers = self._rt.tiers
+        if tiers is None:
+            return None
+        tokens = plan.tokens
+        return tiers.disk_read(plan.manifest.digest, tokens, tiers.keys(plan.manifest.digest, tokens), plan.reused)
+
+    def finish_load(self, load: PrefixLoad) -> PrefixStatus:
+        """The plan's prompt is resident: it becomes the prefix (call with the model lock held)."""
+        status = load.status()
+        self._byte_hash = status.stable_byte_hash
+        self._token_hash = status.stable_token_hash
+        self._cached_since_decode = status.cached_tokens
+        self._last_prefix = status
+        return status
+
+    def _given_tokens(self, tokens: Sequence[int]) -> list[int]:
+        n = self._backend.info.n_vocab
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
+                raise InvalidInput(f"prefix tokens[{i}] = {t!r} is out of range [0, {n})")
+        return list(tokens)
+
+    def _divergence(self, tokens: Sequence[int], reused: int, add_bos: bool) -> Divergence:
+        """Where the new prompt parted from the resident tokens (before any of them is dropped)."""
+        start = 1 if add_bos and tokens and tokens[0] == self._backend.info.bos_token_id else 0
+        return Divergence(
+            token=reused,
+            char=self._rt.spelled.count(tokens[start:reused]),
+            old=spell(self._backend, self.ctx.tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
+            new=spell(self._backend, tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
+            resident=len(self.ctx.tokens),
+        )
+
+    def _prefix_reason(self, same: bool, manifest: ContextManifest, reused: int, n: int) -> str:
+        if self._manifest is None or not self.ctx.tokens:
+            return f"cold: nothing resident; prefilled {n} tokens"
+        if not same:
+            return f"cold: manifest changed ({self._manifest.diff(manifest)}); prefilled {n} tokens"
+        if reused == 0:
+            return f"cold: first token differs from the resident context; prefilled {n} tokens"
+        if reused == n:
+            return f"warm: all {n} prefix tokens were resident"
+        return f"warm: reused {reused} of {n} prefix tokens; diverged at token {reused}, prefilled {n - reused}"
+
+    def prefill_suffix(self, suffix: SuffixInput | str | bytes) -> SuffixStatus:
+        """Prefill the volatile part after the prefix; the prefix KV is never touched."""
+        inp = SuffixInput.coerce(suffix)
+        text = as_text(inp.text, "suffix text")
+        with self._lock(publish=True):
+            self._check_usable()
+            ctx = self.ctx
+            if self._manifest is None or ctx.prefix_len == 0:
+                raise NoPrefix("prefill_suffix needs a prefix: call ensure_prefix first")
+            if inp.manifest_digest is not None and inp.manifest_digest != self._manifest.digest:
+                raise ManifestMismatch(
+                    f"suffix was built for manifest {inp.manifest_digest[:16]} but the resident KV "
+                    f"is {self._manifest.digest[:16]}"
+                )
+            tokens = self._rt.prompt_tokens(text, add_bos=False, parse_special=inp.parse_special) if text else []
+            if inp.append:
+                base, new, reused = ctx.live, [*ctx.pending, *tokens], 0
+            else:
+                base, new = ctx.prefix_len, tokens
+                reused = common_prefix_len(ctx.tokens[base:], tokens)
+            if base + len(new) > self._num_ctx:
+                raise ContextOverflow("prefill_suffix", base + reused, len(new) - reused, self._num_ctx)
+            t0 = time.perf_counter()
+            if inp.append:
+                ctx.append_suffix(tokens, between=self._rt.yield_model_lock)
+            else:
+                ctx.replace_suffix(tokens, reused, between=self._rt.yield_model_lock)
+            self._cached_since_decode += reused
+            return SuffixStatus(
+                suffix_tokens=ctx.suffix_end - ctx.prefix_len,
+                prefix_tokens=ctx.prefix_len,
+                resident_tokens=len(ctx.tokens),
+                available_tokens=self._num_ctx - len(ctx.tokens),
+                manifest_digest=self._manifest.digest,
+                reused_tokens=reused,
+                prefilled_tokens=len(new) - reused,
+                prefill_s=time.perf_counter() - t0,
+            )
+
+    # -- decoding ------------------------------------------------------------------
+
+    def decode(self, config: DecodeConfig | None = None) -> Iterator[StreamChunk]:
+        """Stream chunks, one per token (text may be empty); the last carries finish_reason and usage.
+
+        Input is checked now (not at first iteration), so a bad call raises here.
+        """
+        with self._lock():
+            state = self.open_decode(config)
+        return self._drive(state)
+
+    def open_decode(self, config: DecodeConfig | None = None, *, prompt_tokens: int | None = None) -> DecodeState:
+        """A fresh decode state after what is resident; errors raise here, before any step.
+
+        prompt_tokens: the length of a prompt still being prefilled (the Scheduler checks
+        a turn before its prefill); by default what is resident now.
+        """
+        cfg = DecodeConfig() if config is None else config
+        if not isinstance(cfg, DecodeConfig):
+            raise InvalidInput(f"decode config must be DecodeConfig, got {type(cfg).__name__}")
+        n_vocab = self._backend.info.n_vocab
+        for t in cfg.stop_token_ids:
+            if t >= n_vocab:
+                raise InvalidInput(f"stop token id {t} out of range [0, {n_vocab})")
+        if cfg.speculative and getattr(self._backend, "cut_layers", None) == "recurrent":
+            raise Unsupported(
+                "speculative decoding",
+                f"{self._backend.info.architecture} keeps recurrent state: a rejected draft could only be "
+                "undone by prefilling again from a checkpoint",
+            )
+        with self._lock(publish=prompt_tokens is None):  # settle() may drop a detached suffix
+            self._check_usable()
+            ctx = self.ctx
+            if prompt_tokens is None:
+                if ctx.prefix_len == 0:
+                    raise NoPrefix("decode needs a prefix: call ensure_prefix first")
+                ctx.settle()
+            used = len(ctx.tokens) + len(ctx.pending) if prompt_tokens is None else prompt_tokens
+            budget = cfg.max_tokens if cfg.max_tokens is not None else self._num_ctx - used
+            if budget < 1 or used + budget > self._num_ctx:
+                raise ContextOverflow("decode", used, max(budget, 1), self._num_ctx)
+            guide = self._rt.guide(cfg.constraint) if cfg.constraint is not None else None  # InvalidInput now
+            self._cancel.clear()
+            cached, self._cached_since_decode = self._cached_since_decode, 0
+            return DecodeState(ctx, self._backend, cfg, budget, used, cached, self._num_ctx, self._cancel, guide=guide)
+
+    def _drive(self, state: DecodeState) -> Iterator[StreamChunk]:
+        """One session's decode: one runner, one forward (or none) and one chunk per step, the model
+        lock per step. The session holds the runner while the stream is open (SessionBusy for other
+        calls meanwhile), until the stream ends or is closed."""
+        runner = TurnRunner(self, None, state)
+        self.hold(runner)
+        try:
+            while True:
+                with self._lock():
+                    chunk = self._step(runner)
+                    if chunk.done:  # not every step: a copy of the tokens for every token would add up
+                        self._publish()
+                        self.let_go(runner)  # before the last chunk: a caller seldom asks past it
+                yield chunk
+                if chunk.done:
+                    return
+        finally:
+            self.let_go(runner)
+
+    def _step(self, runner: TurnRunner) -> StreamChunk:
+        err = self.usable_error()
+        if err is not None:
+            chunk = runner.end(err)
+        else:
+            row = runner.next_row()
+            out: np.ndarray | WarmkvError | None
+            try:
+                out = self.ctx.forward(row) if row is not None else None
+            except WarmkvError as e:
+                out = e
+            chunk = runner.accept(row, out)
+        assert chunk is not None
+        return chunk
+
+    def turn(self, prompt: PrefixInput | str | bytes | None, config: DecodeConfig | None = None) -> Turn:
+        """A turn for the Scheduler: make `prompt` resident (None: keep what is), then decode.
+
+        Everything is checked now, so a bad turn raises here and never reaches the scheduler.
+        """
+        with self._op:
+            plan = self.plan_prefix(prompt) if prompt is not None else None
+            state = self.open_decode(config, prompt_tokens=len(plan.tokens) if plan is not None else None)
+            return Turn(self, plan, state)
+
+    def loaded(self, load: PrefixLoad, state: DecodeState) -> PrefixStatus:
+        """A turn's prompt is resident: finish its load and ready its decode (model lock held)."""
+        status = self.finish_load(load)
+        self.ctx.settle()
+        state.cached_tokens, self._cached_since_decode = status.cached_tokens, 0
+        return status
+
+    def token_ids(self) -> tuple[int, ...]:
+        """The resident token ids now (evaluated KV). Only the model lock, never the op lock;
+        `resident` is the copy a router reads without any lock."""
+        with self._model_lock:
+            return tuple(self.ctx.tokens)
+
+    def fork(self) -> Session:
+        """A second session holding the same resident context; the two diverge after.
+
+        The child gets its own sequence (SessionLimit when none is free) and a copy
+        of the parent's KV, so either may prefill or decode without touching the other.
+        Locks: ours, then the model's; a failed copy closes the child after letting go
+        of the model lock (lock order: warmkv.engine.runtime).
+        """
+        with self._op:
+            with self._model_lock:
+                self._check_usable()
+            child = self._rt.session()
+            try:
+                with self._model_lock:
+                    self._check_usable()
+                    self.ctx.settle()
+                    self._backend.copy_seq(self._seq, child._seq, len(self.ctx.tokens))
+                    child._adopt(self)
+                    child.publish_resident()
+                    self._publish()
+            except BaseException:
+                child.close()
+                raise
+            return child
+
+    def snapshot(self, name: str) -> SnapshotInfo:
+        """Write the resident context (tokens, KV, manifest) to the disk store under `name`.
+
+        `Runtime.restore(name)` brings it back, also in another process after a crash.
+        The KV is copied under the model lock and written without it: other sessions keep
+        stepping while the disk works; this call returns once the snapshot is durable.
+        """
+        if not isinstance(name, str) or not SNAPSHOT_NAME.fullmatch(name):
+            raise InvalidInput(f"snapshot name must match {SNAPSHOT_NAME.pattern}, got {name!r}")
+        with self._op:  # held through the write: this session's state cannot change meanwhile
+            with self._model_lock:
+                self._check_usable()
+                tiers = self._rt.tiers
+                if tiers is None or tiers.store is None:
+                    raise Unsupported("snapshot", NO_STORE)
+                if self._manifest is None or not self.ctx.tokens:
+                    raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
+                snap = self._copy(name)
+            return tiers.write_snapshot(
+                name, snap.manifest_digest, dict(snap.manifest), snap.tokens, snap.blob, dict(snap.meta)
+            )
+
+    def capture(self, name: str = "") -> Snapshot | None:
+        """The resident context as an in-memory snapshot (tokens, KV, manifest), for a copy kept
+        elsewhere (the remote tier); None when the session is empty, closed or failed. The KV is
+        copied under the model lock; storing it is the caller's, without the lock."""
+        with self._op, self._model_lock:
+            if self._closed or self.ctx.fatal or self._manifest is None or not self.ctx.tokens:
+                return None
+            return self._copy(name)
+
+    def _copy(self, name: str) -> Snapshot:
+        """Settle and copy the resident context (op lock and model lock held)."""
+        ctx, m = self.ctx, self._manifest
+        assert m is not None
+        ctx.settle()
+        self._publish()
+        meta = {
+            "prefix_len": ctx.prefix_len,
+            "suffix_end": ctx.suffix_end,
+            "byte_hash": self._byte_hash,
+            "exact_end": ctx.exact_end,  # a restore keeps moved KV out of exact reuse
+        }
+        blob = self._backend.export_seq(self._seq)
+        return Snapshot(name, m.digest, m.to_dict(), tuple(ctx.tokens), bytes(blob), meta, time.time())
+
+    def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
+        """Load a snapshot's KV into this (fresh) session."""
+        with self._lock(publish=True):
+            self._backend.import_seq(self._seq, blob)
+            ctx = self.ctx
+            exact_end = meta.get("exact_end")
+            ctx.restore(
+                tokens,
+                int(meta.get("prefix_len", len(tokens))),
+                int(meta.get("suffix_end", len(tokens))),
+                int(exact_end) if exact_end is not None else None,
+            )
+            self._manifest = manifest
+            self._byte_hash = meta.get("byte_hash")  # type: ignore[assignment]
+            self._token_hash = hash_token_ids(ctx.tokens[: ctx.prefix_len])
+
+    def _adopt(self, other: Session) -> None:
+        """Take over another session's bookkeeping (its KV was copied to our sequence)."""
+        self.ctx.adopt(other.ctx)
+        self._manifest = other._manifest
+        self._byte_hash, self._token_hash, self._last_prefix = other._byte_hash, other._token_hash, other._last_prefix
+
+    def cancel(self) -> None:
+        """Stop a running decode at the next token (safe from any thread)."""
+        self._cancel.set()
+
+    def explain(self) -> ContextReport:
+        with self._lock():
+            m, ctx = self._manifest, self.ctx
+            return ContextReport(
+                session_id=self.id,
+                backend=self._backend.name,
+                closed=self._closed,
+                num_ctx=self._num_ctx,
+                resident_tokens=ctx.live,
+                prefix_tokens=ctx.prefix_len,
+                suffix_tokens=ctx.suffix_end - ctx.prefix_len,
+                generated_tokens=ctx.live - ctx.suffix_end + len(ctx.pending),
+                available_tokens=self._num_ctx - ctx.live,
+                stable_byte_hash=self._byte_hash,
+                stable_token_hash=self._token_hash,
+                manifest_digest=m.digest if m else None,
+                manifest=m.to_dict() if m else None,
+                segments=tuple(m.to_dict()["segments"]) if m else (),  # type: ignore[arg-type]
+                last_prefix=self._last_prefix,
+                cache=self._rt.tiers.stats() if self._rt.tiers is not None else None,
+                tool_format=self._tool_format(),
+            )
+
+    def _tool_format(self) -> str | None:
+        try:
+            return self._rt.tool_format().describe()
+        except WarmkvError:
+            return None  # prompt_format="raw": no chat template, no tool calls
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Free the session's KV and slot. Idempotent."""
+        self._cancel.set()
+        with self._lock():
+            if self._closed:
+                return
+            self._closed = True
+            self.ctx.reset()
+            self.publish_resident()
+            self._rt._release(self, self._seq)  # publishes the runtime's stats
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

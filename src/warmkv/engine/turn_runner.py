@@ -1,0 +1,232 @@
+"""One turn's way from its prompt to its last chunk, stepped by a driver.
+
+A turn makes a prompt resident (a plan: what is reused, what is loaded from a tier, what is
+prefilled), then decodes. The runner holds where it is, as one explicit phase:
+
+    QUEUED -> READING -> PREFILLING -> DECODING -> DONE
+              (the disk tier's read, off the engine loop; skipped when there is none)
+    DECODING -> HELD -> DECODING    (preempted: its KV swapped out while the pool is short)
+    PREFILLING -> QUEUED            (preempted: its load rolled back, its session parked)
+
+A turn without a prompt starts in DECODING; a prefill without a decode (Session.ensure_prefix)
+ends in DONE once the prompt is resident. Every phase may end early in DONE (end()).
+
+Drivers call, with the model lock held: prepare() until the turn has rows, next_row() for the row
+it wants next (a prefill piece or a decode row), then accept() with that row's outcome (its
+logits, or the error that ended it). Session drives one runner alone, forward by forward; the
+Scheduler drives many, their rows in one forward. Neither touches a load or a decode state itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..backends.base import ForwardRow
+from ..errors import WarmkvError
+from ..types import PrefixStatus, StreamChunk
+from .decode_state import DecodeState
+from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan
+
+if TYPE_CHECKING:
+    from .session import Session
+
+log = logging.getLogger(__name__)
+# Room kept for each decoding turn's growth (two of the native pool's blocks) when a turn is admitted:
+# with none, a resumed turn was preempted again in the next step, every step, as the other rows grew
+# into the same blocks.
+RESUME_RESERVE = 32
+
+
+class Phase(Enum):
+    QUEUED = "queued"
+    READING = "reading"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    HELD = "held"
+    DONE = "done"
+
+
+class TurnRunner:
+    """One turn of one session: its plan (None: the prompt is resident already) and its decode
+    state (None: a prefill alone). Call with the model lock held."""
+
+    def __init__(self, session: Session, plan: PrefixPlan | None, state: DecodeState | None) -> None:
+        if plan is None and state is None:
+            raise ValueError("a turn needs a prompt to make resident or a decode")
+        self.session = session
+        self.plan = plan
+        self.state = state
+        self.phase = Phase.QUEUED if plan is not None else Phase.DECODING
+        self.load: PrefixLoad | None = None
+        self.disk: Future[DiskRead] | None = None
+        self.status: PrefixStatus | None = None  # what making the prompt resident did, once it is
+        self.prefilled = 0  # prompt tokens evaluated by this turn
+
+    @property
+    def reading(self) -> bool:
+        """It waits for its disk read and has nothing else to do."""
+        return self.phase is Phase.READING and self.disk is not None and not self.disk.done()
+
+    # -- from queued to prefilling --------------------------------------------------------------
+
+    def prepare(
+        self, reader: Executor | None = None, on_read: Callable[[Future[DiskRead]], None] | None = None
+    ) -> bool:
+        """Ready a queued turn to prefill; True once it has prompt rows to run (PREFILLING).
+
+        reader: run the disk tier's read there first (False meanwhile; on_read is called when it is
+        back); without one, a disk read happens inside the load with the model lock let go. A turn
+        whose prompt is all restored goes straight on to DECODING (or DONE). Errors raise, the load
+        rolled back."""
+        if self.phase is Phase.QUEUED:
+            assert self.plan is not None
+            read = self.session.disk_read(self.plan) if reader is not None else None
+            if read is not None:
+                assert reader is not None
+                self.disk = reader.submit(read)
+                self.phase = Phase.READING
+                if on_read is not None:
+                    self.disk.add_done_callback(on_read)
+                return False
+            self._begin(DiskRead(None) if reader is not None else None)
+        elif self.phase is Phase.READING:
+            assert self.disk is not None
+            if not self.disk.done():
+                return False
+            self._begin(_disk_result(self.disk))
+        return self.phase is Phase.PREFILLING
+
+    def _begin(self, disk: DiskRead | None) -> None:
+        assert self.plan is not None
+        self.load, self.disk = self.session.begin_load(self.plan, disk), None
+        self.phase = Phase.PREFILLING
+        if self.load.done:  # a full hit: nothing left to evaluate
+            self._loaded()
+
+    def _loaded(self) -> None:
+        load, self.load = self.load, None
+        assert load is not None
+        if self.state is not None:
+            self.status = self.session.loaded(load, self.state)
+            self.phase = Phase.DECODING
+        else:
+            self.status = self.session.finish_load(load)
+            self.phase = Phase.DONE
+
+    # -- rows ------------------------------------------------------------------------------------
+
+    def next_row(self, limit: int | None = None) -> ForwardRow | None:
+        """The row this turn wants evaluated next: a prefill piece (at most limit tokens, where the
+        backend's rows are invariant) or a decode row; None when it has none this step."""
+        if self.phase is Phase.PREFILLING:
+            assert self.load is not None
+            return self.load.next_row(limit=limit)
+        if self.phase is Phase.DECODING:
+            assert self.state is not None
+            return self.state.next_row()
+        return None
+
+    def accept(self, row: ForwardRow | None, outcome: np.ndarray | WarmkvError | None) -> StreamChunk | None:
+        """The outcome of the row next_row gave (row None: it gave none, a decode step without a
+        forward): a prefill piece is recorded (None), a decode step gives its chunk. An error ends
+        the turn (its load rolled back) with its final chunk; a prefill alone raises it."""
+        if self.phase is Phase.PREFILLING:
+            try:
+                if isinstance(outcome, WarmkvError):
+                    raise outcome
+                assert self.load is not None and row is not None
+                self.load.accept(row, outcome)
+            except WarmkvError as e:
+                if self.state is None:  # a prefill alone: its caller gets the error
+                    self.end()
+                    raise
+                return self.end(e)
+            self.prefilled += len(row.tokens)
+            if self.load.done:
+                self._loaded()
+            return None
+        assert self.phase is Phase.DECODING and self.state is not None, self.phase
+        chunk = self.state.take(outcome)
+        if chunk.done:
+            self.phase = Phase.DONE
+        return chunk
+
+    def end(self, err: WarmkvError | None = None) -> StreamChunk | None:
+        """End the turn now (err None: cancelled): a load is rolled back, a held turn's swapped KV is
+        given up (its session starts again from nothing). The final chunk; None for a prefill alone."""
+        load, self.load = self.load, None
+        if load is not None:
+            load.fail()
+        if self.phase is Phase.HELD:
+            self.session.ctx.clear()
+        self.phase = Phase.DONE
+        if self.state is None:
+            return None
+        self.state.drop_row()  # a row handed out but never run (a preempted or retried one) is not awaited
+        return self.state.take(err)
+
+    def abandon(self, reason: str) -> None:
+        """A bug hit the step that ran this turn: roll back what can be, and mark the session unusable
+        (nobody knows what its KV holds). Never raises."""
+        load, self.load = self.load, None
+        if load is not None:
+            try:
+                load.fail()
+            except Exception:
+                log.exception("rolling back a turn's load failed")
+        self.session.ctx.fail(reason)
+        self.phase = Phase.DONE
+
+    # -- preemption ------------------------------------------------------------------------------
+
+    @property
+    def holds_kv(self) -> bool:
+        """It holds pool blocks a preemption could free (decoding, or a load under way)."""
+        return self.phase is Phase.DECODING or self.load is not None
+
+    def preempt(self) -> None:
+        """Give the pool back what this turn holds: a decoding turn's KV is swapped out (HELD, its
+        output unchanged when it resumes); a prefilling turn's load is rolled back and its session
+        parked to the tiers (QUEUED again: it begins its load anew, restoring what it prefilled)."""
+        if self.phase is Phase.DECODING:
+            self.session.ctx.swap_out()  # the context keeps its tokens: swap_in restores their KV
+            self.phase = Phase.HELD
+            return
+        load, self.load = self.load, None
+        assert load is not None, self.phase
+        load.fail()
+        self.session.park()
+        self.phase = Phase.QUEUED
+
+    def resume(self) -> None:
+        """A held turn's KV back in the pool (KVCacheFull: no room yet, nothing changed)."""
+        assert self.phase is Phase.HELD, self.phase
+        self.session.ctx.swap_in()
+        self.phase = Phase.DECODING
+
+    def needs(self) -> int:
+        """Tokens this turn may still take from the pool soon: the rest of its prompt (all of its
+        KV for a held turn), and RESUME_RESERVE to grow."""
+        ctx = self.session.ctx
+        if self.phase is Phase.HELD:
+            return len(ctx.tokens) + RESUME_RESERVE
+        if self.phase is Phase.DECODING or self.plan is None:
+            return RESUME_RESERVE
+        return max(0, len(self.plan.tokens) - len(ctx.tokens)) + RESUME_RESERVE
+
+
+def _disk_result(read: Future[DiskRead] | None) -> DiskRead:
+    """What the read found; nothing when there was no read or it failed (a cold prefill, never wrong KV)."""
+    if read is None:
+        return DiskRead(None)
+    try:
+        return read.result()
+    except Exception as e:
+        log.warning("disk tier read failed: %r", e)
+        return DiskRead(None)

@@ -1,0 +1,1 @@
+"""The wire APIs, one folder each; an API never imports another."""

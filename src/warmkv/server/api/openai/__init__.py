@@ -1,0 +1,1 @@
+"""OpenAI chat completions, completions, embeddings and models."""

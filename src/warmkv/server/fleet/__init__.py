@@ -1,0 +1,1 @@
+"""Several nodes: routing keys, drain, readiness and the admin routes."""

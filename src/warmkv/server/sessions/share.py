@@ -1,0 +1,89 @@
+"""Named sessions that move between nodes: a copy in the remote tier after each change.
+
+With `--kv-remote`, each /v1/sessions operation that changes a session (prefix, suffix,
+decode) is followed, once its response has been sent, by a copy of the session's resident
+context (tokens, KV, manifest) queued for the remote tier's writer thread, which replaces a
+copy of it still queued. A node that does not know a session id it is asked about reads the
+copy under its own model's manifest, restores it under the same id and serves the request:
+a session whose node was drained, stopped or killed continues on another node, from its last
+finished operation. Copies are stored under the id's hash (registry ids are capabilities, and
+whoever lists the server's keys must not learn them); closing a session deletes its copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from ...errors import WarmkvError
+
+if TYPE_CHECKING:
+    from ..state import Hub, ServerState
+
+log = logging.getLogger("warmkv.server")
+
+
+def _digests(st: ServerState) -> list[str]:
+    """The manifests a session of this model may be under (with and without BOS), the default first."""
+    rt = st.runtime
+    return list(dict.fromkeys(rt.manifest(b).digest for b in (rt.default_add_bos, not rt.default_add_bos)))
+
+
+def shares(st: ServerState) -> bool:
+    tiers = st.runtime.tiers
+    return tiers is not None and tiers.remote is not None and tiers.writer is not None
+
+
+def share(st: ServerState, sid: str) -> None:
+    """Queue the session's latest copy for the remote tier (a worker thread, after the response)."""
+    tiers = st.runtime.tiers
+    if tiers is None or tiers.writer is None or sid not in st.registry:
+        return
+    try:
+        snap = st.registry.get(sid).session.capture()
+    except WarmkvError as e:  # unloaded or failed meanwhile: nothing to share
+        log.debug("session %s not copied to the remote tier: %s", sid[:6], e)
+        return
+    if snap is not None and not tiers.writer.submit_session(sid, snap):
+        log.info("session copy for the remote tier dropped: the writer's queue is full")
+
+
+def forget(st: ServerState, sid: str) -> None:
+    """Delete a closed session's copy (a worker thread)."""
+    tiers = st.runtime.tiers
+    if tiers is not None and tiers.remote is not None:
+        for digest in _digests(st):
+            tiers.remote.delete_session(sid, digest)
+
+
+async def restore_shared(hub: Hub, st: ServerState, sid: str) -> None:
+    """Restore a session this node does not know from its remote copy, under the same id; one
+    restore per id at a time (a second request waits for the first's)."""
+    running = hub.restoring.get(sid)
+    if running is None:
+        running = hub.restoring[sid] = asyncio.ensure_future(_restore(hub, st, sid))
+        running.add_done_callback(lambda _: hub.restoring.pop(sid, None))
+    await asyncio.shield(running)
+
+
+async def _restore(hub: Hub, st: ServerState, sid: str) -> None:
+    remote = st.runtime.tiers.remote  # type: ignore[union-attr]
+    assert remote is not None
+    for digest in _digests(st):
+        snap = await asyncio.to_thread(remote.get_session, sid, digest)
+        if snap is not None:
+            break
+    else:
+        return
+    st.registry.check_room()
+    try:
+        session = await asyncio.to_thread(st.runtime.restore_snapshot, snap)
+    except WarmkvError as e:
+        log.warning("session %s could not be restored from the remote tier: %s", sid[:6], e)
+        return
+    if sid in st.registry:  # restored meanwhile through another path
+        await asyncio.to_thread(session.close)
+        return
+    st.registry.register(session, sid)
+    log.info("session %s restored from the remote tier (%d tokens)", sid[:6], len(snap.tokens))

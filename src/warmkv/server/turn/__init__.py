@@ -1,0 +1,1 @@
+"""What every API shares: one chat turn, generation, streams, the wire, sampling and reuse reports."""

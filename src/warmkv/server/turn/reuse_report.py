@@ -1,0 +1,119 @@
+"""Where reuse stopped, for every completion response: headers, metrics and the miss log.
+
+Every completion carries x-warmkv-cached-tokens and x-warmkv-prefilled-tokens, and
+x-warmkv-divergence: `none` when the request reused all that was resident, else the
+token index where reuse stopped, the message it falls in (chat routes) and a short
+excerpt of the old and the new text there, JSON-escaped:
+
+    x-warmkv-divergence: token=812; message=0; role="system"; old="cch=1a2b;..."; new="cch=9f8e;..."
+
+and x-warmkv-reuse-source: where the reused KV came from (`resident`, or the tier it was restored
+from: `memory`, `disk`, `remote`), `none` when nothing was reused.
+
+and, when reuse stopped where the chat template dropped earlier turns' reasoning, a `cause="..."`.
+
+A miss is a request whose reuse stopped before the end of what was resident (the
+previous request's prompt and reply): the common cause of a cold turn is upstream,
+a value that changes in the system prompt, a block that moves, a re-rendered turn.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from ...errors import WarmkvError
+from ...types import Divergence, PrefixStatus
+from ..state import ServerState
+
+log = logging.getLogger("warmkv.server")
+
+MessageEnds = Callable[[], list[int] | None]  # char offsets where each rendered message ends, if known
+
+
+def message_ends(
+    render: Callable[..., str], messages: Sequence[Mapping[str, Any]], prompt: str, **kw: Any
+) -> MessageEnds:
+    """A lazy map from prompt offsets to messages: render ever longer prefixes of the conversation.
+
+    None when the template does not render prefixes as prefixes of the whole (then no message is named).
+    """
+
+    def ends() -> list[int] | None:
+        out = []
+        for k in range(1, len(messages) + 1):
+            try:
+                text = render(list(messages[:k]), add_generation_prompt=False, **kw)
+            except WarmkvError:
+                return None  # a template that refuses a partial conversation
+            if not prompt.startswith(text):
+                return None
+            out.append(len(text))
+        return out
+
+    return ends
+
+
+def _q(text: str) -> str:
+    return json.dumps(text, ensure_ascii=True)  # a header-safe quoted string
+
+
+def _message_at(d: Divergence, ends: MessageEnds | None) -> int | None:
+    found = ends() if ends is not None else None
+    if not found:
+        return None
+    return min(bisect.bisect_right(found, d.char), len(found) - 1)
+
+
+def divergence_header(
+    d: Divergence | None, message: int | None = None, role: str | None = None, cause: str | None = None
+) -> str:
+    if d is None:
+        return "none"
+    parts = [f"token={d.token}"]
+    if message is not None:
+        parts.append(f"message={message}")
+    if role is not None:
+        parts.append(f"role={_q(role)}")
+    parts += [f"old={_q(d.old)}", f"new={_q(d.new)}"]
+    if cause is not None:
+        parts.append(f"cause={_q(cause)}")
+    return "; ".join(parts)
+
+
+def report(
+    st: ServerState,
+    status: PrefixStatus,
+    prompt_tokens: int,
+    roles: Sequence[str] = (),
+    ends: MessageEnds | None = None,
+    cause: str | None = None,
+) -> dict[str, str]:
+    """The reuse headers of one request; counts it in /metrics and logs it when it missed."""
+    d = status.divergence
+    st.metrics.observe_reuse(status.cached_tokens / max(1, prompt_tokens))
+    message = role = None
+    if d is not None:
+        message = _message_at(d, ends)
+        role = roles[message] if message is not None and message < len(roles) else None
+        st.metrics.count_miss(role or "none")
+    header = divergence_header(d, message, role, cause)
+    if d is not None and st.settings.log_misses:
+        log.warning(
+            "cache miss: reused %d of %d resident tokens, prefilled %d: %s",
+            status.reused_tokens,
+            d.resident,
+            status.prefilled_tokens,
+            header,
+        )
+    return {
+        "x-warmkv-cached-tokens": str(status.cached_tokens),
+        "x-warmkv-prefilled-tokens": str(status.prefilled_tokens),
+        "x-warmkv-chunk-reused-tokens": str(status.chunk_reused_tokens),
+        "x-warmkv-recomputed-tokens": str(status.recomputed_tokens),
+        "x-warmkv-divergence": header,
+        "x-warmkv-reuse-source": status.reuse_source,
+    }
