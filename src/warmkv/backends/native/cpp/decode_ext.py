@@ -16,6 +16,8 @@ decodes in Python); "on" makes that an error; "off" never builds it.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -23,6 +25,7 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -66,11 +69,32 @@ def _build(flags: tuple[str, ...] = FLAGS) -> ModuleType:
     _ensure_ninja()
     t0 = time.perf_counter()
     log.info("loading the C++ decode loop (the first build on a machine takes ~40 s)")
-    module = cpp_extension.load(
-        _build_name(flags), [str(SOURCE)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"], verbose=False
-    )
+    name = _build_name(flags)
+    with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+        module = cpp_extension.load(
+            name, [str(SOURCE)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"], verbose=False
+        )
     log.info("C++ decode loop ready in %.1f s", time.perf_counter() - t0)
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """One builder at a time, and no wait on a dead one. torch's loader marks a build with a `lock`
+    file that it removes when done; a process killed mid-build leaves it, and every later load then
+    waits on it for good. A flock dies with its holder: whoever holds it knows a `lock` file left
+    in the directory is stale."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.with_name(build_dir.name + ".flock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _cpu_features() -> str:
@@ -83,8 +107,10 @@ def _cpu_features() -> str:
 
 def _build_name(flags: tuple[str, ...] = FLAGS) -> str:
     """torch's loader watches only the listed source, not the header, and -march=native binds a
-    build to its CPU: the name carries a digest of both, so any change builds anew."""
-    h = hashlib.sha256()
+    build to its CPU: the name carries a digest of both, so any change builds anew. The sources'
+    folder is in it too: the build files name the source by path, and two checkouts sharing one
+    build directory would rebuild it for each other on every load."""
+    h = hashlib.sha256(str(CSRC.resolve()).encode())
     for f in sorted(CSRC.glob("*.[ch]*")):  # the source and every header it includes
         h.update(f.name.encode() + f.read_bytes())
     h.update(" ".join(flags).encode() + _cpu_features().encode() + torch.__version__.encode())
