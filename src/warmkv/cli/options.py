@@ -300,3 +300,14 @@ def runtime_options(*, many_models: bool = False, **defaults: Any) -> Callable[[
 def fail(e: Exception) -> None:
     err.print(f"[bold red]error:[/] {e}")
     raise typer.Exit(2)
+
+
+def positive_ints(option: str, value: str, example: str) -> list[int]:
+    """A comma-separated list of integers >= 1, or a clean exit naming the option."""
+    try:
+        out = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        fail(ValueError(f"{option} must be positive integers like {example}; got {value!r}"))
+    return out
