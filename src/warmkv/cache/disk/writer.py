@@ -39,11 +39,20 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ...errors import InvalidConfig, WarmkvError
-from ...prompt.tokens import common_prefix_len
+from .pending import (
+    LazyBlob,
+    PendingEntry,
+    PendingMatch,
+    SessionCopy,
+    SnapshotJob,
+    best_match,
+    blob_bytes,
+    blob_nbytes,
+)
 from .store import KVStore
 from .types import Blob, Snapshot, SnapshotInfo
 
@@ -51,91 +60,6 @@ if TYPE_CHECKING:
     from ..remote.store import RemoteStore
 
 log = logging.getLogger(__name__)
-
-
-class LazyBlob:
-    """A blob made once, on first use, by whichever thread needs it first: the writer before
-    its write, or a lookup that matches the queued entry. A spill's KV is copied out of pinned
-    pool blocks this way, without the model lock. `done` once the copy ended (or failed).
-    The writer drops the bytes once it has written them: the tiers keep this object until
-    they next run, and the bytes are a whole prefix's KV."""
-
-    def __init__(self, make: Callable[[], Blob], nbytes: int) -> None:
-        self._make: Callable[[], Blob] | None = make
-        self._lock = threading.Lock()
-        self._blob: Blob | None = None
-        self._error: str | None = None
-        self.nbytes = nbytes
-        self.done = False
-
-    def get(self) -> Blob:
-        with self._lock:
-            if self._make is not None:
-                make, self._make = self._make, None
-                try:
-                    self._blob = make()
-                except BaseException as e:
-                    self._error = f"the spilled KV could not be copied: {e!r}"
-                finally:
-                    self.done = True
-            if self._error is not None:
-                raise WarmkvError(self._error)
-            assert self._blob is not None
-            return self._blob
-
-    def drop(self) -> None:
-        """The writer is done with the bytes (written or refused): later reads go to the store."""
-        with self._lock:
-            self._make, self._blob, self.done = None, None, True
-            self._error = self._error or "the spilled KV has left the queue for the store"
-
-
-def blob_bytes(blob: Blob | LazyBlob) -> Blob:
-    return blob.get() if isinstance(blob, LazyBlob) else blob
-
-
-def _nbytes(blob: Blob | LazyBlob) -> int:
-    return blob.nbytes if isinstance(blob, LazyBlob) else len(blob)
-
-
-@dataclass(frozen=True)
-class PendingEntry:
-    """A prefix entry queued for the store: its block keys, tokens and export_seq blob."""
-
-    keys: tuple[str, ...]
-    manifest_digest: str
-    tokens: tuple[int, ...]
-    blob: Blob | LazyBlob
-    through: bool = False  # write-through: to the remote tier only, and not a queued disk hit
-
-
-@dataclass(frozen=True)
-class PendingMatch:
-    n_tokens: int  # tokens of entry.tokens shared with the prompt (at least its matched full blocks)
-    entry: PendingEntry
-
-
-@dataclass
-class _SnapshotJob:
-    args: tuple[Any, ...]
-    done: threading.Event = field(default_factory=threading.Event)
-    info: SnapshotInfo | None = None
-    error: BaseException | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.args[4])
-
-
-@dataclass
-class _SessionCopy:
-    sid: str
-    snap: Snapshot
-    taken: bool = False  # the writer has started on it: a newer copy is queued apart
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.snap.blob)
 
 
 @dataclass(frozen=True)
@@ -162,11 +86,6 @@ def _yield_to_steps() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
-def _shared(a: Sequence[str], b: Sequence[str]) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
 class StoreWriter:
     """The thread writing to one KVStore and/or one remote tier; see the module docstring."""
 
@@ -188,14 +107,14 @@ class StoreWriter:
         self._max = max_pending_bytes
         self._held = held or (lambda: False)
         self._cond = threading.Condition()
-        self._queue: deque[PendingEntry | _SnapshotJob | _SessionCopy] = deque()
+        self._queue: deque[PendingEntry | SnapshotJob | SessionCopy] = deque()
         self._pending: dict[str, PendingEntry] = {}  # last block key -> entry, until it is written
         self._bytes = 0  # of queued jobs and the one being written
         self._submitted = self._finished = 0
         self._written = self._dropped = self._failed = 0
         self._max_through = max_through
         self._through = dict.fromkeys(("queued", "sent", "present", "dropped", "failed"), 0)
-        self._sessions: dict[str, _SessionCopy] = {}  # session id -> its queued copy, not taken yet
+        self._sessions: dict[str, SessionCopy] = {}  # session id -> its queued copy, not taken yet
         self._session_n = {"replaced": 0, "dropped": 0}
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="warmkv-store-writer", daemon=True)
@@ -218,12 +137,12 @@ class StoreWriter:
             self._check_not_held("submit_entry(wait=True)")
         with self._cond:
             if wait:
-                self._wait_room(_nbytes(blob))
-            if self._closed or not self._fits(_nbytes(blob)):
+                self._wait_room(blob_nbytes(blob))
+            if self._closed or not self._fits(blob_nbytes(blob)):
                 self._dropped += 1
                 return False
             self._pending[entry.keys[-1]] = entry
-            self._push(entry, _nbytes(blob))
+            self._push(entry, blob_nbytes(blob))
         return True
 
     def submit_through(self, keys: Sequence[str], manifest_digest: str, tokens: Sequence[int], blob: LazyBlob) -> bool:
@@ -254,7 +173,7 @@ class StoreWriter:
             if not self._fits(len(snap.blob)):
                 self._session_n["dropped"] += 1
                 return False
-            job = self._sessions[sid] = _SessionCopy(sid, snap)
+            job = self._sessions[sid] = SessionCopy(sid, snap)
             self._push(job, job.nbytes)
         return True
 
@@ -271,7 +190,7 @@ class StoreWriter:
         self._check_not_held("put_snapshot")
         if self.store is None:
             raise WarmkvError("snapshots need the disk store (kv_store_mb > 0)")
-        job = _SnapshotJob((name, manifest_digest, manifest, tokens, blob, meta))
+        job = SnapshotJob((name, manifest_digest, manifest, tokens, blob, meta))
         with self._cond:
             self._wait_room(job.nbytes)
             if self._closed:
@@ -289,15 +208,7 @@ class StoreWriter:
         """The queued entry sharing the most full blocks with tokens (keys = their block keys), or None."""
         with self._cond:
             entries = list(self._pending.values())
-        best: PendingMatch | None = None
-        for e in entries:
-            if e.manifest_digest != manifest_digest:
-                continue
-            depth = _shared(e.keys, keys)
-            n = common_prefix_len(e.tokens, tokens)
-            if depth and n >= depth * block_size and (best is None or n > best.n_tokens):
-                best = PendingMatch(n, e)
-        return best
+        return best_match(entries, manifest_digest, tokens, keys, block_size)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every job queued before this call is written; False on timeout."""
@@ -346,7 +257,7 @@ class StoreWriter:
     def _wait_room(self, nbytes: int) -> None:
         self._cond.wait_for(lambda: self._closed or self._fits(nbytes))
 
-    def _push(self, job: PendingEntry | _SnapshotJob | _SessionCopy, nbytes: int) -> None:
+    def _push(self, job: PendingEntry | SnapshotJob | SessionCopy, nbytes: int) -> None:
         self._queue.append(job)
         self._bytes += nbytes
         self._submitted += 1
@@ -360,7 +271,7 @@ class StoreWriter:
                 if not self._queue:
                     return  # closed and drained
                 job = self._queue[0]  # stays counted in _bytes until written
-                if isinstance(job, _SessionCopy):
+                if isinstance(job, SessionCopy):
                     job.taken = True
                     if self._sessions.get(job.sid) is job:
                         del self._sessions[job.sid]
@@ -371,7 +282,7 @@ class StoreWriter:
                     self._through["queued"] -= job.through
                     if self._pending.get(job.keys[-1]) is job:
                         del self._pending[job.keys[-1]]
-                    self._bytes -= _nbytes(job.blob)
+                    self._bytes -= blob_nbytes(job.blob)
                     if isinstance(job.blob, LazyBlob):
                         job.blob.drop()
                 else:
@@ -379,15 +290,15 @@ class StoreWriter:
                 self._finished += 1
                 self._cond.notify_all()
 
-    def _write(self, job: PendingEntry | _SnapshotJob | _SessionCopy) -> None:
-        if isinstance(job, _SessionCopy):
+    def _write(self, job: PendingEntry | SnapshotJob | SessionCopy) -> None:
+        if isinstance(job, SessionCopy):
             assert self.remote is not None  # submit_session refuses without one
             try:
                 self.remote.put_session(job.sid, job.snap)  # counts and logs its own failures
             except Exception:
                 log.exception("kv remote tier session write failed")
             return
-        if isinstance(job, _SnapshotJob):
+        if isinstance(job, SnapshotJob):
             try:
                 assert self.store is not None  # put_snapshot refuses without one
                 job.info = self.store.put_snapshot(*job.args)

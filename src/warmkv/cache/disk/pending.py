@@ -1,0 +1,130 @@
+"""What waits in the KV store writer's queue, and how a lookup finds a queued prefix.
+
+A spilled prefix (PendingEntry) carries its KV as bytes or as a LazyBlob, made once by the
+writer or by a lookup that matches it first; a snapshot (SnapshotJob) waits for its result; a
+session's copy (SessionCopy) is replaced while it waits. best_match is the lookup among queued
+entries behind StoreWriter.pending_match. Apart from writer.py, which owns the thread and the
+queue: these are the values the queue holds, and the tiers build them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import WarmkvError
+from ...prompt.tokens import common_prefix_len
+from .types import Blob, Snapshot, SnapshotInfo
+
+
+class LazyBlob:
+    """A blob made once, on first use, by whichever thread needs it first: the writer before
+    its write, or a lookup that matches the queued entry. A spill's KV is copied out of pinned
+    pool blocks this way, without the model lock. `done` once the copy ended (or failed).
+    The writer drops the bytes once it has written them: the tiers keep this object until
+    they next run, and the bytes are a whole prefix's KV."""
+
+    def __init__(self, make: Callable[[], Blob], nbytes: int) -> None:
+        self._make: Callable[[], Blob] | None = make
+        self._lock = threading.Lock()
+        self._blob: Blob | None = None
+        self._error: str | None = None
+        self.nbytes = nbytes
+        self.done = False
+
+    def get(self) -> Blob:
+        with self._lock:
+            if self._make is not None:
+                make, self._make = self._make, None
+                try:
+                    self._blob = make()
+                except BaseException as e:
+                    self._error = f"the spilled KV could not be copied: {e!r}"
+                finally:
+                    self.done = True
+            if self._error is not None:
+                raise WarmkvError(self._error)
+            assert self._blob is not None
+            return self._blob
+
+    def drop(self) -> None:
+        """The writer is done with the bytes (written or refused): later reads go to the store."""
+        with self._lock:
+            self._make, self._blob, self.done = None, None, True
+            self._error = self._error or "the spilled KV has left the queue for the store"
+
+
+def blob_bytes(blob: Blob | LazyBlob) -> Blob:
+    """The bytes themselves: a LazyBlob made (or its failure raised) here."""
+    return blob.get() if isinstance(blob, LazyBlob) else blob
+
+
+def blob_nbytes(blob: Blob | LazyBlob) -> int:
+    """Its size, known before a LazyBlob is made: what the writer's byte budget counts."""
+    return blob.nbytes if isinstance(blob, LazyBlob) else len(blob)
+
+
+@dataclass(frozen=True)
+class PendingEntry:
+    """A prefix entry queued for the store: its block keys, tokens and export_seq blob."""
+
+    keys: tuple[str, ...]
+    manifest_digest: str
+    tokens: tuple[int, ...]
+    blob: Blob | LazyBlob
+    through: bool = False  # write-through: to the remote tier only, and not a queued disk hit
+
+
+@dataclass(frozen=True)
+class PendingMatch:
+    n_tokens: int  # tokens of entry.tokens shared with the prompt (at least its matched full blocks)
+    entry: PendingEntry
+
+
+@dataclass
+class SnapshotJob:
+    """A put_snapshot waiting for the writer: KVStore.put_snapshot's arguments, then its result or error."""
+
+    args: tuple[Any, ...]
+    done: threading.Event = field(default_factory=threading.Event)
+    info: SnapshotInfo | None = None
+    error: BaseException | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.args[4])
+
+
+@dataclass
+class SessionCopy:
+    """A named session's latest copy, for the remote tier; replaced in place while not taken."""
+
+    sid: str
+    snap: Snapshot
+    taken: bool = False  # the writer has started on it: a newer copy is queued apart
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.snap.blob)
+
+
+def best_match(
+    entries: Iterable[PendingEntry], manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], block_size: int
+) -> PendingMatch | None:
+    """The entry sharing the most full blocks with tokens (keys = their block keys), or None."""
+    best: PendingMatch | None = None
+    for e in entries:
+        if e.manifest_digest != manifest_digest:
+            continue
+        depth = _shared(e.keys, keys)
+        n = common_prefix_len(e.tokens, tokens)
+        if depth and n >= depth * block_size and (best is None or n > best.n_tokens):
+            best = PendingMatch(n, e)
+    return best
+
+
+def _shared(a: Sequence[str], b: Sequence[str]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
