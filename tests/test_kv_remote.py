@@ -26,7 +26,8 @@ from warmkv.cache import block_keys
 from warmkv.cache.disk.container import read_container
 from warmkv.cache.disk.types import Snapshot
 from warmkv.cache.remote.rates import RemoteRates
-from warmkv.cache.remote.store import RemoteStore, namespace, session_key
+from warmkv.cache.remote.sessions import session_key
+from warmkv.cache.remote.store import RemoteStore, namespace
 from warmkv.cache.remote.types import PASSWORD_ENV, RemoteConfig, parse_remote_url
 from warmkv.cli import app
 from warmkv.server.metrics import ServerMetrics

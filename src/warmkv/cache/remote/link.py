@@ -14,7 +14,12 @@ import logging
 import threading
 import time
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 log = logging.getLogger("warmkv.cache.remote")
+
+LINK_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)  # the link, not the request: back off
 
 OPS = ("probe", "read", "write")
 

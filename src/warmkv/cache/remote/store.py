@@ -20,9 +20,7 @@ record names, if the read is worth it (remote_rates), and check it: its size aga
 its crc32c, its key, manifest and tokens. A value failing a check is deleted with its records and
 counted, never served; the caller prefills instead.
 
-A session is stored under the hash of its id: the id is the capability to use it, and whoever can
-list the server's keys must not learn it. A session copy is read whole and checked (crc32c, its
-key, its manifest) like a value; one failing a check is deleted, never restored.
+Named sessions' copies (the `:s:` keys) are read and written by RemoteSessions (sessions.py).
 
 The server evicts: run it with `maxmemory` and `maxmemory-policy allkeys-lru`. A record whose
 value was evicted is deleted when a probe finds it (a miss). Link failures go to RemoteLink:
@@ -31,7 +29,6 @@ one warning per outage, back-off, and the operations meanwhile are skipped.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import threading
@@ -41,20 +38,18 @@ from dataclasses import dataclass
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from ...prompt.tokens import common_prefix_len
 from ..disk.container import ContainerError, make_header, read_container, write_container
 from ..disk.types import Blob, Snapshot, StoreEntry
-from .link import RemoteLink, log
+from .link import LINK_ERRORS, RemoteLink, log
 from .rates import RemoteRates
+from .sessions import RemoteSessions
 from .types import RemoteConfig, RemoteStats
 
 PREFIX = "warmkv:kv1"
-LINK_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)  # the link, not the request: back off
 
 
 def namespace(manifest_digest: str) -> str:
@@ -77,11 +72,6 @@ class RemoteMatch:
     entry: StoreEntry | None
     n_tokens: int
     declined: str | None = None
-
-
-def session_key(sid: str) -> str:
-    """The name a session's copy is stored under: its id's hash, never the id."""
-    return hashlib.sha256(sid.encode()).hexdigest()
 
 
 def _record(raw: bytes) -> Record | None:
@@ -139,6 +129,7 @@ class RemoteStore:
             ),
             0,
         )
+        self.sessions = RemoteSessions(self.link, self._read, self._write, self._count, self._delete)
 
     def _count(self, name: str, k: int = 1) -> None:
         with self._lock:
@@ -297,64 +288,19 @@ class RemoteStore:
         self.link.ok()
         return True
 
-    # -- session copies ------------------------------------------------------------
+    # -- session copies (sessions.py) ---------------------------------------------
 
     def put_session(self, sid: str, snap: Snapshot) -> bool:
         """Write (replace) a session's copy; False when skipped or failed (counted by the link)."""
-        if not self.link.ready():
-            return False
-        key = session_key(sid)
-        buf = io.BytesIO()
-        header = make_header("snapshot", key, snap.manifest_digest, snap.tokens, snap.blob, snap.meta, snap.manifest)
-        write_container(buf, header, snap.blob)
-        try:
-            self._write.set(f"{namespace(snap.manifest_digest)}:s:{key}", buf.getbuffer())
-        except LINK_ERRORS as e:
-            self.link.failed("write", e)
-            return False
-        except RedisError as e:
-            self.link.error("write", e)
-            return False
-        self.link.ok()
-        self._count("sessions_written")
-        return True
+        return self.sessions.put(namespace(snap.manifest_digest), sid, snap)
 
     def get_session(self, sid: str, manifest_digest: str) -> Snapshot | None:
         """A session's verified copy under this manifest, named by its id; None when absent, bad or unreachable."""
-        if not self.link.ready():
-            return None
-        key = session_key(sid)
-        name = f"{namespace(manifest_digest)}:s:{key}"
-        try:
-            value = self._read.get(name)
-        except LINK_ERRORS as e:
-            self.link.failed("read", e)
-            return None
-        except RedisError as e:
-            self.link.error("read", e)
-            return None
-        self.link.ok()
-        if value is None:
-            return None
-        try:
-            header, payload = read_container(value)
-            bad = None
-            if header.kind != "snapshot" or header.key != key or header.manifest_digest != manifest_digest:
-                bad = f"it holds {header.kind} {header.key[:16]} under manifest {header.manifest_digest[:16]}"
-        except ContainerError as e:
-            bad = str(e)
-        if bad is not None:
-            self._count("sessions_rejected")
-            log.warning("kv remote tier %s: dropped a session copy: %s", self.link.where, bad)
-            self._delete([name])
-            return None
-        self._count("sessions_read")
-        return Snapshot("", manifest_digest, header.manifest or {}, header.tokens, bytes(payload), header.meta, 0.0)
+        return self.sessions.get(namespace(manifest_digest), sid, manifest_digest)
 
     def delete_session(self, sid: str, manifest_digest: str) -> None:
         """Forget a closed session's copy (best effort)."""
-        if self.link.ready():
-            self._delete([f"{namespace(manifest_digest)}:s:{session_key(sid)}"])
+        self.sessions.delete(namespace(manifest_digest), sid)
 
     # -- introspection -----------------------------------------------------------
 

@@ -1,0 +1,102 @@
+"""Named sessions' latest copies in the remote tier, beside the prefix entries of RemoteStore.
+
+A session is stored under the hash of its id: the id is the capability to use it, and whoever can
+list the server's keys must not learn it. A session copy is read whole and checked (crc32c, its
+key, its manifest) like a value; one failing a check is deleted, never restored.
+
+Apart from store.py, which owns the clients, the link and the counters and hands them here: a
+session copy is one whole "snapshot" container under one key, read and written whole, while the
+prefix entries are block records probed in batches and values checked against them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Callable, Sequence
+
+import redis
+from redis.exceptions import RedisError
+
+from ..disk.container import ContainerError, make_header, read_container, write_container
+from ..disk.types import Snapshot
+from .link import LINK_ERRORS, RemoteLink, log
+
+
+def session_key(sid: str) -> str:
+    """The name a session's copy is stored under: its id's hash, never the id."""
+    return hashlib.sha256(sid.encode()).hexdigest()
+
+
+class RemoteSessions:
+    """Session copies under a manifest's namespace (`<ns>:s:<session_key>`), through RemoteStore's
+    clients and link; counts into its counters (sessions_written, sessions_read, sessions_rejected)."""
+
+    def __init__(
+        self,
+        link: RemoteLink,
+        read: redis.Redis,
+        write: redis.Redis,
+        count: Callable[[str], None],
+        delete: Callable[[Sequence[str]], None],
+    ) -> None:
+        self.link = link
+        self._read, self._write = read, write
+        self._count, self._delete = count, delete
+
+    def put(self, ns: str, sid: str, snap: Snapshot) -> bool:
+        """Write (replace) a session's copy; False when skipped or failed (counted by the link)."""
+        if not self.link.ready():
+            return False
+        key = session_key(sid)
+        buf = io.BytesIO()
+        header = make_header("snapshot", key, snap.manifest_digest, snap.tokens, snap.blob, snap.meta, snap.manifest)
+        write_container(buf, header, snap.blob)
+        try:
+            self._write.set(f"{ns}:s:{key}", buf.getbuffer())
+        except LINK_ERRORS as e:
+            self.link.failed("write", e)
+            return False
+        except RedisError as e:
+            self.link.error("write", e)
+            return False
+        self.link.ok()
+        self._count("sessions_written")
+        return True
+
+    def get(self, ns: str, sid: str, manifest_digest: str) -> Snapshot | None:
+        """A session's verified copy under this manifest, named by its id; None when absent, bad or unreachable."""
+        if not self.link.ready():
+            return None
+        key = session_key(sid)
+        name = f"{ns}:s:{key}"
+        try:
+            value = self._read.get(name)
+        except LINK_ERRORS as e:
+            self.link.failed("read", e)
+            return None
+        except RedisError as e:
+            self.link.error("read", e)
+            return None
+        self.link.ok()
+        if value is None:
+            return None
+        try:
+            header, payload = read_container(value)
+            bad = None
+            if header.kind != "snapshot" or header.key != key or header.manifest_digest != manifest_digest:
+                bad = f"it holds {header.kind} {header.key[:16]} under manifest {header.manifest_digest[:16]}"
+        except ContainerError as e:
+            bad = str(e)
+        if bad is not None:
+            self._count("sessions_rejected")
+            log.warning("kv remote tier %s: dropped a session copy: %s", self.link.where, bad)
+            self._delete([name])
+            return None
+        self._count("sessions_read")
+        return Snapshot("", manifest_digest, header.manifest or {}, header.tokens, bytes(payload), header.meta, 0.0)
+
+    def delete(self, ns: str, sid: str) -> None:
+        """Forget a closed session's copy (best effort)."""
+        if self.link.ready():
+            self._delete([f"{ns}:s:{session_key(sid)}"])
