@@ -22,10 +22,11 @@ from ..turn import wire
 from ..turn.chat_turn import TurnStep
 from ..turn.constraints import one_constraint
 from ..turn.sampling import sampling_fields, usage_body
-from ..turn.schemas import ERRORS, DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
+from ..turn.schemas import ERRORS
 from ..turn.streams import SSE_DONE, ChunkStream, start_turn
 from ..turn.wire import Frame, Turn, chunk_steps
 from .registry import Entry
+from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
 from .share import forget, share, shares
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERRORS)

@@ -1,4 +1,8 @@
-"""Request and response models (pydantic): what every endpoint accepts and returns.
+"""Request and response models (pydantic) that every API shares: the strict request base, stop,
+stream options, sampling fields, chat messages and tool definitions, usage, and error bodies.
+
+Each API's own bodies are beside its routes (server/api/<api>/schemas.py), the session routes'
+in server/sessions/schemas.py, the model cards in server/models/schemas.py.
 
 Requests are validated here (types, ranges, enums, declared in the OpenAPI schema);
 semantic checks that need the model (context size, known model id) happen in the
@@ -8,11 +12,9 @@ naming it, and the few accepted without effect (user, metadata, ...) say so here
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from ...engine.session import SNAPSHOT_NAME
 
 MAX_STOP = 16
 Stop = str | list[str] | None
@@ -121,123 +123,7 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[ToolDef] | None = Field(default=None, max_length=128)
-    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    modalities: list[Literal["text"]] | None = None  # text is all warmkv produces
-    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking...), as vLLM
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[str]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-
-
-class EmbeddingRequest(_Request):
-    model: str
-    input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
-    user: str | None = None  # accepted without effect
-
-
-class EmbeddingItem(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: list[float] | str  # base64 of little-endian float32 when asked for
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[EmbeddingItem]
-    model: str
-    usage: EmbeddingUsage
-
-
-# -- session routes ------------------------------------------------------------
-
-
-class SegmentModel(_Request):
-    name: str = Field(min_length=1)
-    start: int = Field(ge=0)
-    end: int = Field(ge=0)
-
-
-class PrefixRequest(_Request):
-    text: str
-    segments: list[SegmentModel] = Field(default_factory=list)
-    add_bos: bool | None = None
-    parse_special: bool = True
-    expect_manifest: str | None = None
-
-
-class SuffixRequest(_Request):
-    text: str
-    append: bool = False
-    parse_special: bool = True
-    manifest_digest: str | None = None
-
-
-class DecodeRequest(_Request):
-    """warmkv's own DecodeConfig fields; the stream is SSE unless stream=false."""
-
-    max_tokens: int | None = Field(default=256, ge=1)
-    temperature: float = Field(default=0.8, ge=0.0, le=100.0)
-    top_k: int = Field(default=40, ge=0)
-    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
-    min_p: float = Field(default=0.05, ge=0.0, le=1.0)
-    repeat_penalty: float = Field(default=1.0, gt=0.0)
-    repeat_last_n: int = Field(default=64, ge=0)
-    seed: int | None = Field(default=None, ge=0, le=2**32 - 1)
-    stop: Stop = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    json_schema: dict[str, Any] | None = None  # at most one of json_schema, regex, grammar
-    regex: str | None = Field(default=None, min_length=1)
-    grammar: str | None = Field(default=None, min_length=1)
-    speculative: int = Field(default=0, ge=0, le=32)
-    stream: bool = True
-
-
-class SnapshotRequest(_Request):
-    name: str = Field(pattern=f"^{SNAPSHOT_NAME.pattern}$")  # the schema says which names the store takes
-
-
 # -- responses (for the OpenAPI schema; routes return plain dicts of this shape) ----------
-
-
-class ModelStatusCard(BaseModel):
-    """Where a model stands (llama.cpp router mode's `status.value`), and what warmkv knows of it."""
-
-    model_config = ConfigDict(extra="allow")
-    value: Literal["unloaded", "loading", "loaded", "unloading", "sleeping", "failed"]
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "warmkv"
-    status: ModelStatusCard | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 class PromptTokensDetails(BaseModel):
@@ -249,53 +135,6 @@ class UsageModel(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-
-
-class ChatChoiceMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatChoiceMessage
-    finish_reason: str
-    logprobs: dict[str, Any] | None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: UsageModel
-
-
-class TextChoice(BaseModel):
-    index: int
-    text: str
-    finish_reason: str
-    logprobs: dict[str, Any] | None = None
-
-
-class TextCompletion(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[TextChoice]
-    usage: UsageModel
-
-
-class SessionCreated(BaseModel):
-    id: str
-    object: Literal["session"] = "session"
-    created: int
-    model: str
-    num_ctx: int
-    ttl_s: float
 
 
 class ErrorDetail(BaseModel):

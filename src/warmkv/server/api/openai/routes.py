@@ -16,6 +16,7 @@ from ....tools import openai_choice, openai_tools
 from ....types import PrefixInput, Usage
 from ...errors import ApiError
 from ...fleet import routing
+from ...models.schemas import ModelList
 from ...models.table import ModelSlot
 from ...state import Hub, State
 from ...turn import wire
@@ -24,19 +25,16 @@ from ...turn.constraints import one_constraint
 from ...turn.generation import generate
 from ...turn.reuse_report import report
 from ...turn.sampling import sampling_fields, usage_body
-from ...turn.schemas import (
-    ERRORS,
+from ...turn.schemas import ERRORS, NamedToolChoice, _Sampling
+from ...turn.wire import Turn
+from .schemas import (
     ChatCompletion,
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingList,
     EmbeddingRequest,
-    ModelList,
-    NamedToolChoice,
     TextCompletion,
-    _Sampling,
 )
-from ...turn.wire import Turn
 from .wire import ChatCollector, ChatEncoder, CompletionCollector, CompletionEncoder, Head
 
 router = APIRouter(prefix="/v1", tags=["openai"], responses=ERRORS)
