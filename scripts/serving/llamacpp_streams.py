@@ -17,7 +17,7 @@ import time
 
 import llama_cpp as lc
 
-from warmkv.backends.llamacpp.backend import KV_TYPES
+from warmkv.backends.llamacpp.context import KV_TYPES
 from warmkv.config import ResolvedConfig, RuntimeConfig
 from warmkv.models import default_model_path
 

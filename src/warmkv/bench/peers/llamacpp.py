@@ -51,7 +51,7 @@ def peer_llama(rt: Runtime, **extra: Any) -> Any:
 def _build(rt: Runtime, **extra: Any) -> Any:
     from llama_cpp import Llama
 
-    from ...backends.llamacpp.backend import KV_TYPES
+    from ...backends.llamacpp.context import KV_TYPES
 
     c = rt.config
     n = peer_numerics(rt)
