@@ -1,7 +1,7 @@
 """The native KV pool is sized by memory, not by the worst case, and committed as it fills.
 
 num_ctx is each sequence's limit, not a reservation: with the default budget (a share of the
-RAM available when the pool is made, backends/native/backend.py POOL_SHARE) the pool holds at
+RAM available when the pool is made, backends/native/setup.py POOL_SHARE) the pool holds at
 least one num_ctx sequence and at most every sequence's num_ctx, and its pages are committed
 only where sequences have grown. Run in a fresh process, so its memory is its own.
 """

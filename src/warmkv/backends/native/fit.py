@@ -11,11 +11,11 @@ import json
 from pathlib import Path
 
 from ...errors import Unsupported
-from .backend import INT4_NATIVE_TYPES
 from .cpp import decode_ext
 from .load.gguf_header import NotGGUF, read_header
 from .load.tokenizer import check_gguf_tokenizer
 from .model.args import ARCHITECTURES
+from .setup import INT4_NATIVE_TYPES
 
 # Architectures the C++ layer loop runs (gemma3's post-norms, GELU and local layers it has not).
 CPP_LOOP_ARCHITECTURES = frozenset(ARCHITECTURES) - {"gemma3"}
