@@ -15,8 +15,9 @@ from ..compute_thread import ComputeThread, compute_thread, on_compute_thread
 from ..options import NATIVE_KV_STORAGE, NativeOptions
 from ..slots import SeqSlots
 from .kv.blob import export_seq, import_seq
+from .kv.layout import KVLayout
 from .kv.move import MovedKV, place, stash
-from .kv.paged_kv import KVLayout, PagedKVCache
+from .kv.paged_kv import PagedKVCache
 from .kv.pin import PinnedKV
 from .model.batch import BatchPlanner, Part
 from .model.sampler import TorchSampler

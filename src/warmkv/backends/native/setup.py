@@ -23,7 +23,7 @@ from ...manifest import file_digest
 from ..base import ModelInfo
 from ..options import NATIVE_KV_STORAGE, NativeOptions
 from .cpp import decode_ext
-from .kv.paged_kv import KVLayout
+from .kv.layout import KVLayout
 from .load.checkpoint import Checkpoint
 from .load.gguf_header import GGUF_MAGIC
 from .load.gguf_loader import load_gguf

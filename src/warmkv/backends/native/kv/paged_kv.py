@@ -2,74 +2,29 @@
 
 Each sequence owns a block table (block ids in position order) and a length;
 blocks are refcounted so copy_prefix shares them, and a shared block is copied
-before it is written (copy-on-write). Only this class touches blocks.
+before it is written (copy-on-write). Only this class touches blocks (the counts
+and the free list are its BlockPool's, blocks.py).
 
     position p of seq s lives in slot  table[s][p // block_size] * block_size + p % block_size
 
 Storage per layer is [num_blocks * block_size, n_kv_heads, head_dim]; int8 keeps an
-absmax scale per token per head.
+absmax scale per token per head (KVLayout and the storage tensors: layout.py).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ....errors import InvalidInput, KVCacheFull
-
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    n_layers: int
-    n_kv_heads: int
-    head_dim: int
-    num_blocks: int
-    block_size: int = 16
-    dtype: str = "float32"
-    head_major: bool = False  # storage order (see PagedKVCache); indexing is the same either way
-
-    def __post_init__(self) -> None:
-        for name in ("n_layers", "n_kv_heads", "head_dim", "num_blocks", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidInput(f"KV layout {name} must be a positive integer, got {value!r}")
-        if self.dtype not in KV_DTYPES:
-            raise InvalidInput(f"KV dtype must be one of {', '.join(KV_DTYPES)}; got {self.dtype!r}")
-
-    def bytes_per_token(self) -> int:
-        elem = KV_DTYPES[self.dtype].itemsize
-        scale = 4 if self.dtype == "int8" else 0
-        return 2 * self.n_layers * self.n_kv_heads * (self.head_dim * elem + scale)
+from .blocks import BlockPool
+from .layout import KV_DTYPES, KVLayout, new_storage
 
 
 def _blocks(n: int, bs: int) -> int:
     return -(-n // bs)
-
-
-# numpy dtypes of the same width: np.zeros is calloc, whose large blocks are zero pages the
-# kernel commits on first write, so a pool costs RAM only where sequences have grown into it.
-_NP_TWIN = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16, torch.int8: np.int8}
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed storage; on the CPU committed only as it is written (torch.zeros writes every page)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(shape, dtype=_NP_TWIN[dtype])).view(dtype)
-
-
-def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, head_major: bool) -> torch.Tensor:
-    """Zeroed storage [layers, slots, kv heads, ...], or [layers, kv heads, slots, ...] seen as that."""
-    if not head_major:
-        return _zeros(shape, dtype, device)
-    return _zeros((shape[0], shape[2], shape[1], *shape[3:]), dtype, device).transpose(1, 2)
 
 
 class PagedKVCache:
@@ -87,16 +42,13 @@ class PagedKVCache:
         bs, n = layout.block_size, layout.num_blocks
         shape = (layout.n_layers, n * bs, layout.n_kv_heads, layout.head_dim)
         dtype = KV_DTYPES[layout.dtype]
-        self.k = _pool(shape, dtype, self.device, layout.head_major)
-        self.v = _pool(shape, dtype, self.device, layout.head_major)
+        self.k = new_storage(shape, dtype, self.device, layout.head_major)
+        self.v = new_storage(shape, dtype, self.device, layout.head_major)
         self.quantized = layout.dtype == "int8"
         if self.quantized:
-            self.k_scale = _pool(shape[:3], torch.float32, self.device, layout.head_major)
-            self.v_scale = _pool(shape[:3], torch.float32, self.device, layout.head_major)
-        self._ref = [0] * n
-        # Free blocks: a set, plus a min-heap with lazy deletion for "lowest free id".
-        self._free = set(range(n))
-        self._heap = list(range(n))
+            self.k_scale = new_storage(shape[:3], torch.float32, self.device, layout.head_major)
+            self.v_scale = new_storage(shape[:3], torch.float32, self.device, layout.head_major)
+        self._pool = BlockPool(n)  # refcounts and free blocks
         self._tables: dict[int, list[int]] = {}
         self._len: dict[int, int] = {}
         # Per sequence, the slot ids of its whole blocks and the first slot when they are one range:
@@ -112,7 +64,7 @@ class PagedKVCache:
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._pool.free)
 
     def length(self, seq: int) -> int:
         return self._len.get(seq, 0)
@@ -121,46 +73,10 @@ class PagedKVCache:
         return tuple(self._tables.get(seq, ()))
 
     def refcount(self, block: int) -> int:
-        return self._ref[block]
+        return self._pool.ref[block]
 
     def sequences(self) -> list[int]:
         return list(self._tables)
-
-    def _alloc(self, after: int | None) -> int:
-        """A free block, preferably `after + 1`: contiguous tables let attention read a view, not a gather."""
-        if after is not None and after + 1 in self._free:
-            b = after + 1
-        elif after is None:
-            b = self._longest_free_run()
-        else:
-            while self._heap[0] not in self._free:
-                heapq.heappop(self._heap)
-            b = heapq.heappop(self._heap)
-        self._free.discard(b)
-        self._ref[b] = 1
-        return b
-
-    def _longest_free_run(self) -> int:
-        """Start of the longest run of free blocks (a new sequence's first block: room to grow)."""
-        best, best_len, start, run = 0, -1, 0, 0
-        for b in range(self.layout.num_blocks + 1):
-            if b < self.layout.num_blocks and self._ref[b] == 0:
-                if run == 0:
-                    start = b
-                run += 1
-            else:
-                if run > best_len:
-                    best, best_len = start, run
-                run = 0
-        return best
-
-    def _decref(self, b: int) -> None:
-        self._ref[b] -= 1
-        if self._ref[b] == 0:
-            self._free.add(b)
-            heapq.heappush(self._heap, b)
-            if len(self._heap) > 4 * self.layout.num_blocks:  # drop stale entries now and then
-                self._heap = sorted(self._free)
 
     def _need(self, seq: int, new_len: int) -> int:
         """Blocks that growing seq to new_len takes from the pool (new blocks + copy-on-write)."""
@@ -168,15 +84,15 @@ class PagedKVCache:
         if new_len <= cur:
             return 0
         table = self._tables.get(seq, [])
-        cow = 1 if cur % bs and self._ref[table[-1]] > 1 else 0
+        cow = 1 if cur % bs and self._pool.ref[table[-1]] > 1 else 0
         return _blocks(new_len, bs) - len(table) + cow
 
     def ensure_free(self, need: int) -> None:
         """Make `need` blocks free, asking `reclaim` for pinned ones; KVCacheFull when it cannot."""
-        while need > len(self._free) and self.reclaim is not None and self.reclaim():
+        while need > len(self._pool.free) and self.reclaim is not None and self.reclaim():
             pass
-        if need > len(self._free):
-            raise KVCacheFull(need, len(self._free), self.layout.num_blocks, self.layout.block_size)
+        if need > len(self._pool.free):
+            raise KVCacheFull(need, len(self._pool.free), self.layout.num_blocks, self.layout.block_size)
 
     def can_append(self, grow: dict[int, int]) -> int:
         """Blocks needed to append grow[seq] tokens to each seq; KVCacheFull when the pool is short,
@@ -186,7 +102,7 @@ class PagedKVCache:
         try:
             self.ensure_free(need)
         except KVCacheFull as e:
-            left, short = len(self._free), []
+            left, short = len(self._pool.free), []
             for s, k in needs.items():
                 if k > left:
                     short.append(s)
@@ -205,18 +121,18 @@ class PagedKVCache:
             raise InvalidInput(f"cannot append {n} tokens")
         self.ensure_free(self._need(seq, cur + n))
         table = self._tables.setdefault(seq, [])
-        if cur % bs and n and self._ref[table[-1]] > 1:
+        if cur % bs and n and self._pool.ref[table[-1]] > 1:
             table[-1] = self._cow(table[-1])
             self._edited(seq)
         if len(table) < _blocks(cur + n, bs):
             self._edited(seq)
         while len(table) < _blocks(cur + n, bs):
-            table.append(self._alloc(table[-1] if table else None))
+            table.append(self._pool.alloc(table[-1] if table else None))
         self._len[seq] = cur + n
         return self.slots(seq)
 
     def _cow(self, old: int) -> int:
-        new = self._alloc(None)
+        new = self._pool.alloc(None)
         bs = self.layout.block_size
         src, dst = slice(old * bs, (old + 1) * bs), slice(new * bs, (new + 1) * bs)
         self.k[:, dst] = self.k[:, src]
@@ -224,7 +140,7 @@ class PagedKVCache:
         if self.quantized:
             self.k_scale[:, dst] = self.k_scale[:, src]
             self.v_scale[:, dst] = self.v_scale[:, src]
-        self._decref(old)
+        self._pool.release(old)
         return new
 
     def _edited(self, seq: int) -> None:
@@ -260,7 +176,7 @@ class PagedKVCache:
         table = self._tables[seq]
         keep = _blocks(n, self.layout.block_size)
         for b in table[keep:]:
-            self._decref(b)
+            self._pool.release(b)
         del table[keep:]
         self._edited(seq)
         self._len[seq] = n
@@ -279,8 +195,7 @@ class PagedKVCache:
             self.truncate(dst, n)
             return
         shared = self._tables.get(src, [])[: _blocks(n, self.layout.block_size)]
-        for b in shared:
-            self._ref[b] += 1
+        self._pool.share(shared)
         self.free(dst)
         self._tables[dst] = list(shared)
         self._edited(dst)
@@ -306,8 +221,7 @@ class PagedKVCache:
         if start < 0 or n < 1 or start + n > length:
             raise InvalidInput(f"positions [{start}, {start + n}) out of range for sequence {seq} of {length} tokens")
         shared = self._tables[seq][start // bs : _blocks(start + n, bs)]
-        for b in shared:
-            self._ref[b] += 1
+        self._pool.share(shared)
         holder = self.new_holder()
         self._tables[holder] = list(shared)
         self._edited(holder)
@@ -332,8 +246,7 @@ class PagedKVCache:
                 f"of {cur} tokens (block size {bs})"
             )
         blocks = src_table[_blocks(src_pos, bs) : _blocks(src_pos + n, bs)]
-        for b in blocks:
-            self._ref[b] += 1
+        self._pool.share(blocks)
         self._tables.setdefault(seq, []).extend(blocks)
         self._edited(seq)
         self._len[seq] = cur + n
@@ -352,8 +265,8 @@ class PagedKVCache:
             self.truncate(seq, begin)
             return
         table, bs = self._tables[seq], self.layout.block_size
-        released = sum(1 for b in table[_blocks(begin, bs) :] if self._ref[b] == 1)
-        cow = 1 if begin % bs and self._ref[table[_blocks(begin, bs) - 1]] > 1 else 0
+        released = sum(1 for b in table[_blocks(begin, bs) :] if self._pool.ref[b] == 1)
+        cow = 1 if begin % bs and self._pool.ref[table[_blocks(begin, bs) - 1]] > 1 else 0
         need = _blocks(length - (end - begin), bs) - _blocks(begin, bs) + cow
         self.ensure_free(max(0, need - released))
         src = self.slots(seq)[end:]
@@ -383,9 +296,7 @@ class PagedKVCache:
                     f"sequence {seq}: kept slots do not match its table {table}"
                 )
         assert set(self._flat) <= set(self._tables), "slots kept for a sequence that holds no blocks"
-        assert counts == self._ref, "refcounts do not match the block tables"
-        assert self._free == {b for b, c in enumerate(counts) if c == 0}, "free set does not match unreferenced blocks"
-        assert self._free <= set(self._heap), "a free block is missing from the allocation heap"
+        self._pool.check(counts)
 
     # -- storage -------------------------------------------------------------------
 
