@@ -37,10 +37,11 @@ from ..prompt.tokens import common_prefix_len
 from ..types import Divergence, PrefixStatus
 from .chunk_match import find_runs
 from .context import ResidentContext
-from .tiers import DiskRead, cached_kv
+from .warm_hit import DiskRead, cached_kv
 
 if TYPE_CHECKING:
-    from .tiers import KVTiers, WarmHit
+    from .tiers import KVTiers
+    from .warm_hit import WarmHit
 
 
 @dataclass(frozen=True)

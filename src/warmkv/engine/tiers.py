@@ -15,34 +15,27 @@ kept until the writer has copied it (or skipped it: the server held it already).
 asks for pinned blocks back (`reclaim`): LRU entries spill.
 
 Disk I/O runs off the model lock (see the lock order in warmkv.engine.runtime). A spill
-queues the entry for the store's writer thread (cache.store_writer) with its KV
-still kept: the writer copies the bytes without the lock (kept KV never changes)
-and writes them, and the pins are let go at the next tiers call under the lock. A
-3000-token context at a 1.7B shape is 590 MB, seconds to copy on a slow VM; under
-the lock every stream would wait. When the pool runs short (`reclaim`), the copy
-runs there and then, since the blocks are needed now. `lookup` matches memory under
-the lock, then, for a longer prefix only, reads and verifies a disk blob with the lock
-let go: every node may hold a shared system prompt in memory, and a conversation another
-node carried on past it is read from below. Entries queued
-but not yet written are disk hits too, served from the queued bytes. The remote
-tier is asked after the disk, in the same read, only for more tokens than the disk
-had, and read only when reading beats prefilling them (cache.remote_rates).
+keeps its KV until the store's writer thread has copied it without the lock (spills.py).
+`lookup` matches memory under the lock, then, for a longer prefix only, reads and verifies
+a disk blob with the lock let go: every node may hold a shared system prompt in memory, and
+a conversation another node carried on past it is read from below. Entries queued but not
+yet written are disk hits too, served from the queued bytes. The remote tier is asked after
+the disk, in the same read, only for more tokens than the disk had, and read only when
+reading beats prefilling them (cache.remote_rates).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from ..backends.base import Backend, BlobKV, KeptKV, kept_cut
+from ..backends.base import Backend, BlobKV, kept_cut
 from ..cache import (
     CacheEntry,
-    EvictedEntry,
     KVStore,
     PrefixCache,
     PrefixCacheConfig,
@@ -50,10 +43,12 @@ from ..cache import (
     StoreConfig,
     block_keys,
 )
-from ..cache.disk.writer import LazyBlob, PendingEntry, StoreWriter, blob_bytes
+from ..cache.disk.writer import StoreWriter, blob_bytes
 from ..cache.remote.types import RemoteConfig
 from ..errors import InvalidConfig, WarmkvError
 from ..prompt.tokens import common_prefix_len
+from .spills import Spills
+from .warm_hit import CachedKV, DiskRead, WarmHit, cached_kv
 
 if TYPE_CHECKING:
     from ..cache.remote.store import RemoteStore
@@ -61,42 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MIN_QUEUE_BYTES = 64 << 20  # the writer's queue holds at least this much (or the memory tier's budget)
 RUN_SOURCES = 4  # memory entries searched for moved runs (reuse_mode="chunks"): the most recently used
-
-
-@dataclass(frozen=True)
-class CachedKV:
-    """A cached prefix: its token ids, their KV as the backend keeps it, and their manifest."""
-
-    tokens: tuple[int, ...]
-    kv: KeptKV
-    manifest_digest: str
-
-
-def cached_kv(entry: CacheEntry) -> CachedKV:
-    """The CachedKV a memory-tier entry holds."""
-    kv: CachedKV = entry.payload  # type: ignore[assignment]
-    return kv
-
-
-@dataclass(frozen=True)
-class WarmHit:
-    source: str  # "memory", "disk" or "remote"
-    n_tokens: int  # tokens of `kv` that match the request
-    kv: CachedKV
-
-
-@dataclass(frozen=True)
-class DiskRead:
-    """What a read of the tiers below memory (disk, then remote) found for a plan (None: nothing).
-
-    declined: why a remote hit was not read (a prefill was expected to be faster), for the reason.
-    """
-
-    hit: WarmHit | None
-    declined: str | None = None
-
-    def beating(self, reused: int) -> WarmHit | None:
-        return self.hit if self.hit is not None and self.hit.n_tokens > reused else None
 
 
 class KVTiers:
@@ -125,9 +84,6 @@ class KVTiers:
         self._unlocked = unlocked
         # first: a missing client refuses before anything is opened
         self.remote: RemoteStore | None = _remote_store(remote) if remote is not None else None
-        self.memory = (
-            PrefixCache(PrefixCacheConfig(capacity_bytes=memory_mb << 20), on_evict=self._spill) if memory_mb else None
-        )
         self.store = KVStore(store_dir, StoreConfig(capacity_bytes=store_mb << 20)) if store_mb else None
         self.writer = (
             StoreWriter(
@@ -136,11 +92,12 @@ class KVTiers:
             if self.store is not None or self.remote is not None
             else None
         )
-        self._held_back: list[PendingEntry] | None = None  # spills copied by spill_all, written by close
-        # Spilled entries whose KV is still kept until the writer has copied it (model lock held to touch).
-        self._spilling: deque[tuple[CachedKV, LazyBlob]] = deque()
-        # Memory entries being written through to the remote tier, by id(CachedKV): let go only once copied.
-        self._through: dict[int, tuple[CachedKV, LazyBlob]] = {}
+        self._spills = Spills(self.writer)  # the KV of entries on their way to the writer
+        self.memory = (
+            PrefixCache(PrefixCacheConfig(capacity_bytes=memory_mb << 20), on_evict=self._spills.evicted)
+            if memory_mb
+            else None
+        )
 
     def keys(self, manifest_digest: str, tokens: Sequence[int]) -> list[str]:
         return block_keys(manifest_digest, tokens, self.block_tokens)
@@ -191,7 +148,7 @@ class KVTiers:
         """The memory tier's longest prefix of `tokens` longer than `beat` (under the model lock).
 
         count=False: not counted as a hit or miss (see PrefixCache.match)."""
-        self._release_spilled()
+        self._spills.release_copied()
         if self.memory is None or len(keys) * self.block_tokens <= beat:
             return None
         m = self.memory.match(keys, count=count)
@@ -206,7 +163,7 @@ class KVTiers:
         """The memory entries a chunks-mode load may take runs from (under the model lock): the
         RUN_SOURCES most recently used of this manifest, newest first; each payload is a CachedKV.
         The disk tier is not searched (its entries are read only for an exact prefix)."""
-        self._release_spilled()
+        self._spills.release_copied()
         if self.memory is None:
             return []
         return [e for e in self.memory.recent(RUN_SOURCES) if cached_kv(e).manifest_digest == manifest_digest]
@@ -277,88 +234,28 @@ class KVTiers:
         """
         if not keys:
             return
-        self._release_spilled()
+        self._spills.release_copied()
         cached = CachedKV(tuple(tokens), self._backend.keep_seq(seq), manifest_digest)
         if self.memory is None:
-            self._queue(keys, cached)
+            self._spills.queue(keys, cached)
             return
         try:
             result = self.memory.insert(keys, cached, cached.kv.nbytes)
         except WarmkvError as e:  # too big for the budget: keep it on disk only
             log.info("prefix not cached in memory: %s", e)
-            self._queue(keys, cached)
+            self._spills.queue(keys, cached)
             return
         if not result.inserted:
             cached.kv.release()
         elif self.remote is not None and self.writer is not None:
-            blob = LazyBlob(cached.kv.to_bytes_unlocked, cached.kv.nbytes)
-            if self.writer.submit_through(keys, manifest_digest, tokens, blob):
-                self._through[id(cached)] = (cached, blob)
+            self._spills.write_through(keys, cached, tokens)
 
     def reclaim(self) -> bool:
         """Give pool blocks back (the backend's KV pool is short): spills already copied first,
         then the oldest spill still copying (copied here, now), then the LRU memory entry."""
-        if self._release_spilled():
-            return True
-        if self._spilling:
-            self._finish_spill()
+        if self._spills.reclaim():
             return True
         return self.memory is not None and bool(self.memory.evict(1))
-
-    def _finish_spill(self) -> None:
-        """Copy the oldest pending spill here and now (or wait for the writer's copy), then let go of its KV."""
-        cached, blob = self._spilling.popleft()
-        with contextlib.suppress(WarmkvError):  # not copied: the writer counts it as failed
-            blob.get()
-        self._let_go(cached, now=True)
-
-    def _release_spilled(self) -> int:
-        """Let go of the KV of spills the writer has copied (model lock held); how many."""
-        done = [s for s in self._spilling if s[1].done]
-        for s in done:
-            self._spilling.remove(s)
-            self._let_go(s[0])
-        self._through = {k: v for k, v in self._through.items() if not v[1].done}
-        return len(done)
-
-    def _let_go(self, cached: CachedKV, *, now: bool = False) -> None:
-        """Release cached's KV (model lock held), unless its write-through has not been copied yet:
-        then once it has (now=False), or at once with the write-through called off (now=True)."""
-        through = self._through.pop(id(cached), None)
-        if through is not None and not through[1].done:
-            if not now:
-                self._spilling.append(through)
-                return
-            through[1].drop()  # waits for a copy under way; the writer then sends nothing or its copy
-        cached.kv.release()
-
-    def _spill(self, evicted: EvictedEntry) -> None:
-        cached: CachedKV = evicted.payload  # type: ignore[assignment]
-        if evicted.reason == "superseded":  # its tokens live on in the longer entry that replaced it
-            self._let_go(cached)
-        else:
-            self._queue(evicted.keys, cached)
-
-    def _queue(self, keys: Sequence[str], kv: CachedKV) -> None:
-        """Queue kv for the writer (model lock held); its KV is let go once the writer copied it.
-
-        Closing (spill_all), the bytes are copied here and the KV let go at once.
-        """
-        if self.writer is None:
-            kv.kv.release()
-            return
-        if self._held_back is not None:
-            try:
-                self._held_back.append(PendingEntry(tuple(keys), kv.manifest_digest, kv.tokens, kv.kv.to_bytes()))
-            finally:
-                self._let_go(kv, now=True)
-            return
-        blob = LazyBlob(kv.kv.to_bytes_unlocked, kv.kv.nbytes)
-        if self.writer.submit_entry(keys, kv.manifest_digest, kv.tokens, blob):
-            self._spilling.append((kv, blob))
-        else:
-            self._let_go(kv)
-            log.info("kv store writer queue full: a %d-token prefix was not spilled", len(kv.tokens))
 
     def write_snapshot(
         self,
@@ -383,7 +280,7 @@ class KVTiers:
 
     def release_written(self) -> int:
         """Let go of the KV of spills already on disk (model lock held): how many."""
-        return self._release_spilled()
+        return self._spills.release_copied()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued store write is done (not under the model lock); False on timeout."""
@@ -408,10 +305,7 @@ class KVTiers:
 
     def spill_all(self) -> None:
         """Copy every memory entry's bytes and let go of its KV (under the model lock): close's first half."""
-        if self._held_back is None:
-            self._held_back = []
-        while self._spilling:  # the pool goes away after close: finish the copies now
-            self._finish_spill()
+        self._spills.hold_back()  # the pool goes away after close: finish the copies now
         if self.memory is not None:
             self.memory.clear()
 
@@ -420,9 +314,9 @@ class KVTiers:
 
         Never under the model lock: it waits for the disk.
         """
-        if self._held_back is None:
+        if not self._spills.holding_back:
             self.spill_all()
-        held, self._held_back = self._held_back or [], []
+        held = self._spills.take_held_back()
         if self.writer is not None:
             for e in held:
                 self.writer.submit_entry(e.keys, e.manifest_digest, e.tokens, e.blob, wait=True)
