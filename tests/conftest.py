@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# Before warmkv is imported (it reads it once): every context is checked after every scheduler and
+# decode step, in the tests and in the servers and commands they start.
+os.environ.setdefault("WARMKV_CHECK", "1")
+
 from collections.abc import Iterator
 
 import pytest

@@ -11,7 +11,8 @@ the tiers never keep it.
 plus `pending`: sampled tokens not yet evaluated (at most a decode's last token). They
 are fed to the model only if generation continues, so a turn that ends never pays for them.
 
-What must hold (check() tests it; tests run it after every step):
+What must hold (check() tests it; with WARMKV_CHECK=1, as the tests run, after every step of
+the Scheduler and every decode step: a broken map is then a SessionFatal there):
 
     0 <= prefix_len <= suffix_end <= live + len(pending)   (a prompt's last token may be pending)
     live <= len(tokens); detached and exact_end, when set, in [0, len(tokens))
@@ -26,11 +27,16 @@ map and its rules are read everywhere, while the transitions also drive the back
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from ..errors import SessionFatal
+
+# WARMKV_CHECK=1 (read once, at import): the Scheduler checks every context of a step after it, and
+# TurnRunner a decode step's context after it (Session's steps and the Scheduler's alike).
+CHECK = os.environ.get("WARMKV_CHECK") == "1"
 
 
 class RegionMap:

@@ -42,6 +42,7 @@ from ..errors import InvalidInput, KVCacheFull, SchedulerClosed, StreamLimit, Wa
 from . import kv_room, row_faults, step_budget
 from .job import Job, Out, Prefilled, Rows, Sink
 from .prefix_plan import DiskRead
+from .region_map import CHECK
 from .row_faults import RETRY, Outcome, Retry
 from .runtime import Runtime
 from .session import Turn
@@ -216,13 +217,13 @@ class Scheduler:
         """One engine step (see the module docstring); the chunks to deliver."""
         out: Out = []
         with self._rt.lock:
-            jobs = kv_room.admit(self, jobs, out)
-            self._live = jobs  # the turns this step may preempt, oldest first
+            live = kv_room.admit(self, jobs, out)
+            self._live = live  # the turns this step may preempt, oldest first
             self._preempted = set()
-            rows, idle = self._decode_rows(jobs, out)
+            rows, idle = self._decode_rows(live, out)
             budget = step_budget.prefill_budget(self.config.max_step_tokens, rows)
             if self._rt.backend.rows_invariant():
-                evaluated = rows + step_budget.cut_pieces(self, jobs, bool(rows), budget, out)
+                evaluated = rows + step_budget.cut_pieces(self, live, bool(rows), budget, out)
             else:
                 evaluated = rows
             for (job, row), got in zip(evaluated, self._forward(evaluated), strict=True):
@@ -230,11 +231,14 @@ class Scheduler:
             for job in idle:  # the logits its next token needs are known already
                 self._accept(job, None, None, out)
             if not self._rt.backend.rows_invariant():
-                step_budget.prefill_apart(self, jobs, budget, out)
+                step_budget.prefill_apart(self, live, budget, out)
             for job, chunk in out:
                 if chunk.done:  # the session goes back to its owner: routers read what it holds
                     job.session.publish_resident()
             self._rt.publish_stats()
+            if CHECK:  # WARMKV_CHECK=1: a broken region map is a bug in this step (SessionFatal: see _run)
+                for job in jobs:
+                    job.session.ctx.check()
         return out
 
     def _decode_rows(self, jobs: list[Job], out: Out) -> tuple[Rows, list[Job]]:

@@ -32,6 +32,7 @@ from ..errors import WarmkvError
 from ..types import PrefixStatus, StreamChunk
 from .decode_state import DecodeState
 from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan
+from .region_map import CHECK
 
 if TYPE_CHECKING:
     from .session import Session
@@ -155,6 +156,8 @@ class TurnRunner:
         chunk = self.state.take(outcome)
         if chunk.done:
             self.phase = Phase.DONE
+        if CHECK:  # WARMKV_CHECK=1: after every decode step, Session's or the Scheduler's (SessionFatal)
+            self.session.ctx.check()
         return chunk
 
     def end(self, err: WarmkvError | None = None) -> StreamChunk | None:
