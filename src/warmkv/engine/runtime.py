@@ -40,7 +40,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -76,6 +76,7 @@ from ..prompt.turn_memory import TurnMemory
 from ..tools import Call, ToolFormat
 from ..tools import resolve as resolve_tool_format
 from ..types import PrefixInput, StreamChunk, Usage
+from .model_lock import ModelLock
 from .session import NO_STORE, Session
 from .stats import RuntimeStats
 from .tiers import KVTiers
@@ -118,8 +119,8 @@ class Runtime:
                 backend.close()
                 raise Unsupported("reuse_mode='chunks'", why)
         # One lock per model: llama.cpp contexts and the KV pool are not thread-safe.
-        self.lock = threading.RLock()
-        self._lock_handoff = threading.Condition(self.lock)
+        self._model_lock = ModelLock()
+        self.lock = self._model_lock.lock
         self._sessions: dict[str, Session] = {}
         self._helper: Session | None = None
         self._spares: set[Session] = set()  # helper streams' sessions while the warm helper is busy
@@ -156,8 +157,8 @@ class Runtime:
                     memory_mb=c.prefix_cache_mb,
                     store_dir=c.kv_store_dir,
                     store_mb=c.kv_store_mb,
-                    unlocked=self.model_unlocked,
-                    held=self.lock._is_owned,  # type: ignore[attr-defined]
+                    unlocked=self._model_lock.unlocked,
+                    held=self._model_lock.held,
                     remote=_remote_config(c),
                 )
                 if callable(getattr(backend, "keep_seq", None)) and (c.prefix_cache_mb or c.kv_store_mb or c.kv_remote)
@@ -622,29 +623,12 @@ class Runtime:
     # -- lifecycle ------------------------------------------------------------------
 
     def yield_model_lock(self) -> None:
-        """Let a thread waiting for the model lock (e.g. the decode scheduler) take one turn.
+        """Let a thread waiting for the model lock take one turn, between prefill chunks (model_lock.py)."""
+        self._model_lock.yield_turn()
 
-        Called between prefill chunks with the lock held; it is released completely
-        (whatever the recursion depth) for a moment, then taken back.
-        """
-        self._lock_handoff.wait(timeout=0.0005)
-
-    @contextmanager
-    def model_unlocked(self) -> Iterator[None]:
-        """Let go of the model lock completely (whatever the recursion depth) for the block, if held.
-
-        For waits on the disk inside an operation: the caller keeps its op lock, so its
-        session's state must be consistent here (lock order: module doc).
-        """
-        lock: Any = self.lock
-        if not lock._is_owned():
-            yield
-            return
-        state = lock._release_save()
-        try:
-            yield
-        finally:
-            lock._acquire_restore(state)
+    def model_unlocked(self) -> AbstractContextManager[None]:
+        """Let go of the model lock completely for the block, if held (model_lock.py)."""
+        return self._model_lock.unlocked()
 
     def spill_to_disk(self, timeout: float | None = None) -> tuple[int, bool]:
         """Write the memory tier's KV to the disk store and drop it from memory, for a server about to
