@@ -76,6 +76,7 @@ from ..prompt.turn_memory import TurnMemory
 from ..tools import Call, ToolFormat
 from ..tools import resolve as resolve_tool_format
 from ..types import PrefixInput, StreamChunk, Usage
+from . import pool_pressure
 from .model_lock import ModelLock
 from .session import NO_STORE, Session
 from .stats import RuntimeStats
@@ -198,36 +199,12 @@ class Runtime:
         self.stats = RuntimeStats(b.state, len(self._sessions), kv, self.parked)
 
     def _reclaim(self) -> bool:
-        """The KV pool is short (called by the backend, model lock held): give blocks back. The tiers'
-        kept KV first, then the least recently used idle evictable session's KV goes to the tiers
-        (Session.park; its pins are reclaimed in turn). False when nothing is left to give."""
-        if self.tiers is not None and self.tiers.reclaim():
-            return True
-        for s in sorted(self._parkable(), key=lambda s: s.used_at):
-            # an operation is running or about to (on this thread too: the op lock is reentrant): not idle
-            if s._op._is_owned() or not s._op.acquire(blocking=False):  # type: ignore[attr-defined]
-                continue
-            try:
-                if not s.busy and s.park():
-                    self.parked += 1
-                    return True
-            finally:
-                s._op.release()
-        return False
-
-    def _parkable(self) -> list[Session]:
-        return [s for s in self._sessions.values() if s.evictable and not s.busy and s.resident]
+        """The KV pool is short (the backend's reclaimer, model lock held): give blocks back (pool_pressure.py)."""
+        return pool_pressure.reclaim(self)
 
     def reclaimable_tokens(self, kv: KVMemory) -> int:
-        """About how many tokens the KV pool gets back when it runs short (model lock held): what idle
-        evictable sessions hold, and the memory tier's unlocked entries (an upper bound: their blocks
-        may be shared with sessions)."""
-        n = sum(len(s.ctx.tokens) for s in self._parkable())
-        memory = self.tiers.memory if self.tiers is not None else None
-        if memory is not None:
-            st = memory.stats()
-            n += (st.bytes - st.locked_bytes) // max(1, kv.bytes_per_token)
-        return n
+        """About how many tokens the KV pool gets back when it runs short (model lock held; pool_pressure.py)."""
+        return pool_pressure.reclaimable_tokens(self, kv)
 
     @classmethod
     def load(

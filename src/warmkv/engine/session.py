@@ -48,6 +48,7 @@ from ..manifest import ContextManifest, hash_token_ids, validate_segments
 from ..prompt.text import as_text
 from ..prompt.tokens import common_prefix_len, spell
 from ..types import ContextReport, Divergence, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus
+from . import pool_pressure
 from .context import ResidentContext
 from .decode_state import DecodeState
 from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan, plan_moves
@@ -170,33 +171,14 @@ class Session:
     def park(self) -> int:
         """Move the resident KV to the tiers and free the sequence; the tokens freed (model lock held,
         and the session idle or owned by the caller). Its exact full cache blocks are remembered in the
-        tiers (memory, spilling to disk), so the next prompt that starts with them restores them."""
-        return self._park()[0]
+        tiers (memory, spilling to disk), so the next prompt that starts with them restores them
+        (pool_pressure.py)."""
+        return pool_pressure.park(self)[0]
 
     def offload(self) -> tuple[int, int]:
         """park() an idle session now, taking its locks (a server's drain): (tokens freed, tokens kept
         in the tiers). SessionBusy while a turn of it runs; (0, 0) when closed or empty."""
-        with self._lock(publish=True):
-            if self._runner is not None:
-                raise SessionBusy(f"session {self.id} is running a turn ({self._runner.phase.value})")
-            return self._park()
-
-    def _park(self) -> tuple[int, int]:
-        ctx, tiers, manifest = self.ctx, self._rt.tiers, self._manifest
-        n = len(ctx.tokens)
-        if not n or self._closed or ctx.fatal:
-            return 0, 0
-        kept = 0
-        if tiers is not None and manifest is not None:
-            keys = tiers.keys(manifest.digest, ctx.tokens[: ctx.exact])
-            keep = len(keys) * tiers.block_tokens
-            if keep and exact_cut(self._backend, self._seq, keep) == keep:
-                ctx.truncate(keep, refill=False)
-                tiers.remember(self._seq, keys, ctx.tokens, manifest.digest)
-                kept = keep
-        ctx.clear()
-        self.publish_resident()
-        return n, kept
+        return pool_pressure.offload(self)
 
     def _publish(self) -> None:
         """An operation changed the resident KV: readers see this session's tokens and the runtime's stats."""
