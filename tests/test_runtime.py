@@ -41,7 +41,7 @@ def _valid_utf8(b: bytes) -> bool:
 
 
 def test_a_resent_prompt_is_tokenized_once(rt: warmkv.Runtime) -> None:
-    from warmkv.engine.runtime import RECENT_PROMPTS
+    from warmkv.prompt.prompter import RECENT_PROMPTS
 
     calls: list[str] = []
     backend_tokenize = rt.backend.tokenize

@@ -38,7 +38,6 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, fields, replace
@@ -64,17 +63,13 @@ from ..config import REUSE_MODES, DecodeConfig, ResolvedConfig, RuntimeConfig
 from ..errors import ContextOverflow, InvalidConfig, InvalidInput, ManifestMismatch, ModelUnloaded, Unsupported
 from ..manifest import ContextManifest
 from ..models import resolve_model
-from ..prompt.chat import ChatTemplate, TemplateChoice, check_template_kwargs, resolve_template
+from ..prompt.chat import ChatTemplate, TemplateChoice
 from ..prompt.constraint import Constraint, Guide, build_tokenizer
 from ..prompt.embeddings import EmbedInput, l2_normalize, split_inputs
-from ..prompt.infill import ExtraFile, FimTokens, check_extra, find_fim_tokens, infill_tokens
-from ..prompt.reasoning import template_thinks
-from ..prompt.reasoning_history import KeptRenderer
-from ..prompt.text import as_text
-from ..prompt.tokens import SpelledLengths, spell
-from ..prompt.turn_memory import TurnMemory
+from ..prompt.infill import ExtraFile, FimTokens
+from ..prompt.prompter import Prompter
+from ..prompt.tokens import SpelledLengths
 from ..tools import Call, ToolFormat
-from ..tools import resolve as resolve_tool_format
 from ..types import PrefixInput, StreamChunk, Usage
 from . import pool_pressure
 from .model_lock import ModelLock
@@ -83,7 +78,6 @@ from .stats import RuntimeStats
 from .tiers import KVTiers
 
 log = logging.getLogger(__name__)
-RECENT_PROMPTS = 8  # plain tokenizations kept: a few sessions' stable prefixes
 # Forwards of fewer tokens (decode steps, speculative rows of at most 33) say little about the prefill rate.
 PREFILL_SAMPLE_TOKENS = 48
 
@@ -97,15 +91,6 @@ class Completion:
     usage: Usage
     ttft_s: float
     total_s: float
-
-
-def _has_chatml(backend: Backend) -> bool:
-    """Whether ChatML's markers are control tokens of this vocabulary (else they would read as text)."""
-    for marker in ("<|im_start|>", "<|im_end|>"):
-        ids = backend.tokenize(marker, add_bos=False, parse_special=True)
-        if len(ids) != 1 or backend.token_bytes(ids[0]):
-            return False
-    return True
 
 
 class Runtime:
@@ -126,29 +111,16 @@ class Runtime:
         self._helper: Session | None = None
         self._spares: set[Session] = set()  # helper streams' sessions while the warm helper is busy
         self._llg_tokenizer: Any = None  # llguidance's vocabulary, built on the first constrained decode
-        self._turns: TurnMemory | None = None  # generated turns' tokens, built on the first one remembered
-        self._fim: FimTokens | None = None
         self.spelled = SpelledLengths(backend)  # divergence offsets without spelling the whole prompt
-        # The plain tokenizations of recent prompts: an agent resends the same prefix text every turn.
-        self._recent_prompts: OrderedDict[tuple[str, bool, bool], tuple[int, ...]] = OrderedDict()
         self._helper_lock = threading.Lock()
         c = self.config
-        try:
-            self.template_choice: TemplateChoice = resolve_template(
-                c.prompt_format,
-                given=c.chat_template,
-                model_template=backend.info.chat_template,
-                architecture=backend.info.architecture,
-                has_chatml=_has_chatml(backend),
-            )
-        except InvalidInput as e:
+        self.default_add_bos = backend.info.add_bos and not c.disable_bos
+        try:  # the chat template, tokenization caches, turn memory and infill prompts
+            self._prompter = Prompter(backend, self.lock, self._check_loaded, add_bos=self.default_add_bos)
+        except InvalidConfig:
             backend.close()
-            raise InvalidConfig(str(e)) from None
-        template = self.template_choice.source
-        self._template_source = template
-        self._template: ChatTemplate | None = None
-        self._kept: KeptRenderer | None = None
-        self.default_add_bos = backend.info.add_bos and not self.config.disable_bos
+            raise
+        template = self._prompter.template_source
         # Warm tiers need a backend that can keep, export and import a sequence's KV.
         try:
             self.tiers = (
@@ -350,69 +322,37 @@ class Runtime:
             self.backend.release_seq(seq)
         self.publish_stats()
 
-    # -- tokens ---------------------------------------------------------------
+    # -- prompts (prompt/prompter.py) -----------------------------------------------
+
+    @property
+    def template_choice(self) -> TemplateChoice:
+        """The chat template chosen at load, where it came from, or why there is none."""
+        return self._prompter.template_choice
 
     def tokenize(self, text: str | bytes, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
-        value = as_text(text, "text")
-        with self.lock:
-            self._check_loaded()
-            bos = self.default_add_bos if add_bos is None else add_bos
-            return self.prompt_tokens(value, add_bos=bos, parse_special=parse_special)
+        return self._prompter.tokenize(text, add_bos=add_bos, parse_special=parse_special)
 
     def prompt_tokens(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
         """text's tokens, generated turns taking the model's own tokens (call with the model lock held)."""
-        memory = self._turns
-        if parse_special and memory is not None and len(memory):
-            return memory.tokenize(
-                text, add_bos, lambda t, bos: self.backend.tokenize(t, add_bos=bos, parse_special=True)
-            )
-        key = (text, add_bos, parse_special)
-        recent = self._recent_prompts
-        tokens = recent.get(key)
-        if tokens is None:
-            tokens = recent[key] = tuple(self.backend.tokenize(text, add_bos=add_bos, parse_special=parse_special))
-            if len(recent) > RECENT_PROMPTS:
-                recent.popitem(last=False)
-        else:
-            recent.move_to_end(key)
-        return list(tokens)
-
-    # -- generated turns ------------------------------------------------------------
+        return self._prompter.prompt_tokens(text, add_bos=add_bos, parse_special=parse_special)
 
     def remember_turn(self, prompt: Sequence[int], generated: Sequence[int], calls: Sequence[Call] = ()) -> str | None:
-        """Keep a generated turn's tokens (and its tool calls' raw text) for the requests that resend it.
-
-        prompt: the tokens it was generated after; generated: its tokens. Returns the turn's raw text
-        (None when it cannot be kept, e.g. it ended inside a UTF-8 character).
-        """
-        with self.lock:
-            self._check_loaded()
-            if self._turns is None:
-                b = self.backend
-                control = {t: b.token_text(t) for t in range(self.info.n_vocab) if not b.token_bytes(t)}
-                self._turns = TurnMemory(control, b.token_bytes, b.is_eog)
-            memory = self._turns
-        return memory.remember(prompt, generated, calls)
+        """Keep a generated turn's tokens (and its tool calls' raw text) for the requests that resend it."""
+        return self._prompter.remember_turn(prompt, generated, calls)
 
     def raw_turn(self, calls: Sequence[Call]) -> str | None:
         """The raw text of the generated turn that made these tool calls, if remembered and unchanged."""
-        return None if self._turns is None else self._turns.raw_turn(calls)
+        return self._prompter.raw_turn(calls)
 
     def tool_format(self, name: str = "auto") -> ToolFormat:
         """How replies call tools: `name`, or detected from the chat template ("auto")."""
-        return resolve_tool_format(name, self._template_source)
+        return self._prompter.tool_format(name)
 
     def count_tokens(self, text: str | bytes, *, add_bos: bool | None = None) -> int:
         return len(self.tokenize(text, add_bos=add_bos))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        n = self.info.n_vocab
-        for t in tokens:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
-                raise InvalidInput(f"token id {t!r} out of range [0, {n})")
-        with self.lock:
-            self._check_loaded()
-            return b"".join(self.backend.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+        return self._prompter.detokenize(tokens)
 
     # -- constrained decoding ---------------------------------------------------
 
@@ -447,17 +387,7 @@ class Runtime:
     # -- completion helpers -----------------------------------------------------
 
     def chat_template(self) -> ChatTemplate:
-        if self._template_source is None:
-            raise Unsupported("chat", self.template_choice.why_none)
-        if self._template is None:
-            bos, eos = self.info.bos_token_id, self.info.eos_token_id
-            self._template = ChatTemplate(
-                self._template_source,
-                bos_token=self.backend.token_text(bos) if bos is not None else "",
-                eos_token=self.backend.token_text(eos) if eos is not None else "",
-                adds_bos=self.default_add_bos,
-            )
-        return self._template
+        return self._prompter.chat_template()
 
     def render_chat(
         self,
@@ -473,19 +403,17 @@ class Runtime:
         thinking_history (None: the config's): "keep" lets earlier turns keep their reasoning where
         a reasoning template would drop it (reasoning_history.py); "template" renders as the template says.
         """
-        template = self.chat_template()
-        kw = self.template_kwargs(template_kwargs)
-        args = {"add_generation_prompt": add_generation_prompt, "tools": tools, "template_kwargs": kw}
-        mode = thinking_history or self.config.thinking_history
-        if mode != "keep" or not template_thinks(template.source):
-            return template.render(messages, **args)
-        if self._kept is None:
-            self._kept = KeptRenderer(template.render)
-        return self._kept.render(messages, **args)
+        return self._prompter.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
+            thinking_history=thinking_history,
+        )
 
     def template_kwargs(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The variables a render passes the template: the config's, then a request's own."""
-        return {**self.config.chat_template_kwargs, **check_template_kwargs(extra)}
+        return self._prompter.template_kwargs(extra)
 
     def complete(
         self, prompt: str | bytes, config: DecodeConfig | None = None, *, stream: bool = False, **decode: Any
@@ -510,24 +438,13 @@ class Runtime:
 
     def fim_tokens(self) -> FimTokens:
         """The model's fill-in-the-middle tokens; Unsupported (naming what is missing) without them."""
-        if self._fim is None:
-            with self.lock:
-                self._check_loaded()
-                self._fim = find_fim_tokens(self.backend)
-        return self._fim
+        return self._prompter.fim_tokens()
 
     def infill_prompt(
         self, prefix: str, suffix: str, extra: Sequence[ExtraFile] = (), *, repo: str | None = None
     ) -> PrefixInput:
         """The infill prompt as a prefix: its tokens (user text never parses as control tokens) and its text."""
-        prefix, suffix = as_text(prefix, "infill prefix"), as_text(suffix, "infill suffix")
-        files = check_extra(extra)
-        fim = self.fim_tokens()
-        with self.lock:
-            tokens = infill_tokens(self.backend, fim, prefix, suffix, files, add_bos=self.default_add_bos, repo=repo)
-            start = 1 if self.default_add_bos and tokens[0] == self.info.bos_token_id else 0
-            text = spell(self.backend, tokens[start:])
-        return PrefixInput(text=text, tokens=tuple(tokens))
+        return self._prompter.infill_prompt(prefix, suffix, extra, repo=repo)
 
     def infill(
         self,
