@@ -2,7 +2,8 @@
 
 from .backends import available_backends, registered_backends
 from .config import DecodeConfig, RuntimeConfig
-from .engine.runtime import Completion, Runtime
+from .engine.completions import Completion
+from .engine.runtime import Runtime
 from .engine.session import Session
 from .errors import (
     BackendUnavailable,

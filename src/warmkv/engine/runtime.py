@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass, fields, replace
+from contextlib import AbstractContextManager
+from dataclasses import fields, replace
 from typing import Any
 
 import numpy as np
@@ -70,8 +68,9 @@ from ..prompt.infill import ExtraFile, FimTokens
 from ..prompt.prompter import Prompter
 from ..prompt.tokens import SpelledLengths
 from ..tools import Call, ToolFormat
-from ..types import PrefixInput, StreamChunk, Usage
+from ..types import PrefixInput, StreamChunk
 from . import pool_pressure
+from .completions import Completion, Completions
 from .model_lock import ModelLock
 from .session import NO_STORE, Session
 from .stats import RuntimeStats
@@ -80,17 +79,6 @@ from .tiers import KVTiers
 log = logging.getLogger(__name__)
 # Forwards of fewer tokens (decode steps, speculative rows of at most 33) say little about the prefill rate.
 PREFILL_SAMPLE_TOKENS = 48
-
-
-@dataclass(frozen=True)
-class Completion:
-    """A finished (non-streamed) generation."""
-
-    text: str
-    finish_reason: str
-    usage: Usage
-    ttft_s: float
-    total_s: float
 
 
 class Runtime:
@@ -108,11 +96,9 @@ class Runtime:
         self._model_lock = ModelLock()
         self.lock = self._model_lock.lock
         self._sessions: dict[str, Session] = {}
-        self._helper: Session | None = None
-        self._spares: set[Session] = set()  # helper streams' sessions while the warm helper is busy
         self._llg_tokenizer: Any = None  # llguidance's vocabulary, built on the first constrained decode
         self.spelled = SpelledLengths(backend)  # divergence offsets without spelling the whole prompt
-        self._helper_lock = threading.Lock()
+        self._completions = Completions(self)  # complete, chat and infill on the runtime's own sessions
         c = self.config
         self.default_add_bos = backend.info.add_bos and not c.disable_bos
         try:  # the chat template, tokenization caches, turn memory and infill prompts
@@ -354,6 +340,45 @@ class Runtime:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._prompter.detokenize(tokens)
 
+    def chat_template(self) -> ChatTemplate:
+        return self._prompter.chat_template()
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        thinking_history: str | None = None,
+    ) -> str:
+        """The prompt for a conversation. template_kwargs add to RuntimeConfig.chat_template_kwargs.
+
+        thinking_history (None: the config's): "keep" lets earlier turns keep their reasoning where
+        a reasoning template would drop it (reasoning_history.py); "template" renders as the template says.
+        """
+        return self._prompter.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
+            thinking_history=thinking_history,
+        )
+
+    def template_kwargs(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The variables a render passes the template: the config's, then a request's own."""
+        return self._prompter.template_kwargs(extra)
+
+    def fim_tokens(self) -> FimTokens:
+        """The model's fill-in-the-middle tokens; Unsupported (naming what is missing) without them."""
+        return self._prompter.fim_tokens()
+
+    def infill_prompt(
+        self, prefix: str, suffix: str, extra: Sequence[ExtraFile] = (), *, repo: str | None = None
+    ) -> PrefixInput:
+        """The infill prompt as a prefix: its tokens (user text never parses as control tokens) and its text."""
+        return self._prompter.infill_prompt(prefix, suffix, extra, repo=repo)
+
     # -- constrained decoding ---------------------------------------------------
 
     def guide(self, constraint: Constraint) -> Guide:
@@ -384,45 +409,13 @@ class Runtime:
             rows.append(l2_normalize(v) if normalize else v)
         return np.stack(rows).astype(np.float32)
 
-    # -- completion helpers -----------------------------------------------------
-
-    def chat_template(self) -> ChatTemplate:
-        return self._prompter.chat_template()
-
-    def render_chat(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-        thinking_history: str | None = None,
-    ) -> str:
-        """The prompt for a conversation. template_kwargs add to RuntimeConfig.chat_template_kwargs.
-
-        thinking_history (None: the config's): "keep" lets earlier turns keep their reasoning where
-        a reasoning template would drop it (reasoning_history.py); "template" renders as the template says.
-        """
-        return self._prompter.render_chat(
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            template_kwargs=template_kwargs,
-            thinking_history=thinking_history,
-        )
-
-    def template_kwargs(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """The variables a render passes the template: the config's, then a request's own."""
-        return self._prompter.template_kwargs(extra)
+    # -- helper completions (completions.py) -----------------------------------------
 
     def complete(
         self, prompt: str | bytes, config: DecodeConfig | None = None, *, stream: bool = False, **decode: Any
     ) -> Completion | Iterator[StreamChunk]:
-        """Generate after a raw prompt, reusing the runtime's own warm sequence."""
-        cfg = _decode_config(config, decode)
-        t0 = time.perf_counter()
-        chunks = self._stream(prompt, cfg)
-        return chunks if stream else _collect(chunks, t0)
+        """Generate after a raw prompt, reusing the runtime's own warm sequence (completions.py)."""
+        return self._completions.complete(prompt, config, stream=stream, **decode)
 
     def chat(
         self,
@@ -433,18 +426,7 @@ class Runtime:
         **decode: Any,
     ) -> Completion | Iterator[StreamChunk]:
         """Chat through the model's template; consecutive turns reuse the shared prefix."""
-        prompt = self.render_chat(messages, add_generation_prompt=True)
-        return self.complete(prompt, config, stream=stream, **decode)
-
-    def fim_tokens(self) -> FimTokens:
-        """The model's fill-in-the-middle tokens; Unsupported (naming what is missing) without them."""
-        return self._prompter.fim_tokens()
-
-    def infill_prompt(
-        self, prefix: str, suffix: str, extra: Sequence[ExtraFile] = (), *, repo: str | None = None
-    ) -> PrefixInput:
-        """The infill prompt as a prefix: its tokens (user text never parses as control tokens) and its text."""
-        return self._prompter.infill_prompt(prefix, suffix, extra, repo=repo)
+        return self._completions.chat(messages, config, stream=stream, **decode)
 
     def infill(
         self,
@@ -458,61 +440,12 @@ class Runtime:
         **decode: Any,
     ) -> Completion | Iterator[StreamChunk]:
         """Fill in the code between prefix and suffix (the model's FIM tokens; extra files come first)."""
-        inp = self.infill_prompt(prefix, suffix, extra, repo=repo)
-        cfg = _decode_config(config, decode)
-        cfg = replace(cfg, stop_token_ids=(*cfg.stop_token_ids, *self.fim_tokens().stops()))
-        t0 = time.perf_counter()
-        chunks = self._stream(inp, cfg)
-        return chunks if stream else _collect(chunks, t0)
+        return self._completions.infill(prefix, suffix, extra, config, repo=repo, stream=stream, **decode)
 
-    def _helper_session(self) -> Session:
-        if self._helper is None or self._helper.closed:
-            with self.lock:
-                self._check_loaded()
-                acquire = getattr(self.backend, "acquire_internal_seq", self.backend.acquire_seq)
-                self._helper = Session(self, acquire())
-                self.publish_stats()
-        return self._helper
-
-    def _spare_session(self) -> Session:
-        """A session for one helper stream while another holds the warm helper (SessionLimit when
-        every sequence slot is taken); closed when its stream ends."""
-        with self.lock:
-            self._check_loaded()
-            s = Session(self, self.backend.acquire_seq())
-            self._spares.add(s)
-            return s
-
-    def _stream(self, prompt: str | bytes | PrefixInput, cfg: DecodeConfig) -> Iterator[StreamChunk]:
-        """A helper stream; input types are checked now, the prompt at the first chunk.
-
-        Nothing is taken until the stream is iterated: an unstarted stream blocks nobody. A started
-        one holds the runtime's warm helper session, or, while another stream holds that, a session
-        of its own (a slot of n_seq_max, prefilled cold): a partly read stream never blocks a later
-        complete, chat or infill, from this thread or another. What it holds is let go when the
-        stream ends, is closed or is garbage-collected.
-        """
-        if not isinstance(cfg, DecodeConfig):
-            raise InvalidInput(f"decode config must be DecodeConfig, got {type(cfg).__name__}")
-        return self._helper_stream(PrefixInput.coerce(prompt), cfg)
-
-    def _helper_stream(self, prompt: PrefixInput, cfg: DecodeConfig) -> Iterator[StreamChunk]:
-        with ExitStack() as hold:
-            if self._helper_lock.acquire(blocking=False):  # never waits: the holder may be this thread
-                hold.callback(self._helper_lock.release)
-                s = self._helper_session()
-            else:
-                s = self._spare_session()
-                hold.callback(self._close_spare, s)
-            s.ensure_prefix(prompt)
-            for chunk in s.decode(cfg):
-                if chunk.done:
-                    hold.close()  # let go before the last chunk: a caller seldom asks past it
-                yield chunk
-
-    def _close_spare(self, s: Session) -> None:
-        s.close()
-        self._spares.discard(s)
+    @property
+    def _spares(self) -> set[Session]:
+        """The helper streams' own sessions now open (while another holds the warm helper)."""
+        return self._completions.spares
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -547,10 +480,7 @@ class Runtime:
         # Sessions first, without the model lock: closing one waits for its running call.
         for s in list(self._sessions.values()):
             s.close()
-        for s in list(self._spares):
-            s.close()
-        if self._helper is not None:
-            self._helper.close()
+        self._completions.close()
         tiers = None
         with self.lock:
             self.backend.set_reclaimer(None)
@@ -576,30 +506,3 @@ def _remote_config(c: ResolvedConfig) -> RemoteConfig | None:
     return RemoteConfig(
         c.kv_remote, timeout_s=timeout, write_timeout_s=timeout * 10, prefill_rate=c.kv_remote_prefill_rate
     )
-
-
-def _decode_config(config: DecodeConfig | None, overrides: Mapping[str, Any]) -> DecodeConfig:
-    if config is not None and overrides:
-        raise InvalidInput("pass either a DecodeConfig or keyword options, not both")
-    if config is not None:
-        return config
-    try:
-        return DecodeConfig(**overrides)
-    except TypeError as e:
-        raise InvalidInput(f"bad decode option: {e}") from None
-
-
-def _collect(stream: Iterator[StreamChunk], t0: float) -> Completion:
-    """Drain a stream into a Completion; t0 is when the request began (before prefill)."""
-    ttft = None
-    parts: list[str] = []
-    for chunk in stream:
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-        parts.append(chunk.text)
-        if chunk.done:
-            if chunk.error is not None:
-                raise chunk.error
-            assert chunk.usage is not None and chunk.finish_reason is not None
-            return Completion("".join(parts), chunk.finish_reason, chunk.usage, ttft or 0.0, time.perf_counter() - t0)
-    raise RuntimeError("stream ended without a final chunk")
