@@ -5,7 +5,7 @@ A thin facade over three owners:
 - `ResidentContext` (context.py): the resident tokens, their regions and logits, and
   `truncate`, the one rollback primitive;
 - `PrefixPlan` / `PrefixLoad` (prefix_plan.py): making a prompt resident, planned first
-  (reused, loaded from a tier, prefilled), then executed piece by piece;
+  (prefix_planner.py: reused, loaded from a tier, prefilled), then executed piece by piece;
 - `DecodeState` (decode_state.py): one decode's plain data and its step.
 
 `decode()` drives one DecodeState for this session alone; the Scheduler drives many,
@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..backends.base import exact_cut
 from ..cache.disk.types import Snapshot
 from ..config import DecodeConfig
 from ..errors import (
@@ -44,22 +43,20 @@ from ..errors import (
     Unsupported,
     WarmkvError,
 )
-from ..manifest import ContextManifest, hash_token_ids, validate_segments
+from ..manifest import ContextManifest, hash_token_ids
 from ..prompt.text import as_text
-from ..prompt.tokens import common_prefix_len, spell
-from ..types import ContextReport, Divergence, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus
-from . import pool_pressure
+from ..prompt.tokens import common_prefix_len
+from ..types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus
+from . import pool_pressure, prefix_planner
 from .context import ResidentContext
 from .decode_state import DecodeState
-from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan, plan_moves
+from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan
 from .turn_runner import Phase, TurnRunner
 
 if TYPE_CHECKING:
     from ..cache import SnapshotInfo
     from .runtime import Runtime
 
-DIVERGENCE_TOKENS = 12  # excerpt of each side where reuse stopped
-DIVERGENCE_CHARS = 48
 SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NO_STORE = "the disk store is disabled (kv_store_mb=0) or the backend cannot move KV"
 
@@ -214,58 +211,8 @@ class Session:
             return runner.status
 
     def plan_prefix(self, prefix: PrefixInput | str | bytes) -> PrefixPlan:
-        """Check a prompt and decide what making it resident takes; the KV is not touched."""
-        inp = PrefixInput.coerce(prefix)
-        text = as_text(inp.text, "prefix text")
-        if not text:
-            raise InvalidInput("prefix text is empty; ensure_prefix needs at least one token")
-        raw = text.encode("utf-8")
-        add_bos = self._rt.default_add_bos if inp.add_bos is None else bool(inp.add_bos)
-        segments = validate_segments(inp.segments, len(raw))
-        manifest = self._rt.manifest(add_bos).with_segments(segments)
-        if inp.expect_manifest is not None and inp.expect_manifest != manifest.digest:
-            raise ManifestMismatch(
-                f"prefix expects manifest {inp.expect_manifest[:16]} but this runtime is {manifest.digest[:16]}"
-            )
-        with self._lock():
-            self._check_usable()
-            if inp.tokens is not None:
-                tokens = self._given_tokens(inp.tokens)
-            else:
-                tokens = self._rt.prompt_tokens(text, add_bos=add_bos, parse_special=inp.parse_special)
-            if not tokens:
-                raise InvalidInput("prefix text produced no tokens")
-            ctx = self.ctx
-            same = self._manifest is not None and self._manifest == manifest
-            reused = common_prefix_len(ctx.tokens, tokens) if same else 0
-            if len(tokens) > self._num_ctx:
-                raise ContextOverflow("ensure_prefix", reused, len(tokens) - reused, self._num_ctx)
-            chunks = self._rt.reuse_mode(inp.reuse_mode) == "chunks"
-            if not chunks:
-                reused = min(reused, ctx.exact)  # an exact reuse never takes moved KV
-            cfg = self._rt.config
-            runs = (cfg.chunk_min_tokens, cfg.chunk_recompute) if chunks else None
-            moves = plan_moves(tokens, ctx.tokens, reused, *runs) if runs is not None and same else ()
-            common = reused
-            if reused < len(ctx.tokens):  # window or recurrent layers: back to the nearest exact point
-                reused = exact_cut(self._backend, self._seq, reused)
-            reason = self._prefix_reason(same, manifest, reused, len(tokens))
-            if reused < common:
-                layers = getattr(self._backend, "cut_layers", "window")
-                reason += f" (diverged at token {common}; the nearest exact point of the {layers} layers is {reused})"
-            return PrefixPlan(
-                tokens=tuple(tokens),
-                raw=raw,
-                manifest=manifest,
-                reused=reused,
-                detach=same and reused == len(tokens) and len(ctx.tokens) > reused,
-                dropped=len(ctx.tokens) + len(ctx.pending) - reused,
-                reason=reason,
-                divergence=self._divergence(tokens, common, add_bos) if same and common < len(ctx.tokens) else None,
-                resident=tuple(ctx.tokens),
-                moves=moves,
-                runs=runs,
-            )
+        """Check a prompt and decide what making it resident takes; the KV is not touched (prefix_planner.py)."""
+        return prefix_planner.plan_prefix(self, prefix)
 
     def begin_load(self, plan: PrefixPlan, disk: DiskRead | None = None) -> PrefixLoad:
         """Start executing a plan (call with the model lock held): drop what diverged, load from a tier.
@@ -294,35 +241,6 @@ class Session:
         self._cached_since_decode = status.cached_tokens
         self._last_prefix = status
         return status
-
-    def _given_tokens(self, tokens: Sequence[int]) -> list[int]:
-        n = self._backend.info.n_vocab
-        for i, t in enumerate(tokens):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
-                raise InvalidInput(f"prefix tokens[{i}] = {t!r} is out of range [0, {n})")
-        return list(tokens)
-
-    def _divergence(self, tokens: Sequence[int], reused: int, add_bos: bool) -> Divergence:
-        """Where the new prompt parted from the resident tokens (before any of them is dropped)."""
-        start = 1 if add_bos and tokens and tokens[0] == self._backend.info.bos_token_id else 0
-        return Divergence(
-            token=reused,
-            char=self._rt.spelled.count(tokens[start:reused]),
-            old=spell(self._backend, self.ctx.tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
-            new=spell(self._backend, tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
-            resident=len(self.ctx.tokens),
-        )
-
-    def _prefix_reason(self, same: bool, manifest: ContextManifest, reused: int, n: int) -> str:
-        if self._manifest is None or not self.ctx.tokens:
-            return f"cold: nothing resident; prefilled {n} tokens"
-        if not same:
-            return f"cold: manifest changed ({self._manifest.diff(manifest)}); prefilled {n} tokens"
-        if reused == 0:
-            return f"cold: first token differs from the resident context; prefilled {n} tokens"
-        if reused == n:
-            return f"warm: all {n} prefix tokens were resident"
-        return f"warm: reused {reused} of {n} prefix tokens; diverged at token {reused}, prefilled {n - reused}"
 
     def prefill_suffix(self, suffix: SuffixInput | str | bytes) -> SuffixStatus:
         """Prefill the volatile part after the prefix; the prefix KV is never touched."""

@@ -1,0 +1,118 @@
+"""Planning a prompt against a session: from a prefix input to the PrefixPlan its execution follows.
+
+plan_prefix checks the input (text, tokens, segments, manifest), tokenizes it, compares it with
+the session's resident tokens and decides what is reused (back to the nearest exact point of
+window or recurrent layers), which runs move (reuse_mode="chunks"), where the prompt diverged
+and why, in words, the prefix is warm or cold. The KV is not touched, so a rejected prompt
+changes nothing. It is apart from the session, which only calls it (Session.plan_prefix), and
+from prefix_plan.py, which holds the plan record and its execution.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..backends.base import exact_cut
+from ..errors import ContextOverflow, InvalidInput, ManifestMismatch
+from ..manifest import ContextManifest, validate_segments
+from ..prompt.text import as_text
+from ..prompt.tokens import common_prefix_len, spell
+from ..types import Divergence, PrefixInput
+from .prefix_plan import PrefixPlan, plan_moves
+
+if TYPE_CHECKING:
+    from .session import Session
+
+DIVERGENCE_TOKENS = 12  # excerpt of each side where reuse stopped
+DIVERGENCE_CHARS = 48
+
+
+def plan_prefix(session: Session, prefix: PrefixInput | str | bytes) -> PrefixPlan:
+    """Check a prompt and decide what making it resident in session takes; the KV is not touched."""
+    s, rt = session, session._rt
+    inp = PrefixInput.coerce(prefix)
+    text = as_text(inp.text, "prefix text")
+    if not text:
+        raise InvalidInput("prefix text is empty; ensure_prefix needs at least one token")
+    raw = text.encode("utf-8")
+    add_bos = rt.default_add_bos if inp.add_bos is None else bool(inp.add_bos)
+    segments = validate_segments(inp.segments, len(raw))
+    manifest = rt.manifest(add_bos).with_segments(segments)
+    if inp.expect_manifest is not None and inp.expect_manifest != manifest.digest:
+        raise ManifestMismatch(
+            f"prefix expects manifest {inp.expect_manifest[:16]} but this runtime is {manifest.digest[:16]}"
+        )
+    with s._lock():
+        s._check_usable()
+        if inp.tokens is not None:
+            tokens = _given_tokens(s, inp.tokens)
+        else:
+            tokens = rt.prompt_tokens(text, add_bos=add_bos, parse_special=inp.parse_special)
+        if not tokens:
+            raise InvalidInput("prefix text produced no tokens")
+        ctx = s.ctx
+        same = s._manifest is not None and s._manifest == manifest
+        reused = common_prefix_len(ctx.tokens, tokens) if same else 0
+        if len(tokens) > s._num_ctx:
+            raise ContextOverflow("ensure_prefix", reused, len(tokens) - reused, s._num_ctx)
+        chunks = rt.reuse_mode(inp.reuse_mode) == "chunks"
+        if not chunks:
+            reused = min(reused, ctx.exact)  # an exact reuse never takes moved KV
+        cfg = rt.config
+        runs = (cfg.chunk_min_tokens, cfg.chunk_recompute) if chunks else None
+        moves = plan_moves(tokens, ctx.tokens, reused, *runs) if runs is not None and same else ()
+        common = reused
+        if reused < len(ctx.tokens):  # window or recurrent layers: back to the nearest exact point
+            reused = exact_cut(s._backend, s._seq, reused)
+        reason = _prefix_reason(s, same, manifest, reused, len(tokens))
+        if reused < common:
+            layers = getattr(s._backend, "cut_layers", "window")
+            reason += f" (diverged at token {common}; the nearest exact point of the {layers} layers is {reused})"
+        return PrefixPlan(
+            tokens=tuple(tokens),
+            raw=raw,
+            manifest=manifest,
+            reused=reused,
+            detach=same and reused == len(tokens) and len(ctx.tokens) > reused,
+            dropped=len(ctx.tokens) + len(ctx.pending) - reused,
+            reason=reason,
+            divergence=_divergence(s, tokens, common, add_bos) if same and common < len(ctx.tokens) else None,
+            resident=tuple(ctx.tokens),
+            moves=moves,
+            runs=runs,
+        )
+
+
+def _given_tokens(session: Session, tokens: Sequence[int]) -> list[int]:
+    n = session._backend.info.n_vocab
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
+            raise InvalidInput(f"prefix tokens[{i}] = {t!r} is out of range [0, {n})")
+    return list(tokens)
+
+
+def _divergence(session: Session, tokens: Sequence[int], reused: int, add_bos: bool) -> Divergence:
+    """Where the new prompt parted from the resident tokens (before any of them is dropped)."""
+    backend, resident = session._backend, session.ctx.tokens
+    start = 1 if add_bos and tokens and tokens[0] == backend.info.bos_token_id else 0
+    return Divergence(
+        token=reused,
+        char=session._rt.spelled.count(tokens[start:reused]),
+        old=spell(backend, resident[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
+        new=spell(backend, tokens[reused : reused + DIVERGENCE_TOKENS])[:DIVERGENCE_CHARS],
+        resident=len(resident),
+    )
+
+
+def _prefix_reason(session: Session, same: bool, manifest: ContextManifest, reused: int, n: int) -> str:
+    resident = session._manifest
+    if resident is None or not session.ctx.tokens:
+        return f"cold: nothing resident; prefilled {n} tokens"
+    if not same:
+        return f"cold: manifest changed ({resident.diff(manifest)}); prefilled {n} tokens"
+    if reused == 0:
+        return f"cold: first token differs from the resident context; prefilled {n} tokens"
+    if reused == n:
+        return f"warm: all {n} prefix tokens were resident"
+    return f"warm: reused {reused} of {n} prefix tokens; diverged at token {reused}, prefilled {n - reused}"
