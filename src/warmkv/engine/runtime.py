@@ -58,7 +58,7 @@ from ..backends.choose import AUTO, BackendChoice, choose_backend
 from ..cache.disk.types import Snapshot
 from ..cache.remote.types import RemoteConfig
 from ..config import REUSE_MODES, DecodeConfig, ResolvedConfig, RuntimeConfig
-from ..errors import ContextOverflow, InvalidConfig, InvalidInput, ManifestMismatch, ModelUnloaded, Unsupported
+from ..errors import InvalidConfig, InvalidInput, ModelUnloaded, Unsupported
 from ..manifest import ContextManifest
 from ..models import resolve_model
 from ..prompt.chat import ChatTemplate, TemplateChoice
@@ -69,10 +69,10 @@ from ..prompt.prompter import Prompter
 from ..prompt.tokens import SpelledLengths
 from ..tools import Call, ToolFormat
 from ..types import PrefixInput, StreamChunk
-from . import pool_pressure
+from . import pool_pressure, session_copies
 from .completions import Completion, Completions
 from .model_lock import ModelLock
-from .session import NO_STORE, Session
+from .session import Session
 from .stats import RuntimeStats
 from .tiers import KVTiers
 
@@ -263,40 +263,16 @@ class Runtime:
             return s
 
     def restore(self, name: str) -> Session:
-        """A new session holding a snapshot's context, under this runtime's manifest only.
+        """A new session holding a snapshot's context, under this runtime's manifest only (session_copies.py).
 
         The snapshot is read and verified before the model lock is taken (lock order: module doc).
         """
-        if not isinstance(name, str) or not name:
-            raise InvalidInput(f"snapshot name must be a non-empty string, got {name!r}")
-        self._check_loaded()
-        tiers = self.tiers
-        if tiers is None or tiers.store is None:
-            raise Unsupported("restore", NO_STORE)
-        return self.restore_snapshot(tiers.store.get_snapshot(name))
+        return session_copies.restore(self, name)
 
     def restore_snapshot(self, snap: Snapshot) -> Session:
         """A new session holding a verified snapshot's context (read from the disk store or the remote
         tier); ManifestMismatch unless it was taken under this runtime's manifest. Not under the model lock."""
-        self._check_loaded()
-        name = snap.name
-        manifest = next((m for m in self._manifests.values() if m.digest == snap.manifest_digest), None)
-        if manifest is None:
-            theirs = dict(snap.manifest)
-            ours = self.manifest().identity()
-            diff = "; ".join(
-                f"{k}: {str(theirs.get(k))[:24]} != {str(v)[:24]}" for k, v in ours.items() if theirs.get(k) != v
-            )
-            raise ManifestMismatch(f"snapshot {name!r} was taken under another manifest ({diff})")
-        if len(snap.tokens) > self.config.num_ctx:
-            raise ContextOverflow("restore", 0, len(snap.tokens), self.config.num_ctx)
-        session = self.session()
-        try:
-            session._restore(snap.tokens, snap.blob, manifest, dict(snap.meta))  # its op lock, then the model lock
-        except BaseException:
-            session.close()
-            raise
-        return session
+        return session_copies.restore_snapshot(self, snap)
 
     @property
     def sessions(self) -> list[Session]:

@@ -19,7 +19,6 @@ history, a repeated header) and every other call drops it first (`settle`).
 
 from __future__ import annotations
 
-import re
 import secrets
 import threading
 import time
@@ -43,11 +42,11 @@ from ..errors import (
     Unsupported,
     WarmkvError,
 )
-from ..manifest import ContextManifest, hash_token_ids
+from ..manifest import ContextManifest
 from ..prompt.text import as_text
 from ..prompt.tokens import common_prefix_len
 from ..types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus
-from . import pool_pressure, prefix_planner
+from . import pool_pressure, prefix_planner, session_copies
 from .context import ResidentContext
 from .decode_state import DecodeState
 from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan
@@ -56,9 +55,6 @@ from .turn_runner import Phase, TurnRunner
 if TYPE_CHECKING:
     from ..cache import SnapshotInfo
     from .runtime import Runtime
-
-SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-NO_STORE = "the disk store is disabled (kv_store_mb=0) or the backend cannot move KV"
 
 
 @dataclass(frozen=True)
@@ -385,97 +381,25 @@ class Session:
             return tuple(self.ctx.tokens)
 
     def fork(self) -> Session:
-        """A second session holding the same resident context; the two diverge after.
+        """A second session holding the same resident context; the two diverge after (session_copies.py).
 
-        The child gets its own sequence (SessionLimit when none is free) and a copy
-        of the parent's KV, so either may prefill or decode without touching the other.
-        Locks: ours, then the model's; a failed copy closes the child after letting go
-        of the model lock (lock order: warmkv.engine.runtime).
+        The child gets its own sequence (SessionLimit when none is free) and a copy of the parent's KV.
         """
-        with self._op:
-            with self._model_lock:
-                self._check_usable()
-            child = self._rt.session()
-            try:
-                with self._model_lock:
-                    self._check_usable()
-                    self.ctx.settle()
-                    self._backend.copy_seq(self._seq, child._seq, len(self.ctx.tokens))
-                    child._adopt(self)
-                    child.publish_resident()
-                    self._publish()
-            except BaseException:
-                child.close()
-                raise
-            return child
+        return session_copies.fork(self)
 
     def snapshot(self, name: str) -> SnapshotInfo:
-        """Write the resident context (tokens, KV, manifest) to the disk store under `name`.
-
-        `Runtime.restore(name)` brings it back, also in another process after a crash.
-        The KV is copied under the model lock and written without it: other sessions keep
-        stepping while the disk works; this call returns once the snapshot is durable.
-        """
-        if not isinstance(name, str) or not SNAPSHOT_NAME.fullmatch(name):
-            raise InvalidInput(f"snapshot name must match {SNAPSHOT_NAME.pattern}, got {name!r}")
-        with self._op:  # held through the write: this session's state cannot change meanwhile
-            with self._model_lock:
-                self._check_usable()
-                tiers = self._rt.tiers
-                if tiers is None or tiers.store is None:
-                    raise Unsupported("snapshot", NO_STORE)
-                if self._manifest is None or not self.ctx.tokens:
-                    raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
-                snap = self._copy(name)
-            return tiers.write_snapshot(
-                name, snap.manifest_digest, dict(snap.manifest), snap.tokens, snap.blob, dict(snap.meta)
-            )
+        """Write the resident context (tokens, KV, manifest) to the disk store under `name`; returns once
+        durable. `Runtime.restore(name)` brings it back, also in another process after a crash."""
+        return session_copies.snapshot(self, name)
 
     def capture(self, name: str = "") -> Snapshot | None:
         """The resident context as an in-memory snapshot (tokens, KV, manifest), for a copy kept
-        elsewhere (the remote tier); None when the session is empty, closed or failed. The KV is
-        copied under the model lock; storing it is the caller's, without the lock."""
-        with self._op, self._model_lock:
-            if self._closed or self.ctx.fatal or self._manifest is None or not self.ctx.tokens:
-                return None
-            return self._copy(name)
-
-    def _copy(self, name: str) -> Snapshot:
-        """Settle and copy the resident context (op lock and model lock held)."""
-        ctx, m = self.ctx, self._manifest
-        assert m is not None
-        ctx.settle()
-        self._publish()
-        meta = {
-            "prefix_len": ctx.prefix_len,
-            "suffix_end": ctx.suffix_end,
-            "byte_hash": self._byte_hash,
-            "exact_end": ctx.exact_end,  # a restore keeps moved KV out of exact reuse
-        }
-        blob = self._backend.export_seq(self._seq)
-        return Snapshot(name, m.digest, m.to_dict(), tuple(ctx.tokens), bytes(blob), meta, time.time())
+        elsewhere (the remote tier); None when the session is empty, closed or failed."""
+        return session_copies.capture(self, name)
 
     def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
         """Load a snapshot's KV into this (fresh) session."""
-        with self._lock(publish=True):
-            self._backend.import_seq(self._seq, blob)
-            ctx = self.ctx
-            exact_end = meta.get("exact_end")
-            ctx.restore(
-                tokens,
-                int(meta.get("prefix_len", len(tokens))),
-                int(meta.get("suffix_end", len(tokens))),
-                int(exact_end) if exact_end is not None else None,
-            )
-            self._manifest = manifest
-            self._byte_hash = meta.get("byte_hash")  # type: ignore[assignment]
-            self._token_hash = hash_token_ids(ctx.tokens[: ctx.prefix_len])
-
-    def _adopt(self, other: Session) -> None:
-        """Take over another session's bookkeeping (its KV was copied to our sequence)."""
-        self.ctx.adopt(other.ctx)
-        self._manifest = other._manifest
-        self._byte_hash, self._token_hash, self._last_prefix = other._byte_hash, other._token_hash, other._last_prefix
+        session_copies.load(self, tokens, blob, manifest, meta)
 
     def cancel(self) -> None:
         """Stop a running decode at the next token (safe from any thread)."""

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from ...engine.session import SNAPSHOT_NAME
+from ...engine.session_copies import SNAPSHOT_NAME
 from ..turn.schemas import Stop, _Request
 
 

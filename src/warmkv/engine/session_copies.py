@@ -1,0 +1,165 @@
+"""Copies of a session's resident context: forks, snapshots and restores.
+
+A fork copies the KV to a new session of the same runtime; a snapshot writes tokens, KV and
+manifest to the disk store (or, captured, hands them to a caller such as the remote tier); a
+restore opens a new session holding a snapshot's context, under the runtime's manifest only.
+Each copy is made under the model lock and written or read without it (lock order:
+warmkv.engine.runtime). The session and the runtime delegate here (Session.fork, snapshot,
+capture, _restore; Runtime.restore, restore_snapshot): copying is about a session, not one.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..cache.disk.types import Snapshot
+from ..errors import ContextOverflow, InvalidInput, ManifestMismatch, NoPrefix, Unsupported
+from ..manifest import ContextManifest, hash_token_ids
+
+if TYPE_CHECKING:
+    from ..cache import SnapshotInfo
+    from .runtime import Runtime
+    from .session import Session
+
+SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NO_STORE = "the disk store is disabled (kv_store_mb=0) or the backend cannot move KV"
+
+
+def fork(session: Session) -> Session:
+    """A second session holding the same resident context; the two diverge after.
+
+    The child gets its own sequence (SessionLimit when none is free) and a copy
+    of the parent's KV, so either may prefill or decode without touching the other.
+    Locks: ours, then the model's; a failed copy closes the child after letting go
+    of the model lock (lock order: warmkv.engine.runtime).
+    """
+    with session._op:
+        with session._model_lock:
+            session._check_usable()
+        child = session._rt.session()
+        try:
+            with session._model_lock:
+                session._check_usable()
+                session.ctx.settle()
+                session._backend.copy_seq(session._seq, child._seq, len(session.ctx.tokens))
+                _adopt(child, session)
+                child.publish_resident()
+                session._publish()
+        except BaseException:
+            child.close()
+            raise
+        return child
+
+
+def snapshot(session: Session, name: str) -> SnapshotInfo:
+    """Write the resident context (tokens, KV, manifest) to the disk store under `name`.
+
+    `Runtime.restore(name)` brings it back, also in another process after a crash.
+    The KV is copied under the model lock and written without it: other sessions keep
+    stepping while the disk works; this call returns once the snapshot is durable.
+    """
+    if not isinstance(name, str) or not SNAPSHOT_NAME.fullmatch(name):
+        raise InvalidInput(f"snapshot name must match {SNAPSHOT_NAME.pattern}, got {name!r}")
+    with session._op:  # held through the write: this session's state cannot change meanwhile
+        with session._model_lock:
+            session._check_usable()
+            tiers = session._rt.tiers
+            if tiers is None or tiers.store is None:
+                raise Unsupported("snapshot", NO_STORE)
+            if session._manifest is None or not session.ctx.tokens:
+                raise NoPrefix("snapshot needs a prefix: call ensure_prefix first")
+            snap = _copy(session, name)
+        return tiers.write_snapshot(
+            name, snap.manifest_digest, dict(snap.manifest), snap.tokens, snap.blob, dict(snap.meta)
+        )
+
+
+def capture(session: Session, name: str = "") -> Snapshot | None:
+    """The resident context as an in-memory snapshot (tokens, KV, manifest), for a copy kept
+    elsewhere (the remote tier); None when the session is empty, closed or failed. The KV is
+    copied under the model lock; storing it is the caller's, without the lock."""
+    with session._op, session._model_lock:
+        if session._closed or session.ctx.fatal or session._manifest is None or not session.ctx.tokens:
+            return None
+        return _copy(session, name)
+
+
+def _copy(session: Session, name: str) -> Snapshot:
+    """Settle and copy the resident context (op lock and model lock held)."""
+    ctx, m = session.ctx, session._manifest
+    assert m is not None
+    ctx.settle()
+    session._publish()
+    meta = {
+        "prefix_len": ctx.prefix_len,
+        "suffix_end": ctx.suffix_end,
+        "byte_hash": session._byte_hash,
+        "exact_end": ctx.exact_end,  # a restore keeps moved KV out of exact reuse
+    }
+    blob = session._backend.export_seq(session._seq)
+    return Snapshot(name, m.digest, m.to_dict(), tuple(ctx.tokens), bytes(blob), meta, time.time())
+
+
+def restore(rt: Runtime, name: str) -> Session:
+    """A new session holding a snapshot's context, under this runtime's manifest only.
+
+    The snapshot is read and verified before the model lock is taken (lock order: warmkv.engine.runtime).
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidInput(f"snapshot name must be a non-empty string, got {name!r}")
+    rt._check_loaded()
+    tiers = rt.tiers
+    if tiers is None or tiers.store is None:
+        raise Unsupported("restore", NO_STORE)
+    return rt.restore_snapshot(tiers.store.get_snapshot(name))
+
+
+def restore_snapshot(rt: Runtime, snap: Snapshot) -> Session:
+    """A new session holding a verified snapshot's context (read from the disk store or the remote
+    tier); ManifestMismatch unless it was taken under this runtime's manifest. Not under the model lock."""
+    rt._check_loaded()
+    name = snap.name
+    manifest = next((m for m in rt._manifests.values() if m.digest == snap.manifest_digest), None)
+    if manifest is None:
+        theirs = dict(snap.manifest)
+        ours = rt.manifest().identity()
+        diff = "; ".join(
+            f"{k}: {str(theirs.get(k))[:24]} != {str(v)[:24]}" for k, v in ours.items() if theirs.get(k) != v
+        )
+        raise ManifestMismatch(f"snapshot {name!r} was taken under another manifest ({diff})")
+    if len(snap.tokens) > rt.config.num_ctx:
+        raise ContextOverflow("restore", 0, len(snap.tokens), rt.config.num_ctx)
+    session = rt.session()
+    try:
+        session._restore(snap.tokens, snap.blob, manifest, dict(snap.meta))  # its op lock, then the model lock
+    except BaseException:
+        session.close()
+        raise
+    return session
+
+
+def load(session: Session, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
+    """Load a snapshot's KV into this (fresh) session (Session._restore)."""
+    with session._lock(publish=True):
+        session._backend.import_seq(session._seq, blob)
+        ctx = session.ctx
+        exact_end = meta.get("exact_end")
+        ctx.restore(
+            tokens,
+            int(meta.get("prefix_len", len(tokens))),
+            int(meta.get("suffix_end", len(tokens))),
+            int(exact_end) if exact_end is not None else None,
+        )
+        session._manifest = manifest
+        session._byte_hash = meta.get("byte_hash")  # type: ignore[assignment]
+        session._token_hash = hash_token_ids(ctx.tokens[: ctx.prefix_len])
+
+
+def _adopt(child: Session, parent: Session) -> None:
+    """The child takes over the parent's bookkeeping (its KV was copied to the child's sequence)."""
+    child.ctx.adopt(parent.ctx)
+    child._manifest = parent._manifest
+    child._byte_hash, child._token_hash, child._last_prefix = parent._byte_hash, parent._token_hash, parent._last_prefix
