@@ -3,9 +3,10 @@
 plan_prefix checks the input (text, tokens, segments, manifest), tokenizes it, compares it with
 the session's resident tokens and decides what is reused (back to the nearest exact point of
 window or recurrent layers), which runs move (reuse_mode="chunks"), where the prompt diverged
-and why, in words, the prefix is warm or cold. The KV is not touched, so a rejected prompt
-changes nothing. It is apart from the session, which only calls it (Session.plan_prefix), and
-from prefix_plan.py, which holds the plan record and its execution.
+and why, in words, the prefix is warm or cold; reuse_mode checks the reuse a prompt asks for
+(Runtime.reuse_mode). The KV is not touched, so a rejected prompt changes nothing. It is apart
+from the session, which only calls it (Session.plan_prefix), and from prefix_plan.py, which
+holds the plan record and its execution.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ..backends.base import exact_cut
-from ..errors import ContextOverflow, InvalidInput, ManifestMismatch
+from ..backends.base import Backend, exact_cut
+from ..config import REUSE_MODES
+from ..errors import ContextOverflow, InvalidInput, ManifestMismatch, Unsupported
 from ..manifest import ContextManifest, validate_segments
 from ..prompt.text import as_text
 from ..prompt.tokens import common_prefix_len, spell
@@ -56,7 +58,7 @@ def plan_prefix(session: Session, prefix: PrefixInput | str | bytes) -> PrefixPl
         reused = common_prefix_len(ctx.tokens, tokens) if same else 0
         if len(tokens) > s._num_ctx:
             raise ContextOverflow("ensure_prefix", reused, len(tokens) - reused, s._num_ctx)
-        chunks = rt.reuse_mode(inp.reuse_mode) == "chunks"
+        chunks = reuse_mode(s._backend, inp.reuse_mode) == "chunks"
         if not chunks:
             reused = min(reused, ctx.exact)  # an exact reuse never takes moved KV
         cfg = rt.config
@@ -116,3 +118,16 @@ def _prefix_reason(session: Session, same: bool, manifest: ContextManifest, reus
     if reused == n:
         return f"warm: all {n} prefix tokens were resident"
     return f"warm: reused {reused} of {n} prefix tokens; diverged at token {reused}, prefilled {n - reused}"
+
+
+def reuse_mode(backend: Backend, mode: str | None = None) -> str:
+    """The reuse mode a prompt asked for (None: the runtime's), checked against what the backend can."""
+    if mode is None:
+        return backend.config.reuse_mode
+    if mode not in REUSE_MODES:
+        raise InvalidInput(f"reuse_mode must be one of {', '.join(REUSE_MODES)}; got {mode!r}", param="reuse_mode")
+    if mode == "chunks":
+        why = backend.chunk_support()
+        if why is not None:
+            raise Unsupported("reuse_mode='chunks'", why)
+    return mode

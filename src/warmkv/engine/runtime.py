@@ -34,51 +34,34 @@ condition then, and a step holds the model lock.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from ..backends import (
-    Backend,
-    BackendOptions,
-    KVMemory,
-    ModelInfo,
-    ModelState,
-    available_backends,
-    load_backend,
-    make_options,
-    options_type,
-)
-from ..backends.choose import AUTO, BackendChoice, choose_backend
+from ..backends import Backend, BackendOptions, KVMemory, ModelInfo, ModelState, load_backend
+from ..backends.choose import AUTO, BackendChoice
 from ..cache.disk.types import Snapshot
-from ..cache.remote.types import RemoteConfig
-from ..config import REUSE_MODES, DecodeConfig, ResolvedConfig, RuntimeConfig
-from ..errors import InvalidConfig, InvalidInput, ModelUnloaded, Unsupported
+from ..config import DecodeConfig, ResolvedConfig, RuntimeConfig
+from ..errors import InvalidConfig, ModelUnloaded, Unsupported
 from ..manifest import ContextManifest
-from ..models import resolve_model
 from ..prompt.chat import ChatTemplate, TemplateChoice
-from ..prompt.constraint import Constraint, Guide, build_tokenizer
-from ..prompt.embeddings import EmbedInput, l2_normalize, split_inputs
+from ..prompt.constraint import Constraint, Guide
+from ..prompt.embeddings import EmbedInput
 from ..prompt.infill import ExtraFile, FimTokens
 from ..prompt.prompter import Prompter
 from ..prompt.tokens import SpelledLengths
 from ..tools import Call, ToolFormat
 from ..types import PrefixInput, StreamChunk
-from . import pool_pressure, session_copies
+from . import load_options, pool_pressure, prefix_planner, runtime_tiers, session_copies
 from .completions import Completion, Completions
 from .model_lock import ModelLock
 from .session import Session
 from .stats import RuntimeStats
 from .tiers import KVTiers
-
-log = logging.getLogger(__name__)
-# Forwards of fewer tokens (decode steps, speculative rows of at most 33) say little about the prefill rate.
-PREFILL_SAMPLE_TOKENS = 48
 
 
 class Runtime:
@@ -96,7 +79,6 @@ class Runtime:
         self._model_lock = ModelLock()
         self.lock = self._model_lock.lock
         self._sessions: dict[str, Session] = {}
-        self._llg_tokenizer: Any = None  # llguidance's vocabulary, built on the first constrained decode
         self.spelled = SpelledLengths(backend)  # divergence offsets without spelling the whole prompt
         self._completions = Completions(self)  # complete, chat and infill on the runtime's own sessions
         c = self.config
@@ -107,22 +89,8 @@ class Runtime:
             backend.close()
             raise
         template = self._prompter.template_source
-        # Warm tiers need a backend that can keep, export and import a sequence's KV.
-        try:
-            self.tiers = (
-                KVTiers(
-                    backend,
-                    block_tokens=c.cache_block_tokens,
-                    memory_mb=c.prefix_cache_mb,
-                    store_dir=c.kv_store_dir,
-                    store_mb=c.kv_store_mb,
-                    unlocked=self._model_lock.unlocked,
-                    held=self._model_lock.held,
-                    remote=_remote_config(c),
-                )
-                if callable(getattr(backend, "keep_seq", None)) and (c.prefix_cache_mb or c.kv_store_mb or c.kv_remote)
-                else None
-            )
+        try:  # the warm tiers the config asks for, where the backend can keep KV
+            self.tiers: KVTiers | None = runtime_tiers.build(backend, c, self._model_lock)
         except BaseException:
             backend.close()
             raise
@@ -143,9 +111,7 @@ class Runtime:
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill forward ran (model lock held): the measured rate a remote tier read must beat."""
-        tiers = self.tiers
-        if tiers is not None and tokens >= PREFILL_SAMPLE_TOKENS:
-            tiers.note_prefill(tokens, seconds)
+        runtime_tiers.note_prefill(self.tiers, tokens, seconds)
 
     def publish_stats(self) -> None:
         """Replace `stats` with what the runtime holds now (call with the model lock held)."""
@@ -182,34 +148,7 @@ class Runtime:
         backend's own (NativeOptions: compute_dtype, device, cpp_decode, kv_cache_mb;
         LlamaCppOptions: use_mmap, use_mlock), by name or as backend_options (a record or a mapping).
         """
-        runtime_names = {f.name for f in fields(RuntimeConfig)}
-        if backend == AUTO:
-            backend_names = set(options_type("native").names()) | set(options_type("llamacpp").names())
-        else:
-            backend_names = set(options_type(backend).names())
-        unknown = sorted(set(options) - runtime_names - backend_names)
-        if unknown:
-            valid = sorted(runtime_names | backend_names)
-            raise InvalidConfig(f"unknown runtime option(s) {unknown} for backend {backend!r}; valid: {valid}")
-        runtime_opts = {k: v for k, v in options.items() if k in runtime_names}
-        if config is not None and runtime_opts:
-            raise InvalidInput("pass either config= or keyword options, not both")
-        cfg = config if config is not None else RuntimeConfig.from_kwargs(**runtime_opts)
-        if not isinstance(cfg, RuntimeConfig):
-            raise InvalidInput(f"config must be RuntimeConfig, got {type(cfg).__name__}")
-        more = {k: v for k, v in options.items() if k in backend_names and k not in runtime_names}
-        path = resolve_model(model)
-        if backend == AUTO:
-            given = backend_options.as_dict() if isinstance(backend_options, BackendOptions) else backend_options
-            if given is not None and not isinstance(given, Mapping):
-                raise InvalidConfig(f"backend options must be a mapping, got {type(given).__name__}")
-            named = {**dict(given or {}), **more}
-            choice = choose_backend(path, available_backends(), option_names=named, kv_cache_type=cfg.kv_cache_type)
-            log.info("backend auto: %s (%s)", choice.name, choice.reason)
-            opts = make_options(choice.name, named)
-        else:
-            choice = BackendChoice(backend, "asked for")
-            opts = make_options(backend, backend_options, **more)
+        path, cfg, choice, opts = load_options.resolve(model, backend, config, backend_options, options)
         return cls(load_backend(choice.name, str(path), cfg, opts), choice)
 
     # -- facts ------------------------------------------------------------------
@@ -237,15 +176,7 @@ class Runtime:
 
     def reuse_mode(self, mode: str | None = None) -> str:
         """The reuse mode a prompt asked for (None: the runtime's), checked against what the backend can."""
-        if mode is None:
-            return self.config.reuse_mode
-        if mode not in REUSE_MODES:
-            raise InvalidInput(f"reuse_mode must be one of {', '.join(REUSE_MODES)}; got {mode!r}", param="reuse_mode")
-        if mode == "chunks":
-            why = self.backend.chunk_support()
-            if why is not None:
-                raise Unsupported("reuse_mode='chunks'", why)
-        return mode
+        return prefix_planner.reuse_mode(self.backend, mode)
 
     def _check_loaded(self) -> None:
         if self.backend.state is ModelState.UNLOADED:
@@ -355,21 +286,15 @@ class Runtime:
         """The infill prompt as a prefix: its tokens (user text never parses as control tokens) and its text."""
         return self._prompter.infill_prompt(prefix, suffix, extra, repo=repo)
 
-    # -- constrained decoding ---------------------------------------------------
+    # -- constrained decoding and embeddings -----------------------------------------
 
     def guide(self, constraint: Constraint) -> Guide:
         """A fresh constraint state for one decode; the model's vocabulary for it is built once."""
-        with self.lock:
-            self._check_loaded()
-            if self._llg_tokenizer is None:
-                self._llg_tokenizer = build_tokenizer(self.backend)
-        return Guide(self._llg_tokenizer, constraint)
-
-    # -- embeddings -------------------------------------------------------------
+        return self._prompter.guide(constraint)
 
     def embedding_tokens(self, inputs: EmbedInput) -> list[list[int]]:
         """Token ids of each embedding input: texts get the BOS policy, id lists are taken as given."""
-        return [self.tokenize(x, parse_special=False) if isinstance(x, str) else x for x in split_inputs(inputs)]
+        return self._prompter.embedding_tokens(inputs)
 
     def embed(self, inputs: EmbedInput, *, normalize: bool = True) -> np.ndarray:
         """One row per input ([n, n_embd] float32): the mean of the model's final-norm hidden
@@ -377,13 +302,7 @@ class Runtime:
         return self.embed_tokens(self.embedding_tokens(inputs), normalize=normalize)
 
     def embed_tokens(self, token_lists: Sequence[Sequence[int]], *, normalize: bool = True) -> np.ndarray:
-        rows = []
-        for tokens in token_lists:
-            with self.lock:  # one input at a time: decode steps of other sessions go in between
-                self._check_loaded()
-                v = self.backend.embed(list(tokens))
-            rows.append(l2_normalize(v) if normalize else v)
-        return np.stack(rows).astype(np.float32)
+        return self._prompter.embed_tokens(token_lists, normalize=normalize)
 
     # -- helper completions (completions.py) -----------------------------------------
 
@@ -437,20 +356,11 @@ class Runtime:
         """Write the memory tier's KV to the disk store and drop it from memory, for a server about to
         stop (or a model about to unload): (tokens queued, whether every queued write, these and earlier
         ones, finished within timeout). Without a store: nothing moves. Not under the model lock."""
-        tiers = self.tiers
-        if tiers is None:
-            return 0, True
-        with self.lock:
-            n = tiers.spill_memory()
-        done = tiers.flush(timeout)
-        with self.lock:
-            tiers.release_written()
-        return n, done
+        return runtime_tiers.spill_to_disk(self, timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued KV store write is on disk; False on timeout. Not under the model lock."""
-        tiers = self.tiers
-        return True if tiers is None else tiers.flush(timeout)
+        return runtime_tiers.flush(self.tiers, timeout)
 
     def close(self) -> None:
         # Sessions first, without the model lock: closing one waits for its running call.
@@ -473,12 +383,3 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _remote_config(c: ResolvedConfig) -> RemoteConfig | None:
-    if c.kv_remote is None:
-        return None
-    timeout = c.kv_remote_timeout_ms / 1000
-    return RemoteConfig(
-        c.kv_remote, timeout_s=timeout, write_timeout_s=timeout * 10, prefill_rate=c.kv_remote_prefill_rate
-    )

@@ -3,9 +3,10 @@
 It holds what turning a request into tokens needs for one model: the chat template chosen at load
 (rendered as the template says, or keeping earlier turns' reasoning), the tool call format it implies,
 the plain tokenizations of recent prompts, the generated turns remembered so a resent conversation
-tokenizes to the model's own tokens, and the fill-in-the-middle tokens. The runtime owns one and
-delegates its prompt methods to it; it is apart from the runtime because none of this is about
-sessions or KV. Backend calls are made under the model lock it is given, after the runtime's
+tokenizes to the model's own tokens, the fill-in-the-middle tokens, the vocabulary a constrained
+decode is guided over, and embedding inputs (tokenized, then pooled by the backend). The runtime owns
+one and delegates its prompt methods to it; it is apart from the runtime because none of this is
+about sessions or KV. Backend calls are made under the model lock it is given, after the runtime's
 loaded check; it imports nothing of the engine.
 """
 
@@ -16,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+import numpy as np
+
 from ..backends.base import Backend
 from ..config import ResolvedConfig
 from ..errors import InvalidConfig, InvalidInput, Unsupported
@@ -23,6 +26,8 @@ from ..tools import Call, ToolFormat
 from ..tools import resolve as resolve_tool_format
 from ..types import PrefixInput
 from .chat import ChatTemplate, TemplateChoice, check_template_kwargs, resolve_template
+from .constraint import Constraint, Guide, build_tokenizer
+from .embeddings import EmbedInput, l2_normalize, split_inputs
 from .infill import ExtraFile, FimTokens, check_extra, find_fim_tokens, infill_tokens
 from .reasoning import template_thinks
 from .reasoning_history import KeptRenderer
@@ -75,6 +80,7 @@ class Prompter:
         self.template_source = self.template_choice.source
         self._template: ChatTemplate | None = None
         self._kept: KeptRenderer | None = None
+        self._llg_tokenizer: Any = None  # llguidance's vocabulary, built on the first constrained decode
 
     @property
     def config(self) -> ResolvedConfig:
@@ -208,3 +214,27 @@ class Prompter:
             start = 1 if bos and tokens[0] == self.backend.info.bos_token_id else 0
             text = spell(self.backend, tokens[start:])
         return PrefixInput(text=text, tokens=tuple(tokens))
+
+    # -- constrained decoding and embeddings ------------------------------------------
+
+    def guide(self, constraint: Constraint) -> Guide:
+        """A fresh constraint state for one decode; the model's vocabulary for it is built once."""
+        with self._lock:
+            self._check_loaded()
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = build_tokenizer(self.backend)
+        return Guide(self._llg_tokenizer, constraint)
+
+    def embedding_tokens(self, inputs: EmbedInput) -> list[list[int]]:
+        """Token ids of each embedding input: texts get the BOS policy, id lists are taken as given."""
+        return [self.tokenize(x, parse_special=False) if isinstance(x, str) else x for x in split_inputs(inputs)]
+
+    def embed_tokens(self, token_lists: Sequence[Sequence[int]], *, normalize: bool = True) -> np.ndarray:
+        """One row per token list: the backend's pooled embedding, L2-normalized unless normalize=False."""
+        rows = []
+        for tokens in token_lists:
+            with self._lock:  # one input at a time: decode steps of other sessions go in between
+                self._check_loaded()
+                v = self.backend.embed(list(tokens))
+            rows.append(l2_normalize(v) if normalize else v)
+        return np.stack(rows).astype(np.float32)
