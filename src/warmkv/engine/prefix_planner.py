@@ -1,4 +1,4 @@
-"""Planning a prompt against a session: from a prefix input to the PrefixPlan its execution follows.
+"""Planning a prompt against a session, and the session's side of carrying the plan out.
 
 plan_prefix checks the input (text, tokens, segments, manifest), tokenizes it, compares it with
 the session's resident tokens and decides what is reused (back to the nearest exact point of
@@ -6,12 +6,13 @@ window or recurrent layers), which runs move (reuse_mode="chunks"), where the pr
 and why, in words, the prefix is warm or cold; reuse_mode checks the reuse a prompt asks for
 (Runtime.reuse_mode). The KV is not touched, so a rejected prompt changes nothing. It is apart
 from the session, which only calls it (Session.plan_prefix), and from prefix_plan.py, which
-holds the plan record and its execution.
+holds the plan record and its execution. begin_load and finish_load are where a plan's
+PrefixLoad starts and where its result becomes the session's prefix (manifest, hashes, status).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..backends.base import Backend, exact_cut
@@ -20,8 +21,8 @@ from ..errors import ContextOverflow, InvalidInput, ManifestMismatch, Unsupporte
 from ..manifest import ContextManifest, validate_segments
 from ..prompt.text import as_text
 from ..prompt.tokens import common_prefix_len, spell
-from ..types import Divergence, PrefixInput
-from .prefix_plan import PrefixPlan, plan_moves
+from ..types import Divergence, PrefixInput, PrefixStatus
+from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan, plan_moves
 
 if TYPE_CHECKING:
     from .session import Session
@@ -84,6 +85,33 @@ def plan_prefix(session: Session, prefix: PrefixInput | str | bytes) -> PrefixPl
             moves=moves,
             runs=runs,
         )
+
+
+def begin_load(session: Session, plan: PrefixPlan, disk: DiskRead | None = None) -> PrefixLoad:
+    """Start executing a plan (model lock held): drop what diverged, load from a tier (Session.begin_load)."""
+    load = PrefixLoad(session.ctx, plan, session._rt.tiers, session._num_ctx)
+    session._manifest = plan.manifest
+    load.begin(disk)
+    return load
+
+
+def disk_read(session: Session, plan: PrefixPlan) -> Callable[[], DiskRead] | None:
+    """The read of the tiers below memory begin_load would make for plan, or None (Session.disk_read)."""
+    tiers = session._rt.tiers
+    if tiers is None:
+        return None
+    tokens = plan.tokens
+    return tiers.disk_read(plan.manifest.digest, tokens, tiers.keys(plan.manifest.digest, tokens), plan.reused)
+
+
+def finish_load(session: Session, load: PrefixLoad) -> PrefixStatus:
+    """The plan's prompt is resident: it becomes the session's prefix (model lock held)."""
+    status = load.status()
+    session._byte_hash = status.stable_byte_hash
+    session._token_hash = status.stable_token_hash
+    session._cached_since_decode = status.cached_tokens
+    session._last_prefix = status
+    return status
 
 
 def _given_tokens(session: Session, tokens: Sequence[int]) -> list[int]:

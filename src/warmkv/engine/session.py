@@ -11,6 +11,11 @@ A thin facade over three owners:
 `decode()` drives one DecodeState for this session alone; the Scheduler drives many,
 with prefill pieces of waiting prompts in the same steps.
 
+What the session does beside those is written as functions over it, each in its own module,
+and the methods here delegate: planning a prompt (prefix_planner.py), the suffix
+(suffix_prefill.py), forks, snapshots and restores (session_copies.py), parking its KV when
+the pool runs short (pool_pressure.py) and its report (explain.py).
+
 When ensure_prefix finds its whole prefix resident, the old suffix and generated tokens
 are dropped logically but their KV stays *detached* until the next call that needs the
 room: prefill_suffix reuses the part of it the new suffix shares (a resent conversation
@@ -34,7 +39,6 @@ from ..config import DecodeConfig
 from ..errors import (
     ContextOverflow,
     InvalidInput,
-    ManifestMismatch,
     NoPrefix,
     SessionBusy,
     SessionClosed,
@@ -43,10 +47,8 @@ from ..errors import (
     WarmkvError,
 )
 from ..manifest import ContextManifest
-from ..prompt.text import as_text
-from ..prompt.tokens import common_prefix_len
 from ..types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus
-from . import pool_pressure, prefix_planner, session_copies
+from . import explain, pool_pressure, prefix_planner, session_copies, suffix_prefill
 from .context import ResidentContext
 from .decode_state import DecodeState
 from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan
@@ -215,67 +217,20 @@ class Session:
 
         disk: the plan's disk read, made beforehand (see disk_read); else a lookup reads the disk here.
         """
-        load = PrefixLoad(self.ctx, plan, self._rt.tiers, self._num_ctx)
-        self._manifest = plan.manifest
-        load.begin(disk)
-        return load
+        return prefix_planner.begin_load(self, plan, disk)
 
     def disk_read(self, plan: PrefixPlan) -> Callable[[], DiskRead] | None:
         """The read of the tiers below memory (disk, remote) begin_load would make for plan, to run on
         another thread first; None when it would make none (call with the model lock held)."""
-        tiers = self._rt.tiers
-        if tiers is None:
-            return None
-        tokens = plan.tokens
-        return tiers.disk_read(plan.manifest.digest, tokens, tiers.keys(plan.manifest.digest, tokens), plan.reused)
+        return prefix_planner.disk_read(self, plan)
 
     def finish_load(self, load: PrefixLoad) -> PrefixStatus:
         """The plan's prompt is resident: it becomes the prefix (call with the model lock held)."""
-        status = load.status()
-        self._byte_hash = status.stable_byte_hash
-        self._token_hash = status.stable_token_hash
-        self._cached_since_decode = status.cached_tokens
-        self._last_prefix = status
-        return status
+        return prefix_planner.finish_load(self, load)
 
     def prefill_suffix(self, suffix: SuffixInput | str | bytes) -> SuffixStatus:
-        """Prefill the volatile part after the prefix; the prefix KV is never touched."""
-        inp = SuffixInput.coerce(suffix)
-        text = as_text(inp.text, "suffix text")
-        with self._lock(publish=True):
-            self._check_usable()
-            ctx = self.ctx
-            if self._manifest is None or ctx.prefix_len == 0:
-                raise NoPrefix("prefill_suffix needs a prefix: call ensure_prefix first")
-            if inp.manifest_digest is not None and inp.manifest_digest != self._manifest.digest:
-                raise ManifestMismatch(
-                    f"suffix was built for manifest {inp.manifest_digest[:16]} but the resident KV "
-                    f"is {self._manifest.digest[:16]}"
-                )
-            tokens = self._rt.prompt_tokens(text, add_bos=False, parse_special=inp.parse_special) if text else []
-            if inp.append:
-                base, new, reused = ctx.live, [*ctx.pending, *tokens], 0
-            else:
-                base, new = ctx.prefix_len, tokens
-                reused = common_prefix_len(ctx.tokens[base:], tokens)
-            if base + len(new) > self._num_ctx:
-                raise ContextOverflow("prefill_suffix", base + reused, len(new) - reused, self._num_ctx)
-            t0 = time.perf_counter()
-            if inp.append:
-                ctx.append_suffix(tokens, between=self._rt.yield_model_lock)
-            else:
-                ctx.replace_suffix(tokens, reused, between=self._rt.yield_model_lock)
-            self._cached_since_decode += reused
-            return SuffixStatus(
-                suffix_tokens=ctx.suffix_end - ctx.prefix_len,
-                prefix_tokens=ctx.prefix_len,
-                resident_tokens=len(ctx.tokens),
-                available_tokens=self._num_ctx - len(ctx.tokens),
-                manifest_digest=self._manifest.digest,
-                reused_tokens=reused,
-                prefilled_tokens=len(new) - reused,
-                prefill_s=time.perf_counter() - t0,
-            )
+        """Prefill the volatile part after the prefix; the prefix KV is never touched (suffix_prefill.py)."""
+        return suffix_prefill.prefill_suffix(self, SuffixInput.coerce(suffix))
 
     # -- decoding ------------------------------------------------------------------
 
@@ -406,33 +361,8 @@ class Session:
         self._cancel.set()
 
     def explain(self) -> ContextReport:
-        with self._lock():
-            m, ctx = self._manifest, self.ctx
-            return ContextReport(
-                session_id=self.id,
-                backend=self._backend.name,
-                closed=self._closed,
-                num_ctx=self._num_ctx,
-                resident_tokens=ctx.live,
-                prefix_tokens=ctx.prefix_len,
-                suffix_tokens=ctx.suffix_end - ctx.prefix_len,
-                generated_tokens=ctx.live - ctx.suffix_end + len(ctx.pending),
-                available_tokens=self._num_ctx - ctx.live,
-                stable_byte_hash=self._byte_hash,
-                stable_token_hash=self._token_hash,
-                manifest_digest=m.digest if m else None,
-                manifest=m.to_dict() if m else None,
-                segments=tuple(m.to_dict()["segments"]) if m else (),  # type: ignore[arg-type]
-                last_prefix=self._last_prefix,
-                cache=self._rt.tiers.stats() if self._rt.tiers is not None else None,
-                tool_format=self._tool_format(),
-            )
-
-    def _tool_format(self) -> str | None:
-        try:
-            return self._rt.tool_format().describe()
-        except WarmkvError:
-            return None  # prompt_format="raw": no chat template, no tool calls
+        """What is resident and why the last prefix was warm or cold (explain.py)."""
+        return explain.report(self)
 
     @property
     def closed(self) -> bool:
