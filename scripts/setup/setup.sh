@@ -2,7 +2,7 @@
 # Set up ./.venv with warmkv, its pinned llama.cpp build and the default model.
 # Usage: scripts/setup/setup.sh [extras]   e.g. scripts/setup/setup.sh dev,server,bench
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 EXTRAS="${1:-}"
 LLAMA_VERSION="0.3.36"
