@@ -56,5 +56,5 @@ fi
 .venv/bin/python -c "from warmkv.models import gemma3_path; gemma3_path(assemble=True)"
 # Build the native engine's C++ decode loop now rather than in the first request (~30 s, once).
 if .venv/bin/python -c "import torch" >/dev/null 2>&1; then
-    .venv/bin/python -c "from warmkv.backends.native.decode_ext import main; main()"
+    .venv/bin/python -c "from warmkv.backends.native.cpp.decode_ext import main; main()"
 fi
