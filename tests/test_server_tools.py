@@ -249,6 +249,57 @@ def test_responses_text(client: openai.OpenAI, model: str) -> None:
     assert isinstance(json.loads(r.output_text)["ok"], bool)
 
 
+# qwen-code's todo tool has this shape: oneOf branches that overlap (an item with `content` matches
+# both), which the grammar engine cannot enforce exactly.
+TEXT = {"type": "string", "maxLength": 40}
+CLOSED = {"additionalProperties": False}
+TODOS = {
+    "type": "function",
+    "function": {
+        "name": "write_todos",
+        "description": "Replace the todo list.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "todos": {
+                    "type": "array",
+                    "items": {
+                        "oneOf": [
+                            {"type": "object", "properties": {"content": TEXT}, **CLOSED},
+                            {"type": "object", "properties": {"id": TEXT, "content": TEXT}, **CLOSED},
+                        ]
+                    },
+                    "maxItems": 2,
+                }
+            },
+            "required": ["todos"],
+        },
+    },
+}
+
+
+def test_a_schema_the_grammar_cannot_enforce_is_served_and_named(client: openai.OpenAI, model: str) -> None:
+    """A oneOf tool is offered (as anyOf), called, and the loosening named in x-warmkv-ignored; the
+    response format's own loosening likewise."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=_ask("Plan: write a todo to fix the test."), tools=[READ, TODOS],
+        tool_choice={"type": "function", "function": {"name": "write_todos"}}, temperature=0, max_tokens=96,
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    assert raw.headers["x-warmkv-ignored"] == "tools.write_todos.oneOf"
+    msg = raw.parse().choices[0].message
+    (call,) = msg.tool_calls
+    args = json.loads(call.function.arguments)
+    loosened = json.loads(json.dumps(TODOS["function"]["parameters"]).replace('"oneOf"', '"anyOf"'))
+    jsonschema.validate(args, loosened)
+    fmt = {"type": "object", "properties": {"tag": {"type": "string"}}, "propertyNames": {"maxLength": 3}}
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=_ask("Answer in JSON."), temperature=0, max_tokens=24,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": fmt}},
+    )  # fmt: skip
+    assert raw.headers["x-warmkv-ignored"] == "response_format.propertyNames"
+
+
 def test_langchain_bind_tools(server: tuple[str, str], model: str) -> None:
     lc = pytest.importorskip("langchain_openai")
     from langchain_core.tools import tool

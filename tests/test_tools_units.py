@@ -76,7 +76,7 @@ def test_tools_are_validated_with_the_field_named() -> None:
         ([{"type": "function", "function": {"name": "has space"}}], "tools[0].function.name"),
         (
             [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
-            "tools[0].function.parameters",
+            "tools[0].function.parameters.type",  # where in the schema it breaks the metaschema
         ),
         ([WEATHER, WEATHER], "tools[1].name"),
     ]

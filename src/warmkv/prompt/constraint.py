@@ -26,10 +26,15 @@ Kind = Literal["json", "json_schema", "regex", "lark"]
 
 @dataclass(frozen=True)
 class Constraint:
-    """What the generated text must match. Build with the classmethods."""
+    """What the generated text must match. Build with the classmethods.
+
+    loosened: the parts of a JSON schema the grammar does not enforce exactly, as the request
+    names them (e.g. "response_format.oneOf"; tools/schema_fit.py), for x-warmkv-ignored.
+    """
 
     kind: Kind
     spec: str = ""
+    loosened: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("json", "json_schema", "regex", "lark"):
@@ -43,10 +48,10 @@ class Constraint:
         return cls("json")
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> Constraint:
+    def json_schema(cls, schema: dict[str, Any] | str, loosened: tuple[str, ...] = ()) -> Constraint:
         if isinstance(schema, dict):
             schema = json.dumps(schema)
-        return cls("json_schema", schema)
+        return cls("json_schema", schema, loosened)
 
     @classmethod
     def regex(cls, pattern: str) -> Constraint:

@@ -17,7 +17,8 @@ from ..prompt.constraint import Constraint
 from .formats import ToolFormat
 from .spec import ToolChoice, ToolSpec
 
-# lenient: keywords llguidance does not implement are left unenforced instead of refusing the tool.
+# lenient: a keyword llguidance does not implement is left unenforced instead of refusing the tool
+# (tool schemas are fitted before they get here, schema_fit.py, so only what they name is loose).
 SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": True}
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~/")
 
@@ -70,7 +71,7 @@ def call_schema(fmt: ToolFormat, tools: Sequence[ToolSpec]) -> dict[str, Any]:
     defs: dict[str, Any] = {}
     branches = []
     for i, t in enumerate(tools):
-        args = _hoist(t.parameters, f"t{i}_", defs)
+        args = _hoist(t.grammar_schema, f"t{i}_", defs)
         if args.get("type") == "object" and "additionalProperties" not in args:
             # Only the declared arguments, as OpenAI's strict mode: small models otherwise invent keys.
             args = {**args, "additionalProperties": False}

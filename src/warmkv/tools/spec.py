@@ -6,15 +6,13 @@ into these; errors name the request field that is wrong.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import llguidance
-
 from ..errors import InvalidInput
+from .schema_fit import fit_schema
 
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_TOOLS = 128
@@ -25,11 +23,23 @@ ChoiceMode = Literal["auto", "none", "required", "named"]
 
 @dataclass(frozen=True)
 class ToolSpec:
-    """One function the model may call: its name, description and JSON-schema parameters."""
+    """One function the model may call: its name, description and JSON-schema parameters.
+
+    parameters is the schema as sent (the template shows it to the model); enforced is what the
+    call grammar constrains its arguments to, the same unless the grammar engine cannot enforce
+    some keyword exactly, which `loosened` then names (schema_fit.LOOSENED).
+    """
 
     name: str
     description: str = ""
     parameters: Mapping[str, Any] = field(default_factory=lambda: dict(EMPTY_PARAMETERS))
+    enforced: Mapping[str, Any] | None = None  # None: parameters
+    loosened: tuple[str, ...] = ()
+
+    @property
+    def grammar_schema(self) -> Mapping[str, Any]:
+        """The schema the call grammar holds the arguments to."""
+        return self.parameters if self.enforced is None else self.enforced
 
     def openai(self) -> dict[str, Any]:
         """The OpenAI chat shape, as chat templates expect it."""
@@ -64,29 +74,13 @@ class ToolChoice:
         return self.mode in ("required", "named")
 
 
-def _schema_error(schema: Mapping[str, Any]) -> str:
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
-        return llguidance.LLMatcher.validate_grammar(grammar, None)
-    except (ValueError, TypeError) as e:
-        return str(e)
-
-
 def check_schema(schema: object, param: str) -> dict[str, Any]:
-    """A parameters schema that llguidance compiles; InvalidInput naming `param` otherwise.
+    """A parameters schema that is valid JSON Schema; InvalidInput naming `param` (and where) otherwise.
 
-    Keywords llguidance does not implement (propertyNames, in Claude Code's tools) are not
-    enforced: the call grammar compiles leniently (grammar.LENIENT), so such a tool is still
-    offered. A schema that is wrong (an unknown type...) is a 400 either way.
+    What the grammar engine cannot enforce exactly is loosened, not refused (schema_fit.py): use
+    fit_schema to learn what.
     """
-    if not isinstance(schema, Mapping):
-        raise InvalidInput(f"{param} must be a JSON schema object, got {type(schema).__name__}", param=param)
-    error = _schema_error(schema)
-    if error.startswith("Unimplemented keys"):
-        error = _schema_error({**schema, "x-guidance": {"lenient": True}})
-    if error:
-        raise InvalidInput(f"{param} does not compile to a grammar: {error}", param=param)
-    return dict(schema)
+    return fit_schema(schema, param).schema
 
 
 def make_tool(name: object, description: object, parameters: object, param: str) -> ToolSpec:
@@ -99,8 +93,12 @@ def make_tool(name: object, description: object, parameters: object, param: str)
         description = ""
     if not isinstance(description, str):
         raise InvalidInput(f"{param}: description must be a string", param=f"{param}.description")
-    schema = EMPTY_PARAMETERS if parameters is None else check_schema(parameters, f"{param}.parameters")
-    return ToolSpec(name, description, schema)
+    if parameters is None:
+        return ToolSpec(name, description, EMPTY_PARAMETERS)
+    fitted = fit_schema(parameters, f"{param}.parameters")
+    if not fitted.loosened:
+        return ToolSpec(name, description, fitted.schema)
+    return ToolSpec(name, description, dict(parameters), fitted.schema, fitted.loosened)
 
 
 def check_unique(tools: Sequence[ToolSpec], param: str) -> tuple[ToolSpec, ...]:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 from fastapi import APIRouter, BackgroundTasks, Body
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ...config import DecodeConfig
@@ -18,9 +19,9 @@ from ...prompt.constraint import Constraint
 from ...types import PrefixInput, StreamChunk, SuffixInput, TokenLogprob
 from ..errors import ApiError, not_implemented
 from ..state import ServerState, State
-from ..turn import wire
+from ..turn import ignored, wire
 from ..turn.chat_turn import TurnStep
-from ..turn.constraints import one_constraint
+from ..turn.constraints import json_schema, one_constraint
 from ..turn.sampling import sampling_fields, usage_body
 from ..turn.schemas import ERRORS
 from ..turn.streams import SSE_DONE, ChunkStream, start_turn
@@ -135,7 +136,7 @@ async def decode(sid: str, req: DecodeRequest, st: State, after: BackgroundTasks
         max_tokens=req.max_tokens,
         logprobs=req.logprobs,
         constraint=one_constraint(
-            json_schema=Constraint.json_schema(req.json_schema) if req.json_schema is not None else None,
+            json_schema=json_schema(req.json_schema, "json_schema") if req.json_schema is not None else None,
             regex=Constraint.regex(req.regex) if req.regex is not None else None,
             grammar=Constraint.lark(req.grammar) if req.grammar is not None else None,
         ),
@@ -159,9 +160,12 @@ async def decode(sid: str, req: DecodeRequest, st: State, after: BackgroundTasks
         raise
     turn = Turn(chunk_steps(stream), stream.cancel, t0)
     _share_after(st, sid, after)  # runs once the stream (or the body) has been sent
+    loose = cfg.constraint.loosened if cfg.constraint is not None else ()
+    headers = {ignored.IGNORED_HEADER: ", ".join(loose)} if loose else {}
     if req.stream:
-        return wire.stream(st, turn, _Encoder())
-    return await wire.collect(st, turn, _Encoder(), _Collector(req.logprobs is not None))
+        return wire.stream(st, turn, _Encoder(), headers)
+    body = await wire.collect(st, turn, _Encoder(), _Collector(req.logprobs is not None))
+    return JSONResponse(body, headers=headers)
 
 
 class _Encoder:

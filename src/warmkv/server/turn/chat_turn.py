@@ -37,6 +37,7 @@ from ...tools import (
 from ...tools.grammar import with_thinking
 from ...types import PrefixStatus, StreamChunk, Usage
 from ..state import ServerState
+from . import ignored
 from .generation import Generation, generate
 from .normalize import strip_volatile
 from .reuse_report import message_ends, report
@@ -241,6 +242,9 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
         )
     prompt = await run_in_threadpool(_prepare, st, inp)
     thinking = _thinking(st, inp, prompt.text)
+    loosened = [n for t in inp.tools for n in ignored.schema_names(f"tools.{t.name}", t.loosened)]
+    if sampling.get("constraint") is not None:
+        loosened += sampling["constraint"].loosened
     if inp.tools and sampling.get("constraint") is None:
         sampling["constraint"] = await run_in_threadpool(
             tool_grammar, fmt, inp.tools, inp.choice, inp.parallel, lambda t: _special_token(st, t), thinking
@@ -260,6 +264,8 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
     if inp.tools:
         headers["x-warmkv-tool-format"] = fmt.name
         log.debug("tools: %d offered, choice %s, format %s", len(inp.tools), inp.choice.mode, fmt.describe())
+    if loosened:  # what the tools' and the format's schemas ask that the grammar does not enforce exactly
+        headers[ignored.IGNORED_HEADER] = ", ".join(loosened)
     if prompt.normalized:
         headers["x-warmkv-normalized"] = ",".join(prompt.normalized)
     render = functools.partial(rt.render_chat, template_kwargs=inp.template_kwargs)

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...prompt.constraint import Constraint
+from ...tools.schema_fit import fit_schema
 from ..errors import ApiError
+from . import ignored
+
+
+def json_schema(schema: Any, param: str) -> Constraint:
+    """A JSON-schema constraint from the request field `param`: a 400 naming where when it is not JSON
+    Schema; what the grammar cannot enforce exactly, loosened and named (x-warmkv-ignored)."""
+    fitted = fit_schema(schema, param)
+    return Constraint.json_schema(fitted.schema, tuple(ignored.schema_names(param, fitted.loosened)))
 
 
 def one_constraint(**given: Constraint | None) -> Constraint | None:

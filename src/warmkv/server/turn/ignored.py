@@ -5,12 +5,17 @@ for a hosted cache, hosted tools warmkv cannot run, reasoning controls for a mod
 does not reason. Refusing them would refuse the harness; ignoring them silently would hide
 it. So each is accepted, listed here with the reason (docs/agents.md holds the same tables,
 docs/server.md Ollama's, and tests keep them equal), and named in `x-warmkv-ignored` on every
-response whose request set it. `anthropic-beta` values warmkv does not act on go in `x-warmkv-ignored-betas`.
+response whose request set it. What a tool's or a response format's JSON schema asks that the
+grammar cannot enforce exactly is named there too (`tools.NAME.KEYWORD`, `response_format.KEYWORD`;
+tools/schema_fit.py says why each is loosened). `anthropic-beta` values warmkv does not act on go
+in `x-warmkv-ignored-betas`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, MutableMapping
+
+from ...tools.schema_fit import LOOSENED
 
 IGNORED_HEADER = "x-warmkv-ignored"
 BETAS_HEADER = "x-warmkv-ignored-betas"
@@ -98,6 +103,27 @@ def headers(table: dict[str, str], names: Iterable[str], betas: Iterable[str] = 
     if skipped:
         out[BETAS_HEADER] = ", ".join(skipped)
     return out
+
+
+def schema_names(where: str, keywords: Iterable[str]) -> list[str]:
+    """The x-warmkv-ignored names of the schema keywords `where` (a tool, a response format) loosened:
+    `tools.Edit.oneOf`, `response_format.propertyNames` (each keyword one of tools/schema_fit.LOOSENED)."""
+    out = []
+    for k in keywords:
+        if k not in LOOSENED:  # the fitter named a keyword the table (and so the docs) does not explain
+            raise KeyError(f"loosened schema keyword missing from the table: {k}")
+        out.append(f"{where}.{k}")
+    return out
+
+
+def merge(headers: MutableMapping[str, str], more: Mapping[str, str]) -> None:
+    """Add `more` to `headers`, joining the names of x-warmkv-ignored (and its betas) instead of replacing them."""
+    for key, value in more.items():
+        if key in (IGNORED_HEADER, BETAS_HEADER) and headers.get(key):
+            names = [*headers[key].split(", "), *value.split(", ")]
+            headers[key] = ", ".join(dict.fromkeys(names))
+        else:
+            headers[key] = value
 
 
 def beta_values(header: str | None) -> list[str]:

@@ -19,12 +19,11 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ....errors import InvalidInput
-from ....prompt.constraint import Constraint
 from ....tools import ToolChoice, ToolSpec, make_tool
 from ....tools.spec import check_unique, choice_for
 from ...fleet import routing
 from ...state import ServerState, State
-from ...turn import ignored, wire
+from ...turn import constraints, ignored, wire
 from ...turn.chat_turn import ChatInput, ChatTurn, prompt_of, render_prompt, start_chat
 from ...turn.message_log import Fingerprint, cache_miss_reason
 from ...turn.reasoning_store import ReasoningStore
@@ -175,7 +174,7 @@ def _thinking(req: Any) -> dict[str, Any] | None:
 def _chat_input(st: ServerState, req: MessagesRequest, edited: Edited, key: str | None) -> ChatInput:
     tools, choice, parallel = _tools(req)
     fmt = req.output_config.format if req.output_config is not None else None
-    constraint = Constraint.json_schema(fmt.schema_) if fmt is not None else None
+    constraint = constraints.json_schema(fmt.schema_, "output_config.format") if fmt is not None else None
     sampling = {**sampling_fields(req, stop="stop_sequences", defaults={"top_p": 1.0}), "constraint": constraint}
     return ChatInput(
         _messages(req, edited.messages, _store(st)), tools, choice, parallel, req.max_tokens, sampling,
@@ -193,7 +192,7 @@ async def create_message(req: MessagesRequest, request: Request, st: State) -> A
     ignored_headers = _ignored(st, req, request, keyed)
     edited = await _edit(st, req)
     turn = await start_chat(st, _chat_input(st, req, edited, key))
-    turn.headers.update(ignored_headers)
+    ignored.merge(turn.headers, ignored_headers)
     if edited.applied:
         turn.headers["x-warmkv-context-edits"] = _edits_header(edited)
     managed = {"applied_edits": edited.applied} if req.context_management is not None else None

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ....prompt.constraint import Constraint
-from ....tools.spec import check_schema
 from ...errors import ApiError
 from ...state import ServerState
-from ...turn import ignored
+from ...turn import constraints, ignored
 from ...turn.sampling import stop_strings
 from .schemas import Format, Options, ThinkLevel, _Turn
 
@@ -98,7 +97,7 @@ def constraint(fmt: Format) -> Constraint | None:
     if fmt == "json":
         return Constraint.json()
     if isinstance(fmt, dict):
-        return Constraint.json_schema(check_schema(fmt, "format"))
+        return constraints.json_schema(fmt, "format")
     raise ApiError(
         400, f'format must be "json" or a JSON schema object, got {fmt!r}', code="invalid_value", param="format"
     )

@@ -221,7 +221,8 @@ async def chat(req: ChatRequest, request: Request, st: State) -> Any:
         return _debug(model, {"message": {"role": "assistant", "content": ""}}, await prompt_of(st, inp))
     turn = await start_chat(st, inp)
     encoder = ChatEncoder(model, turn.gen, Timing(t0, time.perf_counter()), st.runtime.backend, lp is not None)
-    headers = {**turn.headers, **dec.headers, **ollama_options.ignored_headers(req, dec)}
+    headers = {**turn.headers, **dec.headers}
+    ignored.merge(headers, ollama_options.ignored_headers(req, dec))
     return await _reply(st, Turn.chat(turn), encoder, "message", req.stream, headers)
 
 
@@ -281,6 +282,8 @@ async def generate_route(req: GenerateRequest, request: Request, st: State) -> A
             return _debug(model, {"response": ""}, target if isinstance(target, str) else target.text)
         gen = await generate(st, target, dec.max_tokens, sampling, key=key, clamp=True, num_ctx=dec.num_ctx)
         headers, turn, raw = report(st, gen.status, gen.prompt_tokens), Turn.raw(gen), True
+        if sampling["constraint"] is not None and sampling["constraint"].loosened:
+            headers[ignored.IGNORED_HEADER] = ", ".join(sampling["constraint"].loosened)
         if dec.max_tokens is not None and gen.max_tokens < dec.max_tokens:
             headers["x-warmkv-max-tokens"] = f"{gen.max_tokens} (asked {dec.max_tokens})"
     else:
@@ -295,7 +298,8 @@ async def generate_route(req: GenerateRequest, request: Request, st: State) -> A
         chat_turn = await start_chat(st, inp)
         gen, headers, turn, raw = chat_turn.gen, chat_turn.headers, Turn.chat(chat_turn), False
     encoder = GenerateEncoder(model, gen, Timing(t0, time.perf_counter()), rt.backend, lp is not None, raw)
-    headers = {**headers, **dec.headers, **ollama_options.ignored_headers(req, dec)}
+    headers = {**headers, **dec.headers}
+    ignored.merge(headers, ollama_options.ignored_headers(req, dec))
     return await _reply(st, turn, encoder, "response", req.stream, headers)
 
 

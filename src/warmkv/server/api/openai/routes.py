@@ -19,9 +19,9 @@ from ...fleet import routing
 from ...models.schemas import ModelList
 from ...models.table import ModelSlot
 from ...state import Hub, State
-from ...turn import wire
+from ...turn import ignored, wire
 from ...turn.chat_turn import ChatInput, start_chat
-from ...turn.constraints import one_constraint
+from ...turn.constraints import json_schema, one_constraint
 from ...turn.generation import generate
 from ...turn.reuse_report import report
 from ...turn.sampling import sampling_fields, usage_body
@@ -89,7 +89,7 @@ def _format_constraint(fmt: dict[str, Any] | None) -> Constraint | None:
         spec = fmt.get("json_schema")  # type: ignore[union-attr]
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise ApiError(400, "json_schema.schema must be an object", code="invalid_value", param="response_format")
-        return Constraint.json_schema(spec["schema"])
+        return json_schema(spec["schema"], "response_format")
     raise _unsupported("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
 
 
@@ -179,6 +179,8 @@ async def completions(req: CompletionRequest, request: Request, st: State) -> An
         raise ApiError(400, "prompt is empty", code="invalid_value", param="prompt")
     gen = await generate(st, target, req.max_tokens, sampling, key=key)
     headers = report(st, gen.status, gen.prompt_tokens)
+    if sampling["constraint"] is not None and sampling["constraint"].loosened:
+        headers[ignored.IGNORED_HEADER] = ", ".join(sampling["constraint"].loosened)
     head = Head(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), req.model)
     if req.stream:
         encoder = CompletionEncoder(head, gen, st.runtime.backend, include_usage, continuous)

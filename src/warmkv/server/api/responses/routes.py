@@ -25,7 +25,7 @@ from ....tools.spec import check_unique
 from ...errors import ApiError
 from ...fleet import routing
 from ...state import State
-from ...turn import ignored, wire
+from ...turn import constraints, ignored, wire
 from ...turn.chat_turn import ChatInput, start_chat
 from ...turn.reasoning_store import ReasoningStore
 from ...turn.sampling import sampling_fields
@@ -168,7 +168,7 @@ def _format(req: ResponsesRequest) -> Constraint | None:
         return Constraint.json()
     if fmt.schema_ is None:
         raise InvalidInput("text.format.schema is required for json_schema", param="text.format.schema")
-    return Constraint.json_schema(fmt.schema_)
+    return constraints.json_schema(fmt.schema_, "text.format")
 
 
 def _check(req: ResponsesRequest) -> None:
@@ -216,7 +216,7 @@ async def create_response(req: ResponsesRequest, request: Request, st: State) ->
     )
     ignored_headers = _responses_ignored(req, offered, st.thinks)
     turn = await start_chat(st, inp)
-    turn.headers.update(ignored_headers)
+    ignored.merge(turn.headers, ignored_headers)
     sign = st.reasoning.sign if "reasoning.encrypted_content" in (req.include or []) else None
     shape = Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered.split, sign)
     if req.stream:
