@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -179,6 +180,50 @@ def test_overflow_body_carries_the_counts(http: httpx.Client) -> None:
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["num_ctx"] == 512
     assert err["resident_tokens"] > 0 and err["additional_tokens"] == 600
+
+
+LONG = "word " * 1000  # ~1,000 tokens, past the 512-token context
+
+
+def test_overflow_in_each_apis_own_words(http: httpx.Client) -> None:
+    """What each API's clients (and the harnesses on them) recognise as a context overflow, through
+    the official clients: Anthropic's prompt-is-too-long, OpenAI's context_length_exceeded (chat
+    and Responses), and Ollama's own sentence."""
+    anthropic = pytest.importorskip("anthropic")
+    openai = pytest.importorskip("openai")
+    ollama = pytest.importorskip("ollama")
+    base = str(http.base_url).rstrip("/")
+    claude = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as a:
+        claude.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": LONG}])
+    err = a.value.body["error"]
+    assert err["type"] == "invalid_request_error", err
+    m = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", err["message"])
+    assert m and int(m[1]) > 512 and int(m[2]) == 512, err
+    gpt = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as o:
+        gpt.chat.completions.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": LONG}])
+    assert o.value.code == "context_length_exceeded" and o.value.param == "messages"
+    said = re.fullmatch(
+        r"This model's maximum context length is 512 tokens\. However, your messages resulted in (\d+) tokens\. "
+        r"Please reduce the length of the messages\.",
+        o.value.body["message"],
+    )
+    assert said and int(said[1]) > 512 and o.value.body["num_ctx"] == 512, o.value.body
+    with pytest.raises(openai.BadRequestError) as r:
+        gpt.responses.create(model=MODEL, max_output_tokens=16, input=LONG)
+    assert r.value.code == "context_length_exceeded" and r.value.param == "input"
+    assert r.value.body["message"].startswith("Your input exceeds the context window of this model.")
+    # The prompt fits, the completion does not: OpenAI names both.
+    with pytest.raises(openai.BadRequestError) as both:
+        gpt.chat.completions.create(model=MODEL, max_tokens=600, messages=MSGS)
+    asked = r"However, you requested \d+ tokens \(\d+ in the messages, 600 in the completion\)"
+    assert re.search(asked, both.value.body["message"]), both.value.body
+    with pytest.raises(ollama.ResponseError) as ol:
+        ollama.Client(host=base).chat(MODEL, messages=[{"role": "user", "content": LONG}])
+    assert ol.value.status_code == 400
+    assert ol.value.error.startswith("the prompt is longer than the context length currently available to the model")
+    assert http.post("/v1/chat/completions", json=_chat(temperature=0)).status_code == 200
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:

@@ -214,7 +214,8 @@ def test_options(base: str, client: ollama.Client) -> None:
     # A smaller num_ctx is the request's window: this prompt does not fit in 16 tokens.
     with pytest.raises(ollama.ResponseError) as e:
         client.chat(MODEL, messages=msgs, options={"num_ctx": 16})
-    assert e.value.status_code == 400 and "num_ctx=16" in e.value.error
+    assert e.value.status_code == 400 and "num_ctx=16)" in e.value.error
+    assert e.value.error.startswith("the prompt is longer than the context length currently available")
 
 
 BAD: list[tuple[dict[str, Any], int, str]] = [

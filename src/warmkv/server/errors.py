@@ -1,5 +1,5 @@
 """warmkv errors as JSON error bodies: OpenAI's {"error": {message, type, param, code}} (Anthropic's
-and Ollama's shapes on their routes)."""
+and Ollama's shapes on their routes); a context overflow in each API's own words (overflow.py)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from ..errors import (
     Unsupported,
     WarmkvError,
 )
+from .overflow import Overflow
 
 log = logging.getLogger("warmkv.server")
 
@@ -69,24 +70,46 @@ def is_ollama(path: str) -> bool:
     return path.startswith(OLLAMA_PATHS)
 
 
+def dialect(path: str) -> str:
+    """Whose words an error on this route is answered in: openai, responses, anthropic or ollama."""
+    if is_anthropic(path):
+        return "anthropic"
+    if is_ollama(path):
+        return "ollama"
+    return "responses" if path.startswith("/v1/responses") else "openai"
+
+
 class ApiError(Exception):
     """An error the server answers with status and an OpenAI-style body."""
 
     def __init__(
-        self, status: int, message: str, *, code: str | None = None, param: str | None = None, **extra: Any
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        overflow: Overflow | None = None,
+        **extra: Any,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
+        self.overflow = overflow  # a context overflow: each API words it its own way
         self.extra = extra
 
-    def body(self) -> dict[str, Any]:
+    def text(self, dialect: str = "openai") -> str:
+        """The message as the API `dialect` words it."""
+        return self.message if self.overflow is None else self.overflow.message(dialect)
+
+    def body(self, dialect: str = "openai") -> dict[str, Any]:
+        param = "input" if dialect == "responses" and self.overflow is not None else self.param
         err = {
-            "message": self.message,
+            "message": self.text(dialect),
             "type": _HTTP_TYPES.get(self.status, "server_error"),
-            "param": self.param,
+            "param": param,
             "code": self.code,
         }
         return {"error": {**err, **self.extra}}
@@ -96,22 +119,24 @@ class ApiError(Exception):
         return _ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "api_error")
 
     def anthropic_body(self) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.text("anthropic")}}
 
     def ollama_body(self) -> dict[str, Any]:
         """Ollama's shape: one message (naming the field, when one is at fault); the status says the rest."""
-        named = self.param is None or self.param in self.message
-        return {"error": self.message if named else f"{self.param}: {self.message}"}
+        message = self.text("ollama")
+        named = self.param is None or self.param in message or self.overflow is not None
+        return {"error": message if named else f"{self.param}: {message}"}
 
     def response(self, path: str = "") -> JSONResponse:
         """OpenAI's error shape, or Anthropic's or Ollama's on their routes."""
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        if is_anthropic(path):
+        kind = dialect(path)
+        if kind == "anthropic":
             body = self.anthropic_body()
-        elif is_ollama(path):
+        elif kind == "ollama":
             body = self.ollama_body()
         else:
-            body = self.body()
+            body = self.body(kind)
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
@@ -119,10 +144,13 @@ def from_warmkv(e: WarmkvError) -> ApiError:
     """The status and body for a warmkv error; the numbers it carries go into the body."""
     msg = str(e)
     if isinstance(e, ContextOverflow):
+        # A request's prompt (the other stages are the session routes', in warmkv's own words).
+        overflow = Overflow(e.resident, e.additional, e.num_ctx) if e.stage == "prompt" else None
         return ApiError(
             400,
-            msg,
+            msg if overflow is None else overflow.openai(),
             code="context_length_exceeded",
+            overflow=overflow,
             param="messages",
             stage=e.stage,
             resident_tokens=e.resident,

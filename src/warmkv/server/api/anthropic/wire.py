@@ -100,7 +100,7 @@ class MessagesEncoder:
         return [*self._close(), _event("message_delta", **delta), _event("message_stop")]
 
     def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
-        return [*self._close(), _event("error", error={"type": err.anthropic_type, "message": err.message})]
+        return [*self._close(), _event("error", error={"type": err.anthropic_type, "message": err.text("anthropic")})]
 
 
 class MessagesCollector:

@@ -96,7 +96,7 @@ class _Encoder:
         return [self._line(body, True, done_reason=done_reason(step.chunk.finish_reason), **metrics)]
 
     def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
-        return [Line({"error": err.message})]
+        return [Line({"error": err.text("ollama")})]
 
 
 class ChatEncoder(_Encoder):

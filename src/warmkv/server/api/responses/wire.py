@@ -190,7 +190,7 @@ class ResponsesEncoder:
     def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
         closed = [*self._close_thought(), *self._close_text()]
         failed = self.shape.response("failed", step.end)
-        failed["error"] = {"code": err.code or "server_error", "message": err.message}
+        failed["error"] = {"code": err.code or "server_error", "message": err.text("responses")}
         return [*closed, self._event("response.failed", response=failed)]
 
 
