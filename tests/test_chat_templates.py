@@ -94,8 +94,11 @@ def test_gemma_format() -> None:
     assert t.render(msgs) == "<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
     msgs += [{"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
     assert "<start_of_turn>model\nHello<end_of_turn>\n<start_of_turn>user\nBye" in t.render(msgs)
-    with pytest.raises(InvalidInput, match="alternate"):
-        t.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    # Messages in a row on one side share a turn (Claude Code's system reminders, tool results).
+    rows = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}, {"role": "tool", "content": "c"}]
+    assert t.render(rows) == "<start_of_turn>user\na\n\nb\n\nc<end_of_turn>\n<start_of_turn>model\n"
+    # A turn renders the same whatever follows it, so the prompt grows only at its end.
+    assert t.render(msgs, add_generation_prompt=False) in t.render([*msgs, {"role": "assistant", "content": "x"}])
 
 
 def test_template_kwargs_are_checked() -> None:

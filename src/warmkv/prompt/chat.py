@@ -25,18 +25,23 @@ CHATML = (
     " + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 # Gemma's turn format (gemma, gemma2, gemma3): `model` is the assistant's role, a system
-# message is folded into the first user turn, and the roles must alternate.
+# message is folded into the first user turn, and turns alternate. Messages in a row on one
+# side (a harness's mid-conversation system message after the user's, several tool results)
+# share one turn, a blank line apart, where Gemma's own template would refuse them.
 GEMMA = (
     "{{ bos_token }}"
     "{% if messages[0]['role'] in ('system', 'developer') %}"
     "{% set first_prefix = messages[0]['content'] + '\\n\\n' %}{% set turns = messages[1:] %}"
     "{% else %}{% set first_prefix = '' %}{% set turns = messages %}{% endif %}"
+    "{% set ns = namespace(side='') %}"
     "{% for message in turns %}"
-    "{% if (message['role'] == 'assistant') == (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Gemma needs the roles to alternate user/assistant/user/...') }}{% endif %}"
-    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else 'user') + '\\n' }}"
-    "{{ (first_prefix if loop.first else '') + message['content'] | trim }}<end_of_turn>\n"
+    "{% set side = 'model' if message['role'] == 'assistant' else 'user' %}"
+    "{% if side == ns.side %}{{ '\\n\\n' }}{% else %}"
+    "{% if ns.side %}<end_of_turn>\n{% endif %}{{ '<start_of_turn>' + side + '\\n' }}{% endif %}"
+    "{{ (first_prefix if loop.first else '') + message['content'] | trim }}"
+    "{% set ns.side = side %}"
     "{% endfor %}"
+    "{% if ns.side %}<end_of_turn>\n{% endif %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 FAMILY_TEMPLATES = {"gemma": GEMMA, "gemma2": GEMMA, "gemma3": GEMMA}
