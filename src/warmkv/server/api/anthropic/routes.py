@@ -100,7 +100,8 @@ def _messages(
 
 
 def _tools(req: Any) -> tuple[tuple[ToolSpec, ...], ToolChoice, bool]:
-    specs = [make_tool(t.name, t.description, t.input_schema, f"tools[{i}]") for i, t in enumerate(req.tools or [])]
+    offered = [(i, t) for i, t in enumerate(req.tools or []) if not t.defer_loading]
+    specs = [make_tool(t.name, t.description, t.input_schema, f"tools[{i}]") for i, t in offered]
     tools = check_unique(specs, "tools")
     c = req.tool_choice
     if c is None:

@@ -72,6 +72,10 @@ class Tool(_Request):
     cache_control: CacheControl | None = None
     strict: bool | None = None  # accepted: calls always follow the schema
     eager_input_streaming: bool | None = None  # accepted: input is always streamed as it is decoded
+    # A deferred tool is not shown to the model until a tool search loads it (which warmkv's
+    # requests cannot: tool_reference blocks are a 400), so it is not offered: Claude Code's
+    # DeferredToolPlaceholder ("never call this tool") is one.
+    defer_loading: bool | None = None
 
 
 class ToolChoice(_Request):
