@@ -8,6 +8,7 @@ import typer
 
 from . import commands
 from .bench import bench_app
+from .launch import launch
 from .models_cmd import models
 from .serve import serve
 
@@ -19,6 +20,7 @@ app.command()(commands.chat)
 app.command()(serve)
 app.command()(commands.stats)
 app.command()(models)
+app.command()(launch)
 app.add_typer(bench_app, name="bench")
 
 
