@@ -31,6 +31,13 @@ def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
     mp.undo()
 
 
+@pytest.fixture(scope="session")
+def harness_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """One `warmkv serve` that every agent-CLI test shares (harness_common.py)."""
+    common = pytest.importorskip("harness_common")  # it needs httpx and the server extra
+    yield from common.serving(tmp_path_factory)
+
+
 @pytest.fixture
 def checked_contexts(monkeypatch: pytest.MonkeyPatch) -> Iterator[ContextChecks]:
     """Check every session's resident context after each of its operations and steps (Session's and

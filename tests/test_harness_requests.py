@@ -1,7 +1,8 @@
 """The agent harnesses' captured requests, and the pieces that serve them, without a model.
 
-The fixtures under fixtures/harnesses are the first requests Claude Code and Codex sent at
-their pinned versions (harnesses/package.json), captured from the CLIs: each must validate,
+The fixtures under fixtures/harnesses are the first requests each harness sent at its pinned
+version (harnesses/package.json), captured from the CLI configured as `warmkv launch` sets it
+up, and those of earlier pins, kept as regression tests: each must validate, offer its tools,
 convert to chat messages, and name exactly its accepted-without-effect fields.
 """
 
@@ -20,12 +21,14 @@ pytest.importorskip("fastapi")
 from warmkv.server.api.anthropic.context_edits import PLACEHOLDER, apply_edits
 from warmkv.server.api.anthropic.routes import _ignored, _messages, _tools
 from warmkv.server.api.anthropic.schemas import ClearThinking, ClearToolUses, Message, MessagesRequest
+from warmkv.server.api.openai.schemas import ChatCompletionRequest
 from warmkv.server.api.responses.routes import NAMESPACE_SEP, _offered, _responses_ignored
 from warmkv.server.api.responses.routes import _messages as responses_messages
 from warmkv.server.api.responses.schemas import ResponsesRequest
 from warmkv.server.fleet.routing import conversation_key, uses
 from warmkv.server.turn import ignored
 from warmkv.server.turn.reasoning_store import ReasoningStore
+from warmkv.tools import openai_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 # What _ignored reads of the server: whether the model's template thinks, and its signed reasoning.
@@ -49,24 +52,68 @@ class _Request:
         self.headers = {k.lower(): v for k, v in headers.items()}
 
 
+# The fixture of each pinned harness (several for pi: one per wire) and the user agent it sent.
+PINNED = {
+    "@anthropic-ai/claude-code": (["claude-code-{v}"], "claude-cli/{v} "),
+    "@openai/codex": (["codex-{v}"], "codex_exec/{v} "),
+    "opencode-ai": (["opencode-{v}"], "opencode/{v} "),
+    "@mariozechner/pi-coding-agent": (["pi-{v}-chat", "pi-{v}-messages", "pi-{v}-responses"], ""),
+    "@qwen-code/qwen-code": (["qwen-code-{v}"], "QwenCode/{v} "),
+}
+CLAUDE_CODE = ["claude-code-2.1.197", f"claude-code-{_pinned('@anthropic-ai/claude-code')}"]
+
+
 def test_fixtures_are_the_pinned_versions() -> None:
-    claude = _fixture(f"claude-code-{_pinned('@anthropic-ai/claude-code')}.json")
-    codex = _fixture(f"codex-{_pinned('@openai/codex')}.json")
-    assert claude["headers"]["user-agent"].startswith(f"claude-cli/{_pinned('@anthropic-ai/claude-code')} ")
-    assert f"codex_exec/{_pinned('@openai/codex')} " in codex["headers"]["user-agent"]
+    pins = json.loads((ROOT / "harnesses" / "package.json").read_text())["dependencies"]
+    assert set(pins) == set(PINNED)
+    for package, (names, agent) in PINNED.items():
+        for name in names:
+            cap = _fixture(name.format(v=pins[package]) + ".json")
+            assert agent.format(v=pins[package]) in cap["headers"]["user-agent"], (name, cap["headers"]["user-agent"])
 
 
-def test_claude_code_request_validates_and_renders() -> None:
-    cap = _fixture(f"claude-code-{_pinned('@anthropic-ai/claude-code')}.json")
+ALL = sorted(p.stem for p in FIXTURES.glob("*.json"))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_capture_validates_and_offers_its_tools(name: str) -> None:
+    """Each request, on its route: no field refused, every function tool offered (none for a schema keyword)."""
+    cap = _fixture(f"{name}.json")
+    path, body = cap["path"].split("?")[0], cap["body"]
+    if path == "/v1/chat/completions":
+        req = ChatCompletionRequest.model_validate(body)
+        tools = openai_tools([t.model_dump(exclude_none=True) for t in req.tools or []])
+    elif path == "/v1/responses":
+        tools = _offered(ResponsesRequest.model_validate(body)).specs
+    else:
+        assert path == "/v1/messages"
+        tools = _tools(MessagesRequest.model_validate(body))[0]
+    deferred = sum(bool(t.get("defer_loading")) for t in body["tools"])
+    hosted = sum(t.get("type") not in (None, "function", "custom", "namespace") for t in body["tools"])
+    inner = sum(len(t["tools"]) - 1 for t in body["tools"] if t.get("type") == "namespace")
+    assert len(tools) == len(body["tools"]) - deferred - hosted + inner
+
+
+def test_qwen_codes_oneof_tool_is_loosened_not_refused() -> None:
+    body = _fixture(f"qwen-code-{_pinned('@qwen-code/qwen-code')}.json")["body"]
+    tools = {t.name: t for t in openai_tools(body["tools"])}
+    assert tools["agent"].loosened == ("oneOf",)
+    assert all(t.loosened == () for name, t in tools.items() if name != "agent")
+
+
+@pytest.mark.parametrize("name", CLAUDE_CODE)
+def test_claude_code_request_validates_and_renders(name: str) -> None:
+    cap = _fixture(f"{name}.json")
     assert cap["path"] == "/v1/messages?beta=true"
     req = MessagesRequest.model_validate(cap["body"])
     msgs = _messages(req)
     roles = [m["role"] for m in msgs]
     # The top-level system, the user turn, then the mid-conversation system message where it stands.
     assert roles == ["system", "user", "system"]
-    assert msgs[2]["content"].startswith("Available agent types")
+    assert msgs[2]["content"].startswith(("Available agent types", "# Environment"))
     tools, choice, _ = _tools(req)
-    assert len(tools) == len(cap["body"]["tools"]) == 24 and choice.mode == "auto"
+    # 2.1.332 in -p mode: 12 tools, one of them a deferred placeholder, not offered (defer_loading)
+    assert len(tools) == {"claude-code-2.1.197": 24}.get(name, 11) and choice.mode == "auto"
     request = _Request(cap["headers"])
     user_id = req.metadata.user_id if req.metadata is not None else None
     assert conversation_key(request.headers, metadata_user_id=user_id) == cap["headers"]["x-claude-code-session-id"]
@@ -94,8 +141,9 @@ def test_claude_code_session_id_from_metadata() -> None:
     assert "metadata" in _ignored(NOT_THINKING, plain, _Request({}), False)[ignored.IGNORED_HEADER]
 
 
-def test_codex_request_validates_and_offers_functions() -> None:
-    cap = _fixture(f"codex-{_pinned('@openai/codex')}.json")
+@pytest.mark.parametrize("name", ["codex-0.169.0", f"codex-{_pinned('@openai/codex')}"])
+def test_codex_request_validates_and_offers_functions(name: str) -> None:
+    cap = _fixture(f"{name}.json")
     req = ResponsesRequest.model_validate(cap["body"])
     msgs = responses_messages(req)
     assert [m["role"] for m in msgs] == ["developer", "developer", "user", "user"]
@@ -228,3 +276,15 @@ def test_clear_tool_inputs_and_thinking() -> None:
     assert out.applied[0] == {"type": "clear_thinking_20251015", "cleared_thinking_turns": 2, "cleared_input_tokens": 0}
     keep_all = ClearThinking.model_validate({"type": "clear_thinking_20251015", "keep": "all"})
     assert apply_edits(msgs, [keep_all], lambda: 0, _chars).applied == []
+
+
+def test_a_deferred_tool_is_not_offered() -> None:
+    """Anthropic's defer_loading: the tool stays out of the prompt until a tool search loads it."""
+    schema = {"type": "object", "properties": {}}
+    body = {
+        "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"name": "Read", "input_schema": schema}, {"name": "Later", "input_schema": schema,
+                                                               "defer_loading": True}],
+    }  # fmt: skip
+    tools, choice, _ = _tools(MessagesRequest.model_validate(body))
+    assert [t.name for t in tools] == ["Read"] and choice.mode == "auto"
