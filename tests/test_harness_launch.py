@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from harness_common import BIN, Server, cli, configure, run, workspace
+from harness_common import BIN, Server, cli, configure, long_harness, run, workspace
 from warmkv.bench.live.server_proc import serve
 
 CLI = [sys.executable, "-c", "from warmkv.cli import main; main()"]
@@ -35,6 +35,7 @@ def _result(stdout: str) -> dict[str, Any]:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+@long_harness
 def test_launch_claude_two_turns(tmp_path: Path) -> None:
     """Two headless turns through `warmkv launch claude`, each ending in a reply the model finished."""
     cli("claude")  # the pinned CLI is there
@@ -79,6 +80,7 @@ def small_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         yield Server(live.base, live.model, log)
 
 
+@long_harness
 def test_claude_code_compacts_when_the_prompt_is_too_long(small_server: Server, tmp_path: Path) -> None:
     """Turn 2 overflows: Claude Code compacts (a compact_boundary event) and retries, with no API error."""
     events: list[dict[str, Any]] = []

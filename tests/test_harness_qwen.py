@@ -25,6 +25,7 @@ from harness_common import (
     workspace,
 )
 
+# The prompt goes first: --core-tools is an array option and takes every word after it.
 SMALL = ["--system-prompt", "You are a coding agent. Answer in one short sentence.", "--core-tools", "agent,read_file"]
 
 
@@ -32,10 +33,10 @@ def test_qwen_two_turns(harness_server: Server, tmp_path: Path) -> None:
     ws = workspace(tmp_path)
     _, env = configure("qwen", harness_server, tmp_path / "cfg")
     qwen = str(cli("qwen"))
-    first = run([qwen, *SMALL, "Say hi."], ws, env, harness_server, 600)
+    first = run([qwen, "Say hi.", *SMALL], ws, env, harness_server, 600)
     assert first.stdout.strip(), first.stderr[-2000:]
     before = harness_server.counters()
-    run([qwen, *SMALL, "--continue", "Say hi again."], ws, env, harness_server, 600)
+    run([qwen, "Say hi again.", "--continue", *SMALL], ws, env, harness_server, 600)
     reused, prefilled, share = reuse_between(before, harness_server.counters())
     print(f"qwen turn 2: {reused:.0f} reused, {prefilled:.0f} prefilled ({share:.1%})")  # pytest -rP
     assert share >= MIN_REUSE, f"turn 2 reused {share:.1%} of its prompt tokens"
