@@ -1,0 +1,1 @@
+"""State the server keeps for the Responses API: stored responses and their chains."""

@@ -1,0 +1,115 @@
+"""Stored responses in SQLite: a byte cap and an age limit, oldest evicted first.
+
+A record is written in one transaction with the evictions it causes, so a reader sees a
+whole record or none (SQLite's atomic commit; a crash mid-write rolls back on the next open).
+Without a path the store lives in memory and ends with the process. Thread-safe: routes
+call it from the event loop and worker threads; one connection, one lock (a leaf).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import InvalidConfig
+from .record import StoredResponse
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY,
+    created REAL NOT NULL,
+    bytes INTEGER NOT NULL,
+    doc TEXT NOT NULL,
+    tokens BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
+"""
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """max_bytes of records (JSON plus tokens) and max_age_s since a record was written."""
+
+    max_bytes: int = 256 << 20
+    max_age_s: float = 30 * 86400.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes < 1:
+            raise InvalidConfig(f"responses store: max_bytes must be a positive integer, got {self.max_bytes!r}")
+        if not isinstance(self.max_age_s, (int, float)) or not self.max_age_s > 0:
+            raise InvalidConfig(f"responses store: max_age_s must be positive, got {self.max_age_s!r}")
+
+
+class ResponseStore:
+    def __init__(self, path: str | Path | None = None, limits: StoreLimits | None = None) -> None:
+        self.path = None if path is None else Path(path).expanduser()
+        self.limits = limits or StoreLimits()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(
+            ":memory:" if self.path is None else str(self.path), check_same_thread=False, isolation_level=None
+        )
+        self._lock = threading.Lock()
+        with self._lock:
+            if self.path is not None:
+                self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(SCHEMA)
+
+    def put(self, record: StoredResponse) -> int:
+        """Keep record (replacing one with its id); returns how many older records were evicted for it."""
+        doc, tokens = record.encode()
+        size = len(doc.encode()) + len(tokens)
+        if size > self.limits.max_bytes:
+            return 0  # larger than the whole store: not kept (a later lookup is the API's not-found)
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.execute(
+                    "INSERT OR REPLACE INTO responses (id, created, bytes, doc, tokens) VALUES (?, ?, ?, ?, ?)",
+                    (record.id, time.time(), size, doc, tokens),
+                )
+                evicted = self._evict()
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return evicted
+
+    def _evict(self) -> int:
+        """Drop expired records, then the oldest until the rest fit (inside put's transaction)."""
+        db = self._db
+        n = db.execute("DELETE FROM responses WHERE created < ?", (time.time() - self.limits.max_age_s,)).rowcount
+        total = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM responses").fetchone()[0]
+        while total > self.limits.max_bytes:
+            rid, size = db.execute("SELECT id, bytes FROM responses ORDER BY created, rowid LIMIT 1").fetchone()
+            db.execute("DELETE FROM responses WHERE id = ?", (rid,))
+            total -= size
+            n += 1
+        return n
+
+    def get(self, rid: str) -> StoredResponse | None:
+        """The record, or None when it is unknown, deleted, evicted or older than the age limit."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT doc, tokens FROM responses WHERE id = ? AND created >= ?",
+                (rid, time.time() - self.limits.max_age_s),
+            ).fetchone()
+        return None if row is None else StoredResponse.decode(rid, row[0], row[1])
+
+    def delete(self, rid: str) -> bool:
+        with self._lock:
+            return self._db.execute("DELETE FROM responses WHERE id = ?", (rid,)).rowcount > 0
+
+    def stats(self) -> tuple[int, int]:
+        """(records, bytes) held now."""
+        with self._lock:
+            n, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM responses").fetchone()
+        return int(n), int(size)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
