@@ -111,12 +111,11 @@ NAMED = [
     ),
     ("store=true", "/v1/chat/completions", _chat(store=True), "store"),
     (
-        "responses: previous_response_id",
+        "responses: unknown previous_response_id",
         "/v1/responses",
         {"model": MODEL, "input": "x", "previous_response_id": "r"},
         "previous_response_id",
     ),
-    ("responses: store", "/v1/responses", {"model": MODEL, "input": "x", "store": True}, "store"),
     (
         "responses: unknown item",
         "/v1/responses",

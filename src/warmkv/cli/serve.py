@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -89,6 +90,13 @@ def serve(
         str | None,
         typer.Option("--node-id", help="this node's name in x-warmkv-node, behind a proxy (default: host:port)"),
     ] = None,
+    responses_mb: Annotated[
+        int, typer.Option("--responses-mb", min=1, help="stored responses (store=true): cap in MiB, oldest go first")
+    ] = 256,
+    responses_max_age: Annotated[
+        float,
+        typer.Option("--responses-max-age", min=1, help="seconds a stored response is kept (default 30 days)"),
+    ] = 30 * 86400.0,
     *,
     opts: RuntimeOptions,
 ) -> None:
@@ -120,6 +128,9 @@ def serve(
             max_output_tokens=max_output_tokens,
             reasoning_format=reasoning_format,
             node_id=node_id,
+            responses_path=_responses_path(opts),
+            responses_mb=responses_mb,
+            responses_max_age_s=responses_max_age,
         )
         table = TableSettings(models_max=models_max, sleep_idle_s=sleep_idle_seconds, memory_mb=models_memory_mb)
         specs = serve_specs(
@@ -144,3 +155,13 @@ def serve(
     gc.freeze()
     # The app's model table owns rt from here: it unloads it when idle or when the server stops.
     uvicorn.run(app_, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+def _responses_path(opts: RuntimeOptions) -> str | None:
+    """Stored responses live beside the KV store (in memory when the disk store is off)."""
+    from ..cache import default_store_dir
+
+    if opts.runtime.get("kv_store_mb") == 0:
+        return None
+    given = opts.runtime.get("kv_store_dir")
+    return str((Path(given).expanduser() if given else default_store_dir()) / "responses.sqlite3")

@@ -26,6 +26,8 @@ from .api.llamacpp import utility as utility_routes
 from .api.ollama import routes as ollama_routes
 from .api.openai import routes as openai_routes
 from .api.responses import routes as responses_routes
+from .api.responses import stored_routes as stored_responses_routes
+from .conversations.store import ResponseStore, StoreLimits
 from .fleet import routes as admin_routes
 from .fleet.drain import Drain, offload
 from .fleet.readiness import readiness
@@ -88,7 +90,9 @@ def create_app(
             any_name="*" in cfg.model_aliases,
             anthropic_any=not cfg.model_aliases,
         )
-        hub = Hub(cfg, metrics, admission, models_table, drain=drain)
+        limits = StoreLimits(cfg.responses_mb << 20, cfg.responses_max_age_s)
+        responses = await asyncio.to_thread(ResponseStore, cfg.responses_path, limits)
+        hub = Hub(cfg, metrics, admission, models_table, drain=drain, responses=responses)
         app.state.warmkv = hub
         if runtime is not None:
             models_table.adopt(models_table.default, await build(runtime, specs[0]))
@@ -106,6 +110,7 @@ def create_app(
                     await asyncio.to_thread(st.scheduler.close)
                     await asyncio.to_thread(_close_sessions, st.pool, st.registry)
             await models_table.close()
+            responses.close()
 
     app = FastAPI(
         title="warmkv",
@@ -116,6 +121,7 @@ def create_app(
     errors.install(app)
     app.include_router(openai_routes.router)
     app.include_router(responses_routes.router)
+    app.include_router(stored_responses_routes.router)
     app.include_router(anthropic_routes.router)
     app.include_router(utility_routes.router)
     app.include_router(infill_routes.router)
@@ -230,6 +236,8 @@ def _gauges(hub: Hub) -> None:
     )
     m.gauge("warmkv_user_sessions", "Sessions opened through /v1/sessions", total(lambda st: len(st.registry)))
     m.gauge("warmkv_queue_depth", "Requests waiting for a session", lambda: hub.admission.waiting)
+    m.gauge("warmkv_stored_responses", "Responses kept with store=true", lambda: hub.responses.stats()[0])
+    m.gauge("warmkv_stored_response_bytes", "Bytes of stored responses", lambda: hub.responses.stats()[1])
     m.gauge(
         "warmkv_active_streams",
         "Turns on the scheduler (waiting or running)",

@@ -74,6 +74,11 @@ class ServerSettings:
     # Replies' think blocks: auto (parsed out when the template thinks), deepseek (always) or none.
     reasoning_format: str = "auto"
     node_id: str | None = None  # this node's name in x-warmkv-node; None: host:port
+    # Stored responses (store=true, previous_response_id): a SQLite file (None: in memory, gone at exit),
+    # capped at responses_mb, each kept responses_max_age_s after it was written.
+    responses_path: str | None = None
+    responses_mb: int = 256
+    responses_max_age_s: float = 30 * 86400.0
 
     @property
     def node(self) -> str:
@@ -100,12 +105,12 @@ class ServerSettings:
                 f"binding to {self.host} exposes the server beyond this machine: set an API key "
                 "(--api-key or WARMKV_API_KEY), or bind to 127.0.0.1"
             )
-        for name in ("session_ttl_s", "queue_timeout_s"):
+        for name in ("session_ttl_s", "queue_timeout_s", "responses_max_age_s"):
             _positive(name, getattr(self, name), integer=False)
         for name in ("pool_size", "max_step_tokens", "max_output_tokens"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
-        for name in ("max_queue", "max_body_bytes", "default_max_tokens"):
+        for name in ("max_queue", "max_body_bytes", "default_max_tokens", "responses_mb"):
             _positive(name, getattr(self, name))
         if self.reasoning_format not in REASONING_FORMATS:
             raise InvalidConfig(

@@ -21,6 +21,7 @@ from ..engine.scheduler import Scheduler
 from ..errors import WarmkvError
 from ..prompt.reasoning import parses
 from ..tools import ToolFormat
+from .conversations.store import ResponseStore
 from .errors import ApiError
 from .fleet.drain import Drain
 from .http.leases import hold
@@ -123,6 +124,7 @@ class Hub:
     table: ModelTable
     messages_log: MessageLog = field(default_factory=MessageLog)
     reasoning: ReasoningStore = field(default_factory=ReasoningStore)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # store=true responses (conversations/)
     started: int = field(default_factory=lambda: int(time.time()))
     # /v1/sessions ids -> the model that owns them; snapshot names of those whose model was unloaded
     session_owner: dict[str, str] = field(default_factory=dict)

@@ -35,10 +35,11 @@ from ...tools import (
     tool_grammar,
 )
 from ...tools.grammar import with_thinking
-from ...types import PrefixStatus, StreamChunk, Usage
+from ...types import PrefixInput, PrefixStatus, StreamChunk, Usage
 from ..state import ServerState
 from . import ignored
 from .generation import Generation, generate
+from .incremental import ChainedPrompt
 from .normalize import strip_volatile
 from .reuse_report import message_ends, report
 
@@ -61,6 +62,7 @@ class ChatInput:
     clamp_max_tokens: bool = False  # max_tokens past the context's end ends there (Anthropic's is mandatory)
     template_kwargs: Mapping[str, Any] | None = None  # the request's chat_template_kwargs (enable_thinking...)
     num_ctx: int | None = None  # a context window smaller than the served one (Ollama's options.num_ctx)
+    chained: ChainedPrompt | None = None  # a stored conversation's continuation: its tokens, built incrementally
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class ChatTurn:
     headers: dict[str, str]  # how the prompt was made and reused (tool format, normalization, x-warmkv-*)
     splitter: ReasoningSplitter | None = None  # parses the think block out, when the template thinks
     context: str = ""  # a digest of the conversation the reply answers (reasoning_store.py)
+    last_message: dict[str, Any] | None = None  # the prompt's last message as rendered (a stored turn keeps it)
     _text: list[str] = field(default_factory=list)  # the reply's content (the think block left out)
     _reasoning_tokens: int = 0
 
@@ -240,7 +243,11 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
             "response_format, regex and grammar cannot be combined with tools unless tool_choice is 'none'",
             param="tool_choice",
         )
-    prompt = await run_in_threadpool(_prepare, st, inp)
+    chained = inp.chained
+    if chained is None:
+        prompt = await run_in_threadpool(_prepare, st, inp)
+    else:
+        prompt = _Prompt(chained.text, [chained.last_message], None, (), "")
     thinking = _thinking(st, inp, prompt.text)
     loosened = [n for t in inp.tools for n in ignored.schema_names(f"tools.{t.name}", t.loosened)]
     if sampling.get("constraint") is not None:
@@ -251,8 +258,9 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
         )
     elif sampling.get("constraint") is not None:
         sampling["constraint"] = with_thinking(sampling["constraint"], thinking)
+    given = prompt.text if chained is None else PrefixInput(chained.text, tokens=chained.tokens)
     gen = await generate(
-        st, prompt.text, inp.max_tokens, sampling, key=inp.session_key, clamp=inp.clamp_max_tokens, num_ctx=inp.num_ctx
+        st, given, inp.max_tokens, sampling, key=inp.session_key, clamp=inp.clamp_max_tokens, num_ctx=inp.num_ctx
     )
     parser = ToolCallParser(fmt, inp.new_call_id) if inp.tools and inp.choice.calls else None
     splitter = None
@@ -268,15 +276,19 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
         headers[ignored.IGNORED_HEADER] = ", ".join(loosened)
     if prompt.normalized:
         headers["x-warmkv-normalized"] = ",".join(prompt.normalized)
-    render = functools.partial(rt.render_chat, template_kwargs=inp.template_kwargs)
-    ends = message_ends(render, prompt.messages, prompt.text, tools=prompt.template_tools)
-    roles = [m["role"] for m in prompt.messages]
-    try:
-        cause = await run_in_threadpool(_dropped_reasoning, st, inp, prompt, gen.status)
-    except WarmkvError:  # only a header: the turn is already running
-        cause = None
-    headers.update(report(st, gen.status, gen.prompt_tokens, roles, ends, cause))
-    return ChatTurn(gen, fmt, parser, st, headers, splitter, prompt.context)
+    if chained is None:
+        render = functools.partial(rt.render_chat, template_kwargs=inp.template_kwargs)
+        ends = message_ends(render, prompt.messages, prompt.text, tools=prompt.template_tools)
+        roles = [m["role"] for m in prompt.messages]
+        try:
+            cause = await run_in_threadpool(_dropped_reasoning, st, inp, prompt, gen.status)
+        except WarmkvError:  # only a header: the turn is already running
+            cause = None
+        headers.update(report(st, gen.status, gen.prompt_tokens, roles, ends, cause))
+    else:  # the history was not rendered: reuse is reported by token only
+        headers.update(report(st, gen.status, gen.prompt_tokens))
+    last = prompt.messages[-1] if prompt.messages else None
+    return ChatTurn(gen, fmt, parser, st, headers, splitter, prompt.context, last)
 
 
 def _thinking(st: ServerState, inp: ChatInput, prompt: str) -> str:

@@ -45,7 +45,7 @@ RESPONSES: dict[str, str] = {
     "reasoning.summary": "reasoning items carry the whole reasoning text; no summary is written",
     "include": "reasoning.encrypted_content: the model's template has no reasoning, so there are no items to sign",
     "client_metadata": "client identity and telemetry ids",
-    "metadata": "stored with a response on the hosted API; warmkv stores none",
+    "metadata": "kept with a stored response and returned with it; not rendered",
     "user": "client identity; it changes no output, and routes the request when no X-Session-Id header nor "
     "prompt_cache_key names the conversation",
     "safety_identifier": "client identity for hosted abuse checks",

@@ -1,4 +1,4 @@
-"""POST /v1/responses: the OpenAI Responses API, stateless (no stored responses, no previous_response_id).
+"""POST /v1/responses: the OpenAI Responses API (stored responses and chaining: chain.py).
 
 Input items become chat messages (function_call items join the assistant turn before
 them, function_call_output items become tool results), so a Responses conversation
@@ -27,90 +27,20 @@ from ...fleet import routing
 from ...state import State
 from ...turn import constraints, ignored, wire
 from ...turn.chat_turn import ChatInput, start_chat
-from ...turn.reasoning_store import ReasoningStore
+from ...turn.incremental import ChainedPrompt
 from ...turn.sampling import sampling_fields
 from ...turn.wire import Turn
+from . import chain
+from .items import NAMESPACE_SEP, _messages
 from .schemas import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
     FunctionChoice,
     FunctionTool,
     NamespaceTool,
-    ReasoningItem,
     ResponsesRequest,
-    TextPart,
 )
 from .wire import ResponsesCollector, ResponsesEncoder, Shape
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-
-def _text(content: str | list[TextPart]) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
-
-
-def _reasoning_text(item: ReasoningItem, store: ReasoningStore) -> str:
-    """A reasoning item's text: its reasoning_text parts, else what this server signed as encrypted_content."""
-    text = "".join(p.text for p in item.content or [] if p.type == "reasoning_text")
-    return text or store.text(item.encrypted_content) or ""
-
-
-def _messages(req: ResponsesRequest, store: ReasoningStore | None = None) -> list[dict[str, Any]]:
-    """Input items as chat messages; a function_call_output must answer an earlier function_call.
-
-    With a store (the template thinks), a reasoning item becomes the reasoning of the assistant
-    turn that follows it; without one it is not rendered."""
-    out: list[dict[str, Any]] = []
-    if req.instructions:
-        out.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        return [*out, {"role": "user", "content": req.input}]
-    calls: set[str] = set()
-    thought = ""  # reasoning waiting for its assistant turn
-    for i, item in enumerate(req.input):
-        if isinstance(item, ReasoningItem):
-            if store is not None:
-                thought += _reasoning_text(item, store)
-            continue
-        starts_turn = isinstance(item, FunctionCallItem) or getattr(item, "role", None) == "assistant"
-        if thought and starts_turn:
-            out.append({"role": "assistant", "content": None, "reasoning_content": thought})
-        thought = ""  # reasoning not followed by its turn (a user message, a tool output) is not rendered
-        if isinstance(item, FunctionCallItem):
-            name = item.name if item.namespace is None else f"{item.namespace}{NAMESPACE_SEP}{item.name}"
-            call = {
-                "id": item.call_id,
-                "type": "function",
-                "function": {"name": name, "arguments": item.arguments},
-            }
-            prev = out[-1] if out else None
-            if prev is not None and prev["role"] == "assistant":
-                prev.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-            calls.add(item.call_id)
-        elif isinstance(item, FunctionCallOutputItem):
-            if item.call_id not in calls:
-                raise InvalidInput(
-                    f"input[{i}]: call_id {item.call_id!r} answers no earlier function_call item",
-                    param=f"input[{i}].call_id",
-                )
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
-        else:
-            prev = out[-1] if out else None
-            if item.role == "assistant" and prev is not None and _open_thought(prev):
-                prev["content"] = _text(item.content)  # the reasoning's own turn
-            else:
-                out.append({"role": item.role, "content": _text(item.content)})
-    return out
-
-
-def _open_thought(m: dict[str, Any]) -> bool:
-    """An assistant turn that holds only reasoning so far: the next message or call completes it."""
-    return m["role"] == "assistant" and bool(m.get("reasoning_content")) and not m["content"] and "tool_calls" not in m
-
-
-NAMESPACE_SEP = "."  # a namespace's function as the model sees and calls it: namespace.function
 
 
 @dataclass(frozen=True)
@@ -172,20 +102,6 @@ def _format(req: ResponsesRequest) -> Constraint | None:
 
 
 def _check(req: ResponsesRequest) -> None:
-    if req.previous_response_id is not None:
-        raise ApiError(
-            400,
-            "previous_response_id: warmkv does not store responses yet; send the whole conversation as input",
-            code="unsupported_parameter",
-            param="previous_response_id",
-        )
-    if req.store:
-        raise ApiError(
-            400,
-            "store: warmkv does not store responses yet; use store=false",
-            code="unsupported_parameter",
-            param="store",
-        )
     if req.truncation == "auto":
         raise ApiError(
             400, "truncation: only 'disabled' is supported", code="unsupported_parameter", param="truncation"
@@ -194,17 +110,36 @@ def _check(req: ResponsesRequest) -> None:
 
 @router.post("/responses")
 async def create_response(req: ResponsesRequest, request: Request, st: State) -> Any:
-    """Generate a response; tool calls come back as function_call output items."""
+    """Generate a response; tool calls come back as function_call output items. With store (the
+    default) it is kept, and previous_response_id continues a kept one."""
+    store = request.app.state.warmkv.responses
     key = routing.route(request, prompt_cache_key=req.prompt_cache_key, user=req.user)
     st.check_model(req.model)
     _check(req)
+    prev = chain.previous(store, req, st)
+    key = key if key is not None or prev is None else prev.key
     offered = _offered(req)
     tools = offered.specs
     raw_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice
     sampling = {**sampling_fields(req), "constraint": _format(req)}
     effort = req.reasoning.effort if req.reasoning is not None else None
+    template_kwargs = {"enable_thinking": False} if effort == "none" else None
+    context = chain.context_of(req, template_kwargs)
+    reasoning = st.reasoning if st.thinks else None
+    chained = None
+    render: dict[str, str] = {}
+    if prev is None:
+        messages = _messages(req, reasoning)
+    else:
+        made = await chain.incremental(st, prev, req, tools, template_kwargs, context)
+        if isinstance(made, ChainedPrompt):
+            chained, messages = made, []
+            render["x-warmkv-render"] = f"incremental; new_tokens={made.new_tokens}"
+        else:
+            messages = chain.full_messages(store, prev, req, reasoning)
+            render["x-warmkv-render"] = f"full; reason={made.reason}"
     inp = ChatInput(
-        messages=_messages(req, st.reasoning if st.thinks else None),
+        messages=messages,
         tools=tools,
         choice=openai_choice(raw_choice, tools),
         parallel=req.parallel_tool_calls is not False,
@@ -212,13 +147,18 @@ async def create_response(req: ResponsesRequest, request: Request, st: State) ->
         sampling=sampling,
         messages_param="input",
         session_key=key,
-        template_kwargs={"enable_thinking": False} if effort == "none" else None,
+        template_kwargs=template_kwargs,
+        chained=chained,
     )
     ignored_headers = _responses_ignored(req, offered, st.thinks)
     turn = await start_chat(st, inp)
     ignored.merge(turn.headers, ignored_headers)
+    turn.headers.update(render)
     sign = st.reasoning.sign if "reasoning.encrypted_content" in (req.include or []) else None
     shape = Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered.split, sign)
+    if req.store is not False:
+        keep = chain.keeper(store, st, req, key, context, chain.input_items(req))
+        shape.keep = lambda body: keep(turn, body)
     if req.stream:
         return wire.stream(st, Turn.chat(turn), ResponsesEncoder(shape), turn.headers)
     body = await wire.collect(st, Turn.chat(turn), ResponsesEncoder(shape), ResponsesCollector(shape))

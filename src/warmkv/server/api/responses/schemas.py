@@ -1,4 +1,4 @@
-"""Request models of the OpenAI Responses API (the stateless subset warmkv serves)."""
+"""Request models of the OpenAI Responses API (the subset warmkv serves)."""
 
 from __future__ import annotations
 
@@ -166,9 +166,8 @@ class ResponsesRequest(_Request):
     reasoning: Reasoning | None = None
     # Only "reasoning.encrypted_content": reasoning items then carry this server's signature; others are refused.
     include: list[Literal["reasoning.encrypted_content"]] | None = None
-    # Not yet supported: refused with a 400 when set.
-    previous_response_id: str | None = None
-    store: bool | None = None  # false (nothing is stored) is fine; true is refused
+    previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    store: bool | None = None  # None or true: the response is kept (GET /v1/responses/{id}, chaining)
     truncation: Literal["disabled", "auto"] | None = None  # "auto" is refused: warmkv never drops context
     # Accepted without effect.
     metadata: dict[str, str] | None = None

@@ -36,6 +36,7 @@ class Shape:
         self.tools = tools
         self.split = split
         self.output: list[dict[str, Any]] = []
+        self.keep: Callable[[dict[str, Any]], None] | None = None  # stores the finished response (store=true)
 
     def response(self, status: str, end: TurnEnd | None = None) -> dict[str, Any]:
         r = self.req
@@ -55,8 +56,8 @@ class Shape:
             "temperature": r.temperature,
             "top_p": r.top_p,
             "max_output_tokens": r.max_output_tokens,
-            "previous_response_id": None,
-            "store": False,
+            "previous_response_id": r.previous_response_id,
+            "store": r.store is not False,
             "truncation": "disabled",
             "text": {"format": {"type": "text"}},
             "metadata": r.metadata or {},
@@ -185,7 +186,10 @@ class ResponsesEncoder:
         assert end is not None
         status = "incomplete" if end.finish_reason == "length" else "completed"
         closed = [*self._close_thought(), *self._close_text()]
-        return [*closed, self._event(f"response.{status}", response=self.shape.response(status, end))]
+        body = self.shape.response(status, end)
+        if self.shape.keep is not None:
+            self.shape.keep(body)
+        return [*closed, self._event(f"response.{status}", response=body)]
 
     def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
         closed = [*self._close_thought(), *self._close_text()]
