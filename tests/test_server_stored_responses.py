@@ -12,11 +12,11 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-import warmkv
-from conftest import BACKENDS
-from server_harness import live_server
-from warmkv.server.conversations.record import StoredResponse
-from warmkv.server.conversations.store import ResponseStore
+import warmkv  # noqa: E402
+from conftest import BACKENDS  # noqa: E402
+from server_harness import live_server  # noqa: E402
+from warmkv.server.conversations.record import StoredResponse  # noqa: E402
+from warmkv.server.conversations.store import ResponseStore  # noqa: E402
 
 SYSTEM = "You are a terse assistant. Answer in a few words."
 KW: dict[str, Any] = {"temperature": 0, "max_output_tokens": 8}

@@ -27,6 +27,7 @@ from .api.ollama import routes as ollama_routes
 from .api.openai import routes as openai_routes
 from .api.responses import routes as responses_routes
 from .api.responses import stored_routes as stored_responses_routes
+from .api.responses import ws_routes as responses_ws
 from .conversations.store import ResponseStore, StoreLimits
 from .fleet import routes as admin_routes
 from .fleet.drain import Drain, offload
@@ -122,6 +123,7 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(stored_responses_routes.router)
+    app.include_router(responses_ws.router)
     app.include_router(anthropic_routes.router)
     app.include_router(utility_routes.router)
     app.include_router(infill_routes.router)

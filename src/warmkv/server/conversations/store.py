@@ -13,6 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from ...errors import InvalidConfig
 from .record import StoredResponse
@@ -41,6 +42,20 @@ class StoreLimits:
             raise InvalidConfig(f"responses store: max_bytes must be a positive integer, got {self.max_bytes!r}")
         if not isinstance(self.max_age_s, (int, float)) or not self.max_age_s > 0:
             raise InvalidConfig(f"responses store: max_age_s must be positive, got {self.max_age_s!r}")
+
+
+class Lookup(Protocol):
+    def get(self, rid: str) -> StoredResponse | None: ...
+
+
+class Layered:
+    """Several stores looked up in order (a WebSocket's own responses, then the server's)."""
+
+    def __init__(self, *stores: Lookup) -> None:
+        self.stores = stores
+
+    def get(self, rid: str) -> StoredResponse | None:
+        return next((r for s in self.stores if (r := s.get(rid)) is not None), None)
 
 
 class ResponseStore:

@@ -137,6 +137,13 @@ def stream(
     return SSEResponse(body(), on_close=turn.cancel, headers=headers, media_type=media_type)
 
 
+async def frames(st: ServerState, turn: Turn, encoder: Encoder) -> AsyncIterator[Frame]:
+    """The turn's frames as a stream would carry them, for a transport of its own (a WebSocket);
+    closing the iterator early cancels the turn."""
+    async for f in _Run(st, turn, encoder).frames(collecting=False):
+        yield f
+
+
 async def collect(st: ServerState, turn: Turn, encoder: Encoder, collector: Collector) -> dict[str, Any]:
     """The turn as one body: the encoder's frames run into the collector; the turn's error raises (ApiError)."""
     run = _Run(st, turn, encoder)

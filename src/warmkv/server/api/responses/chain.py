@@ -22,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from ....errors import InvalidInput
 from ....tools import ToolSpec
 from ...conversations.record import StoredResponse
-from ...conversations.store import ResponseStore
+from ...conversations.store import Lookup, ResponseStore
 from ...errors import ApiError
 from ...state import ServerState
 from ...turn.chat_turn import ChatTurn
@@ -65,7 +65,7 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return out
 
 
-def previous(store: ResponseStore, req: ResponsesRequest, st: ServerState) -> StoredResponse | None:
+def previous(store: Lookup, req: ResponsesRequest, st: ServerState) -> StoredResponse | None:
     """The response the request continues, checked: known, and made by the model serving this one."""
     rid = req.previous_response_id
     if rid is None:
@@ -107,7 +107,7 @@ async def incremental(
 
 
 def full_messages(
-    store: ResponseStore, prev: StoredResponse, req: ResponsesRequest, reasoning: ReasoningStore | None
+    store: Lookup, prev: StoredResponse, req: ResponsesRequest, reasoning: ReasoningStore | None
 ) -> list[dict[str, Any]]:
     """The whole chain's messages, then the request's: every stored link must still be there."""
     links = [prev]

@@ -22,11 +22,12 @@ from ....errors import InvalidInput
 from ....prompt.constraint import Constraint
 from ....tools import ToolSpec, make_tool, openai_choice
 from ....tools.spec import check_unique
+from ...conversations.store import Lookup, ResponseStore
 from ...errors import ApiError
 from ...fleet import routing
-from ...state import State
+from ...state import ServerState, State
 from ...turn import constraints, ignored, wire
-from ...turn.chat_turn import ChatInput, start_chat
+from ...turn.chat_turn import ChatInput, ChatTurn, start_chat
 from ...turn.incremental import ChainedPrompt
 from ...turn.sampling import sampling_fields
 from ...turn.wire import Turn
@@ -108,15 +109,14 @@ def _check(req: ResponsesRequest) -> None:
         )
 
 
-@router.post("/responses")
-async def create_response(req: ResponsesRequest, request: Request, st: State) -> Any:
-    """Generate a response; tool calls come back as function_call output items. With store (the
-    default) it is kept, and previous_response_id continues a kept one."""
-    store = request.app.state.warmkv.responses
-    key = routing.route(request, prompt_cache_key=req.prompt_cache_key, user=req.user)
+async def start_response(
+    st: ServerState, req: ResponsesRequest, key: str | None, stores: Lookup, keep_in: ResponseStore | None
+) -> tuple[ChatTurn, Shape]:
+    """Check the request, continue the response it names (from stores), start its turn; the finished
+    response goes into keep_in (None: kept nowhere)."""
     st.check_model(req.model)
     _check(req)
-    prev = chain.previous(store, req, st)
+    prev = chain.previous(stores, req, st)
     key = key if key is not None or prev is None else prev.key
     offered = _offered(req)
     tools = offered.specs
@@ -136,7 +136,7 @@ async def create_response(req: ResponsesRequest, request: Request, st: State) ->
             chained, messages = made, []
             render["x-warmkv-render"] = f"incremental; new_tokens={made.new_tokens}"
         else:
-            messages = chain.full_messages(store, prev, req, reasoning)
+            messages = chain.full_messages(stores, prev, req, reasoning)
             render["x-warmkv-render"] = f"full; reason={made.reason}"
     inp = ChatInput(
         messages=messages,
@@ -156,9 +156,19 @@ async def create_response(req: ResponsesRequest, request: Request, st: State) ->
     turn.headers.update(render)
     sign = st.reasoning.sign if "reasoning.encrypted_content" in (req.include or []) else None
     shape = Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered.split, sign)
-    if req.store is not False:
-        keep = chain.keeper(store, st, req, key, context, chain.input_items(req))
+    if keep_in is not None:
+        keep = chain.keeper(keep_in, st, req, key, context, chain.input_items(req))
         shape.keep = lambda body: keep(turn, body)
+    return turn, shape
+
+
+@router.post("/responses")
+async def create_response(req: ResponsesRequest, request: Request, st: State) -> Any:
+    """Generate a response; tool calls come back as function_call output items. With store (the
+    default) it is kept, and previous_response_id continues a kept one."""
+    store = request.app.state.warmkv.responses
+    key = routing.route(request, prompt_cache_key=req.prompt_cache_key, user=req.user)
+    turn, shape = await start_response(st, req, key, store, store if req.store is not False else None)
     if req.stream:
         return wire.stream(st, Turn.chat(turn), ResponsesEncoder(shape), turn.headers)
     body = await wire.collect(st, Turn.chat(turn), ResponsesEncoder(shape), ResponsesCollector(shape))

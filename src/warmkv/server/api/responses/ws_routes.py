@@ -1,0 +1,163 @@
+"""The Responses API over a WebSocket on the same route (Codex's `supports_websockets`).
+
+One socket per conversation. Each text frame in is a `response.create` (the POST body, flat, with
+`type`), or a `response.processed` (ignored). Out go the same events a streamed POST sends, one
+JSON text frame each; a frame that cannot be served gets an `error` frame (the API's error body
+with its `status`) and the socket goes on serving. `generate: false` prefills the prompt without
+answering (Codex's prewarm) and returns an empty response the next frame continues from.
+
+Codex sends store=false and still chains to the last response on the same socket, so the socket
+keeps its own responses (in memory, gone with it) beside the server's stored ones. A socket that
+drops mid-turn cancels the turn; the chain stays at its last complete response.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, WebSocket
+from pydantic import ValidationError
+from starlette.websockets import WebSocketDisconnect
+
+from ....errors import WarmkvError
+from ...conversations.store import Layered, ResponseStore, StoreLimits
+from ...errors import ApiError, from_warmkv
+from ...fleet import routing
+from ...settings import ServerSettings
+from ...state import Hub
+from ...turn import wire
+from ...turn.wire import Turn
+from .routes import start_response
+from .schemas import ResponsesRequest
+from .wire import ResponsesEncoder
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+log = logging.getLogger("warmkv.server")
+
+SOCKET_STORE = StoreLimits(max_bytes=64 << 20, max_age_s=24 * 3600.0)  # one socket's store=false responses
+
+
+def refusal(ws: WebSocket, settings: ServerSettings) -> ApiError | None:
+    """Why a handshake is refused, or None. The HTTP middleware passes WebSocket scopes through, so
+    the socket checks the API key itself; every handshake check belongs here."""
+    if settings.api_key is None:
+        return None
+    bearer = ws.headers.get("authorization", "").encode()
+    key = ws.headers.get("x-api-key", "").encode()
+    want = settings.api_key.encode()
+    if hmac.compare_digest(bearer, b"Bearer " + want) | hmac.compare_digest(key, want):
+        return None
+    return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+
+def error_frame(err: ApiError) -> dict[str, Any]:
+    """The API's error event: Codex maps `status` to an HTTP status (previous_response_not_found: resend)."""
+    return {"type": "error", "status": err.status, **err.body()}
+
+
+def _invalid(e: ValidationError) -> ApiError:
+    first = e.errors()[0]
+    param = ".".join(str(p) for p in first["loc"]) or None
+    return ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], code="invalid_value", param=param)
+
+
+def _request(text: str) -> tuple[ResponsesRequest, bool] | None:
+    """A response.create frame as (request, generate); None for a frame to ignore; ApiError otherwise."""
+    try:
+        frame = json.loads(text)
+    except ValueError as e:
+        raise ApiError(400, f"the frame is not JSON: {e}", code="invalid_json") from e
+    if not isinstance(frame, dict):
+        raise ApiError(400, "a frame must be a JSON object with a type", code="invalid_value", param="type")
+    kind = frame.pop("type", None)
+    if kind == "response.processed":
+        return None
+    if kind != "response.create":
+        raise ApiError(
+            400, f"type: expected 'response.create', got {kind!r}", code="unsupported_event_type", param="type"
+        )
+    generate = frame.pop("generate", True)
+    if not isinstance(generate, bool):
+        raise ApiError(400, "generate must be a boolean", code="invalid_value", param="generate")
+    try:
+        return ResponsesRequest.model_validate(frame), generate
+    except ValidationError as e:
+        raise _invalid(e) from e
+
+
+@router.websocket("/responses")
+async def responses_socket(ws: WebSocket) -> None:
+    hub: Hub = ws.app.state.warmkv
+    denied = refusal(ws, hub.settings)
+    if denied is not None:
+        if "websocket.http.response" in ws.scope.get("extensions", {}):
+            await ws.send_denial_response(denied.response(ws.url.path))
+        else:
+            await ws.close(code=1008, reason=denied.message[:120])
+        return
+    await ws.accept()
+    own = ResponseStore(None, SOCKET_STORE)
+    try:
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("text") is None:
+                await ws.send_text(
+                    json.dumps(error_frame(ApiError(400, "binary frames are not read", code="invalid_value")))
+                )
+                continue
+            try:
+                await _serve(ws, hub, own, message["text"])
+            except ApiError as e:
+                await ws.send_text(json.dumps(error_frame(e)))
+            except WarmkvError as e:
+                await ws.send_text(json.dumps(error_frame(from_warmkv(e))))
+    except (WebSocketDisconnect, RuntimeError, OSError):  # the client left mid-turn: the turn was cancelled
+        return
+    finally:
+        own.close()
+
+
+async def _serve(ws: WebSocket, hub: Hub, own: ResponseStore, text: str) -> None:
+    """One frame: a turn streamed back as frames, or a prewarm (generate: false)."""
+    parsed = _request(text)
+    if parsed is None:
+        return
+    req, generate = parsed
+    table = hub.table
+    slot = table.default if len(table.slots) == 1 else table.find(req.model)
+    st = await table.acquire(slot)
+    try:
+        key = routing.conversation_key(ws.headers, prompt_cache_key=req.prompt_cache_key, user=req.user)
+        keep_in = hub.responses if req.store is not False else own
+        if not generate:  # prefill the prompt (and one token nobody sees): the next frame starts warm
+            req = req.model_copy(update={"max_output_tokens": 1})
+        turn, shape = await start_response(st, req, key, Layered(own, hub.responses), keep_in)
+        if generate:
+            async with aclosing(wire.frames(st, Turn.chat(turn), ResponsesEncoder(shape))) as it:
+                async for f in it:
+                    await ws.send_text(json.dumps(f.data, ensure_ascii=False))
+            return
+        keep, shape.keep = shape.keep, None
+        last: dict[str, Any] = {}
+        async with aclosing(wire.frames(st, Turn.chat(turn), ResponsesEncoder(shape))) as it:
+            async for f in it:
+                last = f.data
+        if last.get("type") == "response.failed":
+            await ws.send_text(json.dumps(last, ensure_ascii=False))
+            return
+        shape.output.clear()
+        body = {**last["response"], "status": "completed", "output": [], "incomplete_details": None}
+        if keep is not None:
+            keep(body)
+        created = {"type": "response.created", "sequence_number": 0, "response": shape.response("in_progress")}
+        await ws.send_text(json.dumps(created, ensure_ascii=False))
+        done = {"type": "response.completed", "sequence_number": 1, "response": body}
+        await ws.send_text(json.dumps(done, ensure_ascii=False))
+    finally:
+        table.release(slot)
