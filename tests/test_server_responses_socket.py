@@ -1,7 +1,7 @@
 """The Responses API over a WebSocket: the openai SDK's responses.connect() and a raw client.
 
 Turns chain on one socket with store=false, as Codex sends them, and prefill only what is new;
-a prewarm (generate: false) returns an empty response to continue from; a malformed frame, an
+a prewarm (generate: false) returns at once an empty response to continue from; a malformed frame, an
 unknown previous_response_id and a socket dropped mid-turn each leave the server serving."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 ws_client = pytest.importorskip("websockets.sync.client")
+ws_exceptions = pytest.importorskip("websockets.exceptions")
 
 import warmkv  # noqa: E402
 from conftest import BACKENDS  # noqa: E402
@@ -28,11 +29,16 @@ SLACK = 4  # the reply's end marker and a re-spelled boundary token
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def base(request: pytest.FixtureRequest) -> Iterator[str]:
-    rt = warmkv.Runtime.load(backend=request.param, num_ctx=2048, n_seq_max=3, prefix_cache_mb=0, kv_store_mb=0)
+def rt(request: pytest.FixtureRequest) -> Iterator[warmkv.Runtime]:
+    runtime = warmkv.Runtime.load(backend=request.param, num_ctx=2048, n_seq_max=3, prefix_cache_mb=0, kv_store_mb=0)
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture(scope="module")
+def base(rt: warmkv.Runtime) -> Iterator[str]:
     with live_server(rt, pool_size=2) as url:
         yield url
-    rt.close()
 
 
 def _frames(sock: Any) -> list[dict[str, Any]]:
@@ -40,6 +46,8 @@ def _frames(sock: Any) -> list[dict[str, Any]]:
     out = []
     while True:
         f = json.loads(sock.recv(timeout=300))
+        if f["type"] == "keepalive":
+            continue
         out.append(f)
         if f["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
             return out
@@ -61,6 +69,8 @@ def test_sdk_connect_chains_turns_on_one_socket(base: str) -> None:
             )  # fmt: skip
             events = []
             for event in conn:
+                if event.type == "keepalive":  # sent while a prompt fills for more than 10 s
+                    continue
                 events.append(event)
                 if event.type in ("response.completed", "response.incomplete", "error"):
                     break
@@ -88,9 +98,9 @@ def test_prewarm_then_a_turn_from_it(base: str) -> None:
         sock.send(_create(model, instructions=SYSTEM, input="Say hi.", max_output_tokens=6,
                           previous_response_id=warm[-1]["response"]["id"]))  # fmt: skip
         turn = _frames(sock)
-        usage = turn[-1]["response"]["usage"]
         assert turn[-1]["type"] in ("response.completed", "response.incomplete"), turn[-1]
-        assert usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"] <= 12, usage
+        # The prewarm only rendered and tokenized its prompt: the turn evaluates it and the new message.
+        assert turn[-1]["response"]["usage"]["input_tokens"] > warm[-1]["response"]["usage"]["input_tokens"] > 0
 
 
 def test_bad_frames_and_a_dropped_socket(base: str) -> None:
@@ -124,3 +134,14 @@ def test_bad_frames_and_a_dropped_socket(base: str) -> None:
         client.responses.retrieve(dropped)
     r = client.responses.create(model=model, input="Go on.", previous_response_id=kept["id"], max_output_tokens=4)
     assert r.previous_response_id == kept["id"]
+
+
+def test_the_handshake_needs_the_api_key(rt: warmkv.Runtime) -> None:
+    with live_server(rt, pool_size=1, api_key="sk-socket-test") as url:
+        ws_url = f"{url.replace('http', 'ws')}/v1/responses"
+        with pytest.raises(ws_exceptions.InvalidStatus) as e:
+            ws_client.connect(ws_url)
+        assert e.value.response.status_code == 401
+        with ws_client.connect(ws_url, additional_headers={"Authorization": "Bearer sk-socket-test"}) as sock:
+            sock.send("[]")
+            assert json.loads(sock.recv(timeout=60))["status"] == 400

@@ -223,6 +223,12 @@ def _with_reasoning(st: ServerState, history: list[dict[str, Any]]) -> tuple[lis
     return out, digest.hexdigest()
 
 
+def rendered(st: ServerState, inp: ChatInput) -> tuple[str, dict[str, Any] | None]:
+    """The prompt text and its last message as rendered (blocking): what a turn would evaluate."""
+    p = _prepare(st, inp)
+    return p.text, (p.messages[-1] if p.messages else None)
+
+
 def render_prompt(st: ServerState, inp: ChatInput) -> str:
     """The exact prompt text a chat request evaluates (blocking: renders the template)."""
     return _prepare(st, inp).text

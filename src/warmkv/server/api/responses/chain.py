@@ -106,19 +106,23 @@ async def incremental(
     return await run_in_threadpool(chained_prompt, st, prev.prompt_ids, last, messages, tools, template_kwargs)
 
 
-def full_messages(
-    store: Lookup, prev: StoredResponse, req: ResponsesRequest, reasoning: ReasoningStore | None
-) -> list[dict[str, Any]]:
-    """The whole chain's messages, then the request's: every stored link must still be there."""
+def chain_items(store: Lookup, prev: StoredResponse) -> list[dict[str, Any]]:
+    """Every input and output item of the chain up to prev, oldest first: every link must still be there."""
     links = [prev]
     while (rid := links[-1].previous_response_id) is not None:
         link = store.get(rid)
         if link is None:  # evicted or deleted: the chain cannot be rebuilt
             raise not_found(prev.id)
         links.append(link)
-    items = [i for r in reversed(links) for i in (*r.input_items, *r.output)]
-    new = ITEMS.validate_python(input_items(req))
-    return messages_of([*ITEMS.validate_python(items), *new], req.instructions, reasoning)
+    return [i for r in reversed(links) for i in (*r.input_items, *r.output)]
+
+
+def full_messages(
+    store: Lookup, prev: StoredResponse, req: ResponsesRequest, reasoning: ReasoningStore | None
+) -> list[dict[str, Any]]:
+    """The whole chain's messages, then the request's."""
+    items = ITEMS.validate_python([*chain_items(store, prev), *input_items(req)])
+    return messages_of(items, req.instructions, reasoning)
 
 
 def keeper(

@@ -7,7 +7,16 @@ from typing import Any
 
 from ....errors import InvalidInput
 from ...turn.reasoning_store import ReasoningStore
-from .schemas import FunctionCallItem, FunctionCallOutputItem, ReasoningItem, ResponsesRequest, TextPart
+from .compacted import summary_message
+from .schemas import (
+    CompactionItem,
+    CompactionTriggerItem,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    ReasoningItem,
+    ResponsesRequest,
+    TextPart,
+)
 
 NAMESPACE_SEP = "."  # a namespace's function as the model sees and calls it: namespace.function
 
@@ -45,6 +54,11 @@ def messages_of(
         if isinstance(item, ReasoningItem):
             if store is not None:
                 thought += _reasoning_text(item, store)
+            continue
+        if isinstance(item, CompactionTriggerItem):
+            raise InvalidInput(f"input[{i}]: compaction_trigger must be the last input item", param=f"input[{i}]")
+        if isinstance(item, CompactionItem):
+            out.append({"role": "user", "content": summary_message(item.encrypted_content, f"input[{i}]")})
             continue
         starts_turn = isinstance(item, FunctionCallItem) or getattr(item, "role", None) == "assistant"
         if thought and starts_turn:

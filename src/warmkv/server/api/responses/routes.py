@@ -16,22 +16,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
 from ....errors import InvalidInput
 from ....prompt.constraint import Constraint
 from ....tools import ToolSpec, make_tool, openai_choice
 from ....tools.spec import check_unique
+from ...conversations.record import StoredResponse
 from ...conversations.store import Lookup, ResponseStore
 from ...errors import ApiError
 from ...fleet import routing
 from ...state import ServerState, State
 from ...turn import constraints, ignored, wire
-from ...turn.chat_turn import ChatInput, ChatTurn, start_chat
+from ...turn.chat_turn import ChatInput, ChatTurn, rendered, start_chat
 from ...turn.incremental import ChainedPrompt
 from ...turn.sampling import sampling_fields
+from ...turn.streams import sse
 from ...turn.wire import Turn
-from . import chain
+from . import chain, compaction
 from .items import NAMESPACE_SEP, _messages
 from .schemas import (
     FunctionChoice,
@@ -162,14 +165,77 @@ async def start_response(
     return turn, shape
 
 
+async def prewarmed(st: ServerState, req: ResponsesRequest, key: str | None, keep_in: ResponseStore) -> dict[str, Any]:
+    """generate: false (Codex's prewarm, which must answer within seconds): the prompt rendered and
+    tokenized and kept to chain from, an empty response returned; the next turn prefills it."""
+    st.check_model(req.model)
+    _check(req)
+    offered = _offered(req)
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    template_kwargs = {"enable_thinking": False} if effort == "none" else None
+    inp = ChatInput(
+        messages=_messages(req, st.reasoning if st.thinks else None),
+        tools=offered.specs,
+        messages_param="input",
+        template_kwargs=template_kwargs,
+    )
+    text, last = await run_in_threadpool(rendered, st, inp)
+    tokens = await run_in_threadpool(st.runtime.tokenize, text)
+    body = Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered.split).response("completed")
+    body["usage"] = {
+        "input_tokens": len(tokens),
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 0,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": len(tokens),
+    }
+    record = StoredResponse(
+        id=body["id"],
+        model=st.model_id,
+        created_at=body["created_at"],
+        previous_response_id=None,
+        key=key,
+        context=chain.context_of(req, template_kwargs),
+        input_items=chain.input_items(req),
+        output=[],
+        body=body,
+        prompt_ids=tuple(tokens),
+        last_message=last,
+    )
+    await run_in_threadpool(keep_in.put, record)
+    return body
+
+
 @router.post("/responses")
 async def create_response(req: ResponsesRequest, request: Request, st: State) -> Any:
     """Generate a response; tool calls come back as function_call output items. With store (the
     default) it is kept, and previous_response_id continues a kept one."""
     store = request.app.state.warmkv.responses
     key = routing.route(request, prompt_cache_key=req.prompt_cache_key, user=req.user)
+    if compaction.wanted(req):
+        done = await compaction.compact(start_response, st, req, key, store)
+        if req.stream:
+            return Response(b"".join(sse(e) for e in compaction.events(done)), media_type="text/event-stream")
+        return JSONResponse(done.body)
     turn, shape = await start_response(st, req, key, store, store if req.store is not False else None)
     if req.stream:
         return wire.stream(st, Turn.chat(turn), ResponsesEncoder(shape), turn.headers)
     body = await wire.collect(st, Turn.chat(turn), ResponsesEncoder(shape), ResponsesCollector(shape))
     return JSONResponse(body, headers=turn.headers)
+
+
+@router.post("/responses/compact")
+async def compact_response(req: ResponsesRequest, request: Request, st: State) -> Any:
+    """The conversation (input, or the chain previous_response_id names, then input) compacted: its
+    messages, then one compaction item carrying the summary the served model wrote."""
+    store = request.app.state.warmkv.responses
+    key = routing.route(request, prompt_cache_key=req.prompt_cache_key, user=req.user)
+    done = await compaction.compact(start_response, st, req, key, store)
+    body = done.body
+    return {
+        "id": body["id"],
+        "object": "response.compaction",
+        "created_at": body["created_at"],
+        "output": done.kept,
+        "usage": body["usage"],
+    }

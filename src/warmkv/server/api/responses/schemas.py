@@ -59,6 +59,20 @@ class ReasoningItem(_Echoed):
     encrypted_content: str | None = None
 
 
+class CompactionTriggerItem(_Echoed):
+    """Asks for the conversation so far compacted into one `compaction` output item (compaction.py)."""
+
+    type: Literal["compaction_trigger"]
+
+
+class CompactionItem(_Echoed):
+    """A compacted history: encrypted_content is what this server returned for it."""
+
+    type: Literal["compaction"]
+    encrypted_content: str = Field(min_length=1, max_length=1 << 20)
+    created_by: str | None = None
+
+
 def _type_of(v: Any) -> Any:
     """The `type` of a raw item (a dict) or of a validated one, for the discriminators below."""
     return v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
@@ -72,7 +86,9 @@ InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
     | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[ReasoningItem, Tag("reasoning")],
+    | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[CompactionTriggerItem, Tag("compaction_trigger")]
+    | Annotated[CompactionItem, Tag("compaction")],
     Discriminator(_item_kind),
 ]
 

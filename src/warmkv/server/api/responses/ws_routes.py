@@ -13,11 +13,13 @@ drops mid-turn cancels the turn; the chain stays at its last complete response.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, WebSocket
 from pydantic import ValidationError
@@ -30,14 +32,19 @@ from ...fleet import routing
 from ...settings import ServerSettings
 from ...state import Hub
 from ...turn import wire
+from ...turn.chat_turn import ChatTurn
 from ...turn.wire import Turn
-from .routes import start_response
+from . import compaction
+from .routes import prewarmed, start_response
 from .schemas import ResponsesRequest
-from .wire import ResponsesEncoder
+from .wire import ResponsesEncoder, Shape
 
+T = TypeVar("T")
 router = APIRouter(prefix="/v1", tags=["openai"])
 log = logging.getLogger("warmkv.server")
 
+KEEPALIVE_S = 10.0
+KEEPALIVE = json.dumps({"type": "keepalive"})  # an event type clients ignore
 SOCKET_STORE = StoreLimits(max_bytes=64 << 20, max_age_s=24 * 3600.0)  # one socket's store=false responses
 
 
@@ -123,6 +130,30 @@ async def responses_socket(ws: WebSocket) -> None:
         own.close()
 
 
+async def _kept_alive(ws: WebSocket, work: Awaitable[T], abandoned: Callable[[asyncio.Future[T]], None]) -> T:
+    """work's result; meanwhile a keep-alive frame every KEEPALIVE_S (Codex's idle timer counts text
+    frames only, not pings). A client gone meanwhile hands the work to `abandoned` when it ends."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait({task}, timeout=KEEPALIVE_S))[0]:
+            await ws.send_text(KEEPALIVE)
+    except BaseException:
+        task.add_done_callback(abandoned)
+        raise
+    return task.result()
+
+
+def _ignore(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: the client that wanted it is gone
+
+
+def _cancel_started(task: asyncio.Future[tuple[ChatTurn, Shape]]) -> None:
+    """A turn started for a client that left: stop it."""
+    if not task.cancelled() and task.exception() is None:
+        task.result()[0].gen.stream.cancel()
+
+
 async def _serve(ws: WebSocket, hub: Hub, own: ResponseStore, text: str) -> None:
     """One frame: a turn streamed back as frames, or a prewarm (generate: false)."""
     parsed = _request(text)
@@ -135,17 +166,31 @@ async def _serve(ws: WebSocket, hub: Hub, own: ResponseStore, text: str) -> None
     try:
         key = routing.conversation_key(ws.headers, prompt_cache_key=req.prompt_cache_key, user=req.user)
         keep_in = hub.responses if req.store is not False else own
-        if not generate:  # prefill the prompt (and one token nobody sees): the next frame starts warm
+        if compaction.wanted(req):
+            work = compaction.compact(start_response, st, req, key, Layered(own, hub.responses))
+            done = await _kept_alive(ws, work, _ignore)
+            for event in compaction.events(done):
+                await ws.send_text(json.dumps(event, ensure_ascii=False))
+            return
+        if not generate and req.previous_response_id is None:
+            body = await prewarmed(st, req, key, keep_in)
+            opening = {**body, "status": "in_progress", "usage": None}
+            await ws.send_text(json.dumps({"type": "response.created", "sequence_number": 0, "response": opening}))
+            await ws.send_text(json.dumps({"type": "response.completed", "sequence_number": 1, "response": body}))
+            return
+        if not generate:  # continuing a response: prefill the new items (and one token nobody sees)
             req = req.model_copy(update={"max_output_tokens": 1})
-        turn, shape = await start_response(st, req, key, Layered(own, hub.responses), keep_in)
+        started = start_response(st, req, key, Layered(own, hub.responses), keep_in)
+        turn, shape = await _kept_alive(ws, started, _cancel_started)
+        encoder = ResponsesEncoder(shape)
         if generate:
-            async with aclosing(wire.frames(st, Turn.chat(turn), ResponsesEncoder(shape))) as it:
+            async with aclosing(wire.frames(st, Turn.chat(turn), encoder)) as it:
                 async for f in it:
                     await ws.send_text(json.dumps(f.data, ensure_ascii=False))
             return
         keep, shape.keep = shape.keep, None
         last: dict[str, Any] = {}
-        async with aclosing(wire.frames(st, Turn.chat(turn), ResponsesEncoder(shape))) as it:
+        async with aclosing(wire.frames(st, Turn.chat(turn), encoder)) as it:
             async for f in it:
                 last = f.data
         if last.get("type") == "response.failed":
