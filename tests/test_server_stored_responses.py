@@ -87,6 +87,9 @@ def test_stored_routes_and_errors(rt: warmkv.Runtime, db: Path) -> None:
         client = _client(base)
         model = _model(client)
         r = client.responses.create(model=model, input=[{"role": "user", "content": "Hi."}], **KW)
+        counted = client.responses.input_tokens.count(input=[{"role": "user", "content": "Hi."}])
+        assert counted.input_tokens == r.usage.input_tokens
+        ahead = client.responses.input_tokens.count(model=model, input="Go on.", previous_response_id=r.id)
         got = client.responses.retrieve(r.id)
         assert got.id == r.id and got.output_text == r.output_text
         page = client.responses.input_items.list(r.id)
@@ -103,6 +106,8 @@ def test_stored_routes_and_errors(rt: warmkv.Runtime, db: Path) -> None:
         with pytest.raises(openai.BadRequestError) as e:
             _turn(client, model, "Go on.", "resp_unknown")
         assert e.value.code == "previous_response_not_found" and e.value.body["param"] == "previous_response_id"
+        went_on = client.responses.create(model=model, input="Go on.", previous_response_id=r.id, **KW)
+        assert went_on.usage.input_tokens == ahead.input_tokens
         client.responses.delete(r.id)
         with pytest.raises(openai.NotFoundError):
             client.responses.retrieve(r.id)

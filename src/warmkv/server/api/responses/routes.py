@@ -39,6 +39,7 @@ from .items import NAMESPACE_SEP, _messages
 from .schemas import (
     FunctionChoice,
     FunctionTool,
+    InputTokensRequest,
     NamespaceTool,
     ResponsesRequest,
 )
@@ -239,3 +240,32 @@ async def compact_response(req: ResponsesRequest, request: Request, st: State) -
         "output": done.kept,
         "usage": body["usage"],
     }
+
+
+@router.post("/responses/input_tokens")
+async def count_input_tokens(body: InputTokensRequest, request: Request, st: State) -> Any:
+    """The prompt tokens the same request would evaluate (a chained one: its chain's tokens plus the new ones)."""
+    req = ResponsesRequest.model_validate(
+        {**body.model_dump(exclude_none=True, by_alias=True), "model": body.model or st.model_id}
+    )
+    st.check_model(req.model)
+    _check(req)
+    store = request.app.state.warmkv.responses
+    prev = chain.previous(store, req, st)
+    offered = _offered(req)
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    template_kwargs = {"enable_thinking": False} if effort == "none" else None
+    reasoning = st.reasoning if st.thinks else None
+    if prev is not None:
+        made = await chain.incremental(
+            st, prev, req, offered.specs, template_kwargs, chain.context_of(req, template_kwargs)
+        )
+        if isinstance(made, ChainedPrompt):
+            return {"object": "response.input_tokens", "input_tokens": len(made.tokens)}
+        messages = chain.full_messages(store, prev, req, reasoning)
+    else:
+        messages = _messages(req, reasoning)
+    inp = ChatInput(messages=messages, tools=offered.specs, messages_param="input", template_kwargs=template_kwargs)
+    text, _ = await run_in_threadpool(rendered, st, inp)
+    tokens = await run_in_threadpool(st.runtime.tokenize, text)
+    return {"object": "response.input_tokens", "input_tokens": len(tokens)}

@@ -196,3 +196,10 @@ class ResponsesRequest(_Request):
     top_k: int = Field(default=40, ge=0)
     min_p: float = Field(default=0.05, ge=0.0, le=1.0)
     seed: int | None = None
+
+
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: a request to count, not to run (model defaults to the served one)."""
+
+    model: str | None = Field(default=None, min_length=1, max_length=256)  # type: ignore[assignment]
+    input: str | list[InputItem] = ""
