@@ -26,7 +26,7 @@ lint: setup
 # prefix and driven by the same tests. Not part of `make test`: the versions move.
 HARNESS_LATEST ?= /tmp/warmkv-harness-latest
 HARNESS_TESTS = tests/test_harness_cli.py tests/test_harness_opencode.py tests/test_harness_pi.py \
-	tests/test_harness_qwen.py tests/test_harness_launch.py
+	tests/test_harness_qwen.py tests/test_harness_launch.py tests/test_harness_codex_socket.py
 harness-latest: setup
 	rm -rf $(HARNESS_LATEST) && mkdir -p $(HARNESS_LATEST)
 	cd $(HARNESS_LATEST) && echo '{"private": true}' > package.json && npm install --no-audit --no-fund \
