@@ -249,6 +249,28 @@ class PrefixLoad:
         if stash is not None:
             stash.release()
 
+    def preview(self) -> PrefixStatus | None:
+        """What status() will report, as begin() left it: what is reused and from where, what is left to
+        prefill (prefill_s 0, no hashes); None while chunk runs wait to be placed (their count may change)."""
+        if self._moves or self._placed:
+            return None
+        n = len(self.plan.tokens)
+        return PrefixStatus(
+            reused_tokens=self.reused,
+            prefilled_tokens=n - self.reused,
+            dropped_tokens=self.plan.dropped,
+            prefix_tokens=n,
+            resident_tokens=n,
+            available_tokens=self._num_ctx - n,
+            stable_byte_hash="",
+            stable_token_hash="",
+            manifest_digest=self.plan.manifest.digest,
+            reuse_source=self.source,
+            reason=self.reason,
+            prefill_s=0.0,
+            divergence=self.plan.divergence,
+        )
+
     def status(self) -> PrefixStatus:
         """Mark the prompt as the prefix and report what happened."""
         self._release()

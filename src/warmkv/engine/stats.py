@@ -37,3 +37,15 @@ class SchedulerStats:
     running: int = 0  # turns decoding
     preempted: int = 0  # turns waiting now for KV pool room, their KV swapped out or given back
     preemptions: int = 0  # turns preempted since start
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far one turn's prompt is resident (TurnRunner.progress), replaced after each prefill piece.
+
+    total: the prompt's tokens; cached: those it reused (resident, or restored from a tier); processed:
+    those resident so far, cached ones included (llama.cpp's prompt_progress counts the same way)."""
+
+    total: int
+    cached: int
+    processed: int

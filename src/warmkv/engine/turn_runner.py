@@ -33,6 +33,7 @@ from ..types import PrefixStatus, StreamChunk
 from .decode_state import DecodeState
 from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan
 from .region_map import CHECK
+from .stats import PromptProgress
 
 if TYPE_CHECKING:
     from .session import Session
@@ -68,6 +69,10 @@ class TurnRunner:
         self.disk: Future[DiskRead] | None = None
         self.status: PrefixStatus | None = None  # what making the prompt resident did, once it is
         self.prefilled = 0  # prompt tokens evaluated by this turn
+        # Replaced (never changed) on the engine loop after each piece: a reader on another thread (the
+        # server's keep-alives) takes it with a plain attribute read, no lock.
+        self.progress: PromptProgress | None = None
+        self.preview: PrefixStatus | None = None  # the load's reuse as it began (PrefixLoad.preview), published
 
     @property
     def reading(self) -> bool:
@@ -107,12 +112,17 @@ class TurnRunner:
         assert self.plan is not None
         self.load, self.disk = self.session.begin_load(self.plan, disk), None
         self.phase = Phase.PREFILLING
+        total, cached = len(self.plan.tokens), min(self.load.reused, len(self.plan.tokens))
+        self.preview = self.load.preview()
+        self.progress = PromptProgress(total, cached, cached)
         if self.load.done:  # a full hit: nothing left to evaluate
             self._loaded()
 
     def _loaded(self) -> None:
         load, self.load = self.load, None
         assert load is not None
+        if self.progress is not None:
+            self.progress = PromptProgress(self.progress.total, self.progress.cached, self.progress.total)
         if self.state is not None:
             self.status = self.session.loaded(load, self.state)
             self.phase = Phase.DECODING
@@ -149,6 +159,9 @@ class TurnRunner:
                     raise
                 return self.end(e)
             self.prefilled += len(row.tokens)
+            p = self.progress
+            if p is not None:
+                self.progress = PromptProgress(p.total, p.cached, min(p.total, p.processed + len(row.tokens)))
             if self.load.done:
                 self._loaded()
             return None
