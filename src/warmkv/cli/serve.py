@@ -97,6 +97,12 @@ def serve(
         float,
         typer.Option("--responses-max-age", min=1, help="seconds a stored response is kept (default 30 days)"),
     ] = 30 * 86400.0,
+    stream_keepalive: Annotated[
+        float,
+        typer.Option(
+            "--stream-keepalive", min=0.01, help="seconds of silence before a stream sends a keep-alive (default 1)"
+        ),
+    ] = 1.0,
     *,
     opts: RuntimeOptions,
 ) -> None:
@@ -131,6 +137,7 @@ def serve(
             responses_path=_responses_path(opts),
             responses_mb=responses_mb,
             responses_max_age_s=responses_max_age,
+            stream_keepalive_s=stream_keepalive,
         )
         table = TableSettings(models_max=models_max, sleep_idle_s=sleep_idle_seconds, memory_mb=models_memory_mb)
         specs = serve_specs(

@@ -79,6 +79,9 @@ class ServerSettings:
     responses_path: str | None = None
     responses_mb: int = 256
     responses_max_age_s: float = 30 * 86400.0
+    # A silent stream (a long prompt filling, a queue) sends the API's keep-alive this often, so
+    # clients and proxies that give up after a silence (60 s in some harnesses) keep waiting.
+    stream_keepalive_s: float = 1.0
 
     @property
     def node(self) -> str:
@@ -105,7 +108,7 @@ class ServerSettings:
                 f"binding to {self.host} exposes the server beyond this machine: set an API key "
                 "(--api-key or WARMKV_API_KEY), or bind to 127.0.0.1"
             )
-        for name in ("session_ttl_s", "queue_timeout_s", "responses_max_age_s"):
+        for name in ("session_ttl_s", "queue_timeout_s", "responses_max_age_s", "stream_keepalive_s"):
             _positive(name, getattr(self, name), integer=False)
         for name in ("pool_size", "max_step_tokens", "max_output_tokens"):
             if getattr(self, name) is not None:

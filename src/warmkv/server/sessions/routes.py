@@ -25,7 +25,7 @@ from ..turn.constraints import json_schema, one_constraint
 from ..turn.sampling import sampling_fields, usage_body
 from ..turn.schemas import ERRORS
 from ..turn.streams import SSE_DONE, ChunkStream, start_turn
-from ..turn.wire import Frame, Turn, chunk_steps
+from ..turn.wire import KEEPALIVE, Frame, Turn, chunk_steps
 from .registry import Entry
 from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
 from .share import forget, share, shares
@@ -158,7 +158,7 @@ async def decode(sid: str, req: DecodeRequest, st: State, after: BackgroundTasks
     except BaseException:
         st.registry.unlock(entry)
         raise
-    turn = Turn(chunk_steps(stream), stream.cancel, t0)
+    turn = Turn(chunk_steps(stream, prompt=False), stream.cancel, t0)
     _share_after(st, sid, after)  # runs once the stream (or the body) has been sent
     loose = cfg.constraint.loosened if cfg.constraint is not None else ()
     headers = {ignored.IGNORED_HEADER: ", ".join(loose)} if loose else {}
@@ -183,8 +183,11 @@ class _Encoder:
     def end(self, step: TurnStep) -> list[Frame]:
         return [Frame(_chunk(step.chunk))]
 
-    def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
-        return [Frame({**_chunk(step.chunk), **err.body()})]
+    def error(self, err: ApiError, step: TurnStep | None) -> list[Frame]:
+        return [Frame({**({} if step is None else _chunk(step.chunk)), **err.body()})]
+
+    def waiting(self, progress: dict[str, int] | None) -> list[Frame]:
+        return [KEEPALIVE]
 
 
 class _Collector:

@@ -38,10 +38,10 @@ from ...tools.grammar import with_thinking
 from ...types import PrefixInput, PrefixStatus, StreamChunk, Usage
 from ..state import ServerState
 from . import ignored
-from .generation import Generation, generate
+from .generation import Generation, generate, open_wait
 from .incremental import ChainedPrompt
 from .normalize import strip_volatile
-from .reuse_report import message_ends, report
+from .reuse_report import QUEUED, message_ends, report
 
 log = logging.getLogger("warmkv.server")
 
@@ -108,9 +108,17 @@ class ChatTurn:
     last_message: dict[str, Any] | None = None  # the prompt's last message as rendered (a stored turn keeps it)
     _text: list[str] = field(default_factory=list)  # the reply's content (the think block left out)
     _reasoning_tokens: int = 0
+    # The reuse report of a stream that opened while its prompt filled: made (counted, logged) once it is resident.
+    _report: Callable[[PrefixStatus], dict[str, str]] | None = None
 
     async def steps(self) -> AsyncIterator[TurnStep]:
-        """The turn's steps, one per decode chunk; the last carries the end (wire.py drives them)."""
+        """The turn's steps, one per decode chunk; the last carries the end (wire.py drives them).
+        A prompt that failed to be resident raises its error first."""
+        status = await self.gen.stream.resident()
+        if self._report is not None and status is not None:
+            # a non-streamed body's response is made after its turn: it gets the reuse headers still
+            self.headers.update(await run_in_threadpool(self._report, status))
+            self.headers.pop("x-warmkv-prompt", None)
         generated: list[int] = []
         async for chunk in self.gen.stream:
             generated += chunk.token_ids
@@ -240,7 +248,8 @@ async def prompt_of(st: ServerState, inp: ChatInput) -> str:
 
 
 async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
-    """Render the request, start generating; input errors raise here (as 400s naming the field)."""
+    """Render the request, start generating; input errors raise here (as 400s naming the field).
+    A long prompt may still be filling when this returns (gen.pending; generate()'s wait)."""
     rt = st.runtime
     fmt = st.tool_format
     sampling = dict(inp.sampling)
@@ -266,7 +275,14 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
         sampling["constraint"] = with_thinking(sampling["constraint"], thinking)
     given = prompt.text if chained is None else PrefixInput(chained.text, tokens=chained.tokens)
     gen = await generate(
-        st, given, inp.max_tokens, sampling, key=inp.session_key, clamp=inp.clamp_max_tokens, num_ctx=inp.num_ctx
+        st,
+        given,
+        inp.max_tokens,
+        sampling,
+        key=inp.session_key,
+        clamp=inp.clamp_max_tokens,
+        num_ctx=inp.num_ctx,
+        wait=open_wait(st),
     )
     parser = ToolCallParser(fmt, inp.new_call_id) if inp.tools and inp.choice.calls else None
     splitter = None
@@ -286,14 +302,21 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
         render = functools.partial(rt.render_chat, template_kwargs=inp.template_kwargs)
         ends = message_ends(render, prompt.messages, prompt.text, tools=prompt.template_tools)
         roles = [m["role"] for m in prompt.messages]
+
+    def reuse(status: PrefixStatus) -> dict[str, str]:  # blocking: may render the conversation's prefixes
+        if chained is not None:  # the history was not rendered: reuse is reported by token only
+            return report(st, status, gen.prompt_tokens)
         try:
-            cause = await run_in_threadpool(_dropped_reasoning, st, inp, prompt, gen.status)
+            cause = _dropped_reasoning(st, inp, prompt, status)
         except WarmkvError:  # only a header: the turn is already running
             cause = None
-        headers.update(report(st, gen.status, gen.prompt_tokens, roles, ends, cause))
-    else:  # the history was not rendered: reuse is reported by token only
-        headers.update(report(st, gen.status, gen.prompt_tokens))
+        return report(st, status, gen.prompt_tokens, roles, ends, cause)
+
     last = prompt.messages[-1] if prompt.messages else None
+    known = gen.stream.reuse()
+    if known is None:  # queued still: its reuse is reported once the prompt is resident
+        return ChatTurn(gen, fmt, parser, st, {**headers, **QUEUED}, splitter, prompt.context, last, _report=reuse)
+    headers.update(await run_in_threadpool(reuse, known))
     return ChatTurn(gen, fmt, parser, st, headers, splitter, prompt.context, last)
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from ...config import DecodeConfig
-from ...errors import ContextOverflow, InvalidInput, SessionFatal, Unsupported
+from ...errors import ContextOverflow, InvalidInput, SessionFatal, Unsupported, WarmkvError
 from ...types import PrefixInput, PrefixStatus
 from ..state import ServerState
 from .streams import ChunkStream, start_turn
@@ -17,15 +17,36 @@ from .streams import ChunkStream, start_turn
 
 @dataclass(frozen=True)
 class Generation:
+    """A started turn, which may be returned before its prompt is resident (generate()'s wait): then
+    status is unknown until the turn's first step."""
+
     stream: ChunkStream
     prompt_ids: tuple[int, ...]
-    status: PrefixStatus  # how the prompt was made resident: reused, prefilled, where reuse stopped
     t0: float
     max_tokens: int  # the budget the turn decodes under
 
     @property
+    def pending(self) -> bool:
+        """The prompt is still filling."""
+        return self.stream.status is None
+
+    @property
+    def status(self) -> PrefixStatus:
+        """How the prompt was made resident: reused, prefilled, where reuse stopped."""
+        if self.stream.status is None:
+            raise WarmkvError("the prompt is not resident yet")
+        return self.stream.status
+
+    @property
     def cached_tokens(self) -> int:
-        return self.status.cached_tokens
+        """Prompt tokens not prefilled: from the load's preview while the prompt fills, 0 while queued."""
+        known = self.stream.reuse()
+        return 0 if known is None else known.cached_tokens
+
+    @property
+    def resident_at(self) -> float:
+        """When the prompt was resident (perf_counter); now, while it fills."""
+        return self.stream.resident_at or time.perf_counter()
 
     @property
     def prompt_tokens(self) -> int:
@@ -41,6 +62,7 @@ async def generate(
     key: str | None = None,
     clamp: bool = False,
     num_ctx: int | None = None,
+    wait: float | None = None,
 ) -> Generation:
     """Start generating after prompt (text, or a PrefixInput that carries its own tokens);
     errors before the first token raise here (4xx/5xx).
@@ -48,7 +70,9 @@ async def generate(
     key: the conversation's id, which picks its pooled session. clamp: a max_tokens past the
     context's end is cut to the room left (an overflowing prompt is still a 400). num_ctx: the
     request's own context window, when it asks for one smaller than the runtime's. The server's
-    max_output_tokens caps every request."""
+    max_output_tokens caps every request. wait: return once the prompt is resident or after this
+    many seconds, whichever comes first (a stream opens while a long prompt fills; its prefill's
+    error then comes as the turn's first step); None waits until it is."""
     t0 = time.perf_counter()
     rt = st.runtime
     sampling = dict(sampling)
@@ -90,7 +114,14 @@ async def generate(
         raise
     # The scheduler prefills the prompt between other streams' steps; from here on the
     # turn's end (finished) lets go of the session, also when the prefill fails.
-    status = await stream.resident()
-    assert status is not None
-    st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
-    return Generation(stream, tuple(tokens), status, t0, max_tokens)
+    stream.when_resident(lambda s: st.metrics.observe_prompt(s.reused_tokens, s.prefilled_tokens))
+    if await stream.resident_within(wait):
+        await stream.resident()  # its error raises here, before the response starts
+    return Generation(stream, tuple(tokens), t0, max_tokens)
+
+
+def open_wait(st: ServerState) -> float:
+    """How long a route waits for its prompt before it goes on to its response: a quarter second, or the
+    keep-alive interval if shorter. A stream then opens while the prompt fills and keeps the client
+    company; a non-streamed body waits for the whole turn as before (the reuse headers included)."""
+    return min(0.25, st.settings.stream_keepalive_s)

@@ -28,6 +28,7 @@ from typing import Any
 from ...errors import WarmkvError
 from ...types import Divergence, PrefixStatus
 from ..state import ServerState
+from .generation import Generation
 
 log = logging.getLogger("warmkv.server")
 
@@ -117,3 +118,23 @@ def report(
         "x-warmkv-divergence": header,
         "x-warmkv-reuse-source": status.reuse_source,
     }
+
+
+QUEUED = {"x-warmkv-prompt": "queued"}  # the response started before the turn began its prompt: no reuse known
+
+
+def report_gen(st: ServerState, gen: Generation) -> dict[str, str]:
+    """report() of a plain completion, from its load's preview while the prompt fills. A turn still
+    queued gets QUEUED, replaced in place by the report once the prompt is resident (a non-streamed
+    body's response, made after its turn, has it; a stream that opened meanwhile sent QUEUED)."""
+    known = gen.stream.reuse()
+    if known is not None:
+        return report(st, known, gen.prompt_tokens)
+    headers = dict(QUEUED)
+
+    def resident(status: PrefixStatus) -> None:
+        headers.update(report(st, status, gen.prompt_tokens))
+        headers.pop("x-warmkv-prompt", None)
+
+    gen.stream.when_resident(resident)
+    return headers

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ...config import DecodeConfig
 from ...engine.scheduler import Job, Scheduler
 from ...engine.session import Session
+from ...engine.stats import PromptProgress
 from ...errors import WarmkvError
 from ...types import PrefixInput, PrefixStatus, StreamChunk
 
@@ -34,8 +37,11 @@ class ChunkStream:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[StreamChunk] = asyncio.Queue()
         self._resident: asyncio.Future[PrefixStatus | WarmkvError | None] = self._loop.create_future()
+        self._resident.add_done_callback(self._note_resident)
         self.job: Job | None = None
         self.final: StreamChunk | None = None
+        self.status: PrefixStatus | None = None  # how the prompt was made resident, once it is
+        self.resident_at: float | None = None  # when it was (perf_counter), for the APIs' timings
         self._held: StreamChunk | None = None  # steps that produced no text yet (worker thread only)
 
     def put(self, chunk: StreamChunk) -> None:
@@ -54,8 +60,46 @@ class ChunkStream:
         """Called on the worker thread once the turn's prompt is resident (or failed to be)."""
         self._loop.call_soon_threadsafe(_set, self._resident, result)
 
+    def _note_resident(self, fut: asyncio.Future[PrefixStatus | WarmkvError | None]) -> None:
+        result = fut.result()
+        self.resident_at = time.perf_counter()
+        if isinstance(result, PrefixStatus):
+            self.status = result
+
+    def when_resident(self, fn: Callable[[PrefixStatus], None]) -> None:
+        """Call fn(status) on the loop once the prompt is resident (never, if it fails to be)."""
+
+        def call(fut: asyncio.Future[PrefixStatus | WarmkvError | None]) -> None:
+            if isinstance(fut.result(), PrefixStatus):
+                fn(fut.result())  # type: ignore[arg-type]
+
+        self._resident.add_done_callback(call)
+
+    async def resident_within(self, timeout: float | None) -> bool:
+        """Wait at most timeout seconds (None: until it is) for the prompt to be resident or fail;
+        True when it is settled. The turn goes on either way; a client that leaves cancels it."""
+        try:
+            done, _ = await asyncio.wait({self._resident}, timeout=timeout)
+        except BaseException:
+            self.cancel()  # the client left during the prefill
+            raise
+        return bool(done)
+
+    def reuse(self) -> PrefixStatus | None:
+        """How the prompt is (or is being) made resident: its status once it is, else what its load
+        reused as it began (what is left is prefill), else None (queued)."""
+        if self.status is not None:
+            return self.status
+        job = self.job
+        return None if job is None else job.runner.preview
+
+    def progress(self) -> PromptProgress | None:
+        """How far the prompt is resident: the engine's published record, read without a lock."""
+        job = self.job
+        return None if job is None else job.runner.progress
+
     async def resident(self) -> PrefixStatus | None:
-        """Wait until the prompt is resident; its error raises here, before anything streams."""
+        """Wait until the prompt is resident; its error raises here."""
         try:
             result = await asyncio.shield(self._resident)
         except BaseException:
@@ -128,8 +172,11 @@ class SSEResponse(StreamingResponse):
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._on_close = on_close
+        self.asks_progress = False  # the request asked for prompt-progress events (x-warmkv-progress)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        asked = Headers(scope=scope).get("x-warmkv-progress", "").strip().lower()
+        self.asks_progress = asked in ("1", "true", "yes")
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -198,6 +198,8 @@ async def create_message(req: MessagesRequest, request: Request, st: State) -> A
         turn.headers["x-warmkv-context-edits"] = _edits_header(edited)
     managed = {"applied_edits": edited.applied} if req.context_management is not None else None
     mid = "msg_" + secrets.token_hex(12)
+    if req.diagnostics is not None:  # its answer needs the reuse result: the stream opens once the prompt is resident
+        await turn.gen.stream.resident_within(None)
     diagnostics = _diagnose(st, req, mid, turn)
     message: dict[str, Any] = {"id": mid, "type": "message", "role": "assistant", "model": model}
     if diagnostics is not None:

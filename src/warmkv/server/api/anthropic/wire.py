@@ -99,8 +99,12 @@ class MessagesEncoder:
             delta["context_management"] = self.managed
         return [*self._close(), _event("message_delta", **delta), _event("message_stop")]
 
-    def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
+    def error(self, err: ApiError, step: TurnStep | None) -> list[Frame]:
         return [*self._close(), _event("error", error={"type": err.anthropic_type, "message": err.text("anthropic")})]
+
+    def waiting(self, progress: dict[str, int] | None) -> list[Frame]:
+        """A ping (the API's own keep-alive); asked for, it carries prompt_progress, which clients skip."""
+        return [_event("ping") if progress is None else _event("ping", prompt_progress=progress)]
 
 
 class MessagesCollector:

@@ -24,11 +24,11 @@ from ...fleet import routing
 from ...state import State
 from ...turn import wire
 from ...turn.chat_turn import TurnStep
-from ...turn.generation import Generation, generate
-from ...turn.reuse_report import report
+from ...turn.generation import Generation, generate, open_wait
+from ...turn.reuse_report import report_gen
 from ...turn.sampling import sampling_fields
 from ...turn.schemas import Stop, _Request
-from ...turn.wire import Frame, Turn
+from ...turn.wire import KEEPALIVE, Frame, Turn
 
 router = APIRouter(tags=["infill"])
 
@@ -62,6 +62,7 @@ class InfillRequest(_Request):
     t_max_prompt_ms: int | None = None
     t_max_predict_ms: int | None = None
     response_fields: list[str] | None = None
+    return_progress: bool = False  # a streamed reply sends prompt_progress chunks while the prompt fills
 
 
 def _final(gen: Generation, chunk: StreamChunk, content: str, model: str) -> dict[str, Any]:
@@ -98,11 +99,11 @@ async def infill(req: InfillRequest, request: Request, st: State) -> Any:
         more = await run_in_threadpool(rt.tokenize, req.prompt, add_bos=False, parse_special=False)
         target = PrefixInput(text=target.text + req.prompt, tokens=(*(target.tokens or ()), *more))
     sampling = {**sampling_fields(req), "stop_token_ids": rt.fim_tokens().stops()}
-    gen = await generate(st, target, req.n_predict or req.max_tokens, sampling, key=key)
-    headers = report(st, gen.status, gen.prompt_tokens)
+    gen = await generate(st, target, req.n_predict or req.max_tokens, sampling, key=key, wait=open_wait(st))
+    headers = report_gen(st, gen)
     encoder = _Encoder(gen, model)
     if req.stream:
-        return wire.stream(st, Turn.raw(gen), encoder, headers)
+        return wire.stream(st, Turn.raw(gen), encoder, headers, progress=req.return_progress)
     return JSONResponse(await wire.collect(st, Turn.raw(gen), encoder, _Collector()), headers=headers)
 
 
@@ -124,8 +125,14 @@ class _Encoder:
     def end(self, step: TurnStep) -> list[Frame]:
         return [Frame(_final(self.gen, step.chunk, step.chunk.text, self.model))]
 
-    def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
+    def error(self, err: ApiError, step: TurnStep | None) -> list[Frame]:
         return [Frame(err.body())]
+
+    def waiting(self, progress: dict[str, int] | None) -> list[Frame]:
+        """A comment; with return_progress, llama.cpp server's progress chunk."""
+        if progress is None:
+            return [KEEPALIVE]
+        return [Frame({"content": "", "stop": False, "prompt_progress": progress})]
 
 
 class _Collector:

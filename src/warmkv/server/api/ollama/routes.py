@@ -30,8 +30,8 @@ from ...models.keep_alive import keep_alive_seconds
 from ...state import Hub, ServerState, State
 from ...turn import ignored, wire
 from ...turn.chat_turn import ChatInput, prompt_of, start_chat
-from ...turn.generation import generate
-from ...turn.reuse_report import report
+from ...turn.generation import generate, open_wait
+from ...turn.reuse_report import report_gen
 from ...turn.wire import Encoder, Turn
 from . import info as ollama_info
 from . import options as ollama_options
@@ -220,7 +220,7 @@ async def chat(req: ChatRequest, request: Request, st: State) -> Any:
     if req.debug_render_only:
         return _debug(model, {"message": {"role": "assistant", "content": ""}}, await prompt_of(st, inp))
     turn = await start_chat(st, inp)
-    encoder = ChatEncoder(model, turn.gen, Timing(t0, time.perf_counter()), st.runtime.backend, lp is not None)
+    encoder = ChatEncoder(model, turn.gen, Timing(t0), st.runtime.backend, lp is not None)
     headers = {**turn.headers, **dec.headers}
     ignored.merge(headers, ollama_options.ignored_headers(req, dec))
     return await _reply(st, Turn.chat(turn), encoder, "message", req.stream, headers)
@@ -280,8 +280,10 @@ async def generate_route(req: GenerateRequest, request: Request, st: State) -> A
             sampling["stop_token_ids"] = rt.fim_tokens().stops()
         if req.debug_render_only:
             return _debug(model, {"response": ""}, target if isinstance(target, str) else target.text)
-        gen = await generate(st, target, dec.max_tokens, sampling, key=key, clamp=True, num_ctx=dec.num_ctx)
-        headers, turn, raw = report(st, gen.status, gen.prompt_tokens), Turn.raw(gen), True
+        gen = await generate(
+            st, target, dec.max_tokens, sampling, key=key, clamp=True, num_ctx=dec.num_ctx, wait=open_wait(st)
+        )
+        headers, turn, raw = report_gen(st, gen), Turn.raw(gen), True
         if sampling["constraint"] is not None and sampling["constraint"].loosened:
             headers[ignored.IGNORED_HEADER] = ", ".join(sampling["constraint"].loosened)
         if dec.max_tokens is not None and gen.max_tokens < dec.max_tokens:
@@ -297,7 +299,7 @@ async def generate_route(req: GenerateRequest, request: Request, st: State) -> A
             return _debug(model, {"response": ""}, await prompt_of(st, inp))
         chat_turn = await start_chat(st, inp)
         gen, headers, turn, raw = chat_turn.gen, chat_turn.headers, Turn.chat(chat_turn), False
-    encoder = GenerateEncoder(model, gen, Timing(t0, time.perf_counter()), rt.backend, lp is not None, raw)
+    encoder = GenerateEncoder(model, gen, Timing(t0), rt.backend, lp is not None, raw)
     headers = {**headers, **dec.headers}
     ignored.merge(headers, ollama_options.ignored_headers(req, dec))
     return await _reply(st, turn, encoder, "response", req.stream, headers)

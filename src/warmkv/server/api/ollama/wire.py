@@ -50,23 +50,22 @@ def done_reason(finish: str | None) -> str:
 
 @dataclass(frozen=True)
 class Timing:
-    """When the request came (t0) and when its prompt was resident, for the final chunk's durations."""
+    """When the request came (t0), for the final chunk's durations (the prompt's resident time is the stream's)."""
 
     t0: float
-    resident: float
 
     def metrics(self, gen: Generation, eval_count: int) -> dict[str, int]:
         """Ollama's counts and durations. prompt_eval_count: the prompt tokens prefilled by this
         request (reused ones are not evaluated); load_duration: the wait before the prefill
         began (rendering, a free session, the scheduler), the model being loaded already."""
-        now, prefill = time.perf_counter(), gen.status.prefill_s
+        now, prefill, resident = time.perf_counter(), gen.status.prefill_s, gen.resident_at
         return {
             "total_duration": _ns(now - self.t0),
-            "load_duration": _ns(self.resident - self.t0 - prefill),
+            "load_duration": _ns(resident - self.t0 - prefill),
             "prompt_eval_count": gen.status.prefilled_tokens,
             "prompt_eval_duration": _ns(prefill),
             "eval_count": eval_count,
-            "eval_duration": _ns(now - self.resident),
+            "eval_duration": _ns(now - resident),
         }
 
 
@@ -95,8 +94,16 @@ class _Encoder:
         metrics = self.timing.metrics(self.gen, usage.completion_tokens if usage else 0)
         return [self._line(body, True, done_reason=done_reason(step.chunk.finish_reason), **metrics)]
 
-    def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
+    def error(self, err: ApiError, step: TurnStep | None) -> list[Frame]:
         return [Line({"error": err.text("ollama")})]
+
+    def _empty(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def waiting(self, progress: dict[str, int] | None) -> list[Frame]:
+        """NDJSON has no comments, and Ollama sends nothing while a prompt fills: a line with empty
+        content, which every client reads as a chunk of nothing (with prompt_progress, when asked)."""
+        return [self._line(self._empty(), **({} if progress is None else {"prompt_progress": progress}))]
 
 
 class ChatEncoder(_Encoder):
@@ -113,6 +120,9 @@ class ChatEncoder(_Encoder):
         if calls:
             message["tool_calls"] = calls
         return {"message": message}
+
+    def _empty(self) -> dict[str, Any]:
+        return self._message("")
 
     def step(self, step: TurnStep) -> list[Frame]:
         content, thinking, calls = "", "", []
@@ -150,6 +160,9 @@ class GenerateEncoder(_Encoder):
     ) -> None:
         super().__init__(model, gen, timing, backend, logprobs)
         self.raw = raw
+
+    def _empty(self) -> dict[str, Any]:
+        return {"response": ""}
 
     def step(self, step: TurnStep) -> list[Frame]:
         if self.raw:

@@ -22,8 +22,8 @@ from ...state import Hub, State
 from ...turn import ignored, wire
 from ...turn.chat_turn import ChatInput, start_chat
 from ...turn.constraints import json_schema, one_constraint
-from ...turn.generation import generate
-from ...turn.reuse_report import report
+from ...turn.generation import generate, open_wait
+from ...turn.reuse_report import report_gen
 from ...turn.sampling import sampling_fields, usage_body
 from ...turn.schemas import ERRORS, NamedToolChoice, _Sampling
 from ...turn.wire import Turn
@@ -146,7 +146,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, st: Sta
     head = Head(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion.chunk", int(time.time()), model)
     if req.stream:
         encoder = ChatEncoder(head, turn.gen, st.runtime.backend, include_usage, continuous)
-        return wire.stream(st, Turn.chat(turn), encoder, turn.headers)
+        return wire.stream(st, Turn.chat(turn), encoder, turn.headers, progress=req.return_progress)
     encoder = ChatEncoder(head, turn.gen, st.runtime.backend, True, False)
     collector = ChatCollector(sampling["logprobs"] is not None, turn.splitter is not None)
     body = await wire.collect(st, Turn.chat(turn), encoder, collector)
@@ -177,14 +177,14 @@ async def completions(req: CompletionRequest, request: Request, st: State) -> An
         sampling["stop_token_ids"] = st.runtime.fim_tokens().stops()
     elif not prompt:
         raise ApiError(400, "prompt is empty", code="invalid_value", param="prompt")
-    gen = await generate(st, target, req.max_tokens, sampling, key=key)
-    headers = report(st, gen.status, gen.prompt_tokens)
+    gen = await generate(st, target, req.max_tokens, sampling, key=key, wait=open_wait(st))
+    headers = report_gen(st, gen)
     if sampling["constraint"] is not None and sampling["constraint"].loosened:
         headers[ignored.IGNORED_HEADER] = ", ".join(sampling["constraint"].loosened)
     head = Head(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), req.model)
     if req.stream:
         encoder = CompletionEncoder(head, gen, st.runtime.backend, include_usage, continuous)
-        return wire.stream(st, Turn.raw(gen), encoder, headers)
+        return wire.stream(st, Turn.raw(gen), encoder, headers, progress=req.return_progress)
     encoder = CompletionEncoder(head, gen, st.runtime.backend, True, False)
     body = await wire.collect(st, Turn.raw(gen), encoder, CompletionCollector(req.logprobs is not None))
     return JSONResponse(body, headers=headers)

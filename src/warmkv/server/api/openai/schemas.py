@@ -25,6 +25,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: bool | None = None
     modalities: list[Literal["text"]] | None = None  # text is all warmkv produces
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking...), as vLLM
+    return_progress: bool = False  # llama.cpp server's: a stream sends prompt_progress chunks while the prompt fills
 
 
 class CompletionRequest(_Sampling):
@@ -33,6 +34,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    return_progress: bool = False  # as on chat completions
 
 
 class EmbeddingRequest(_Request):

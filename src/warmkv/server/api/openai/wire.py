@@ -14,7 +14,7 @@ from ...turn.generation import Generation
 from ...turn.logprobs import chat_logprobs, completion_logprobs
 from ...turn.sampling import usage_body
 from ...turn.streams import SSE_DONE
-from ...turn.wire import Frame
+from ...turn.wire import KEEPALIVE, Frame
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,12 @@ class Head:
     def frame(self, choice: dict[str, Any] | None, usage: dict[str, Any] | None = None) -> Frame:
         out = {"id": self.id, "object": self.object, "created": self.created, "model": self.model}
         return Frame({**out, "choices": [] if choice is None else [choice], **({"usage": usage} if usage else {})})
+
+    def waiting(self, progress: dict[str, int] | None) -> list[Frame]:
+        """A comment; or, asked for, llama.cpp server's progress chunk (no choices, prompt_progress)."""
+        if progress is None:
+            return [KEEPALIVE]
+        return [Frame({**self.frame(None).data, "prompt_progress": progress})]
 
 
 class _Usage:
@@ -94,8 +100,11 @@ class ChatEncoder:
             out.append(self.head.frame(None, usage_body(end.usage, "chat", end.reasoning_tokens)))
         return out
 
-    def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
+    def error(self, err: ApiError, step: TurnStep | None) -> list[Frame]:
         return [Frame(err.body())]
+
+    def waiting(self, progress: dict[str, int] | None) -> list[Frame]:
+        return self.head.waiting(progress)
 
 
 class ChatCollector:
@@ -182,8 +191,11 @@ class CompletionEncoder:
             out.append(self.head.frame(None, usage_body(chunk.usage, "chat")))
         return out
 
-    def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
+    def error(self, err: ApiError, step: TurnStep | None) -> list[Frame]:
         return [Frame(err.body())]
+
+    def waiting(self, progress: dict[str, int] | None) -> list[Frame]:
+        return self.head.waiting(progress)
 
 
 class CompletionCollector:

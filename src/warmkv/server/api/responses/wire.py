@@ -11,7 +11,7 @@ from ....tools import ArgsDelta, CallEnd, CallStart, TextDelta
 from ...errors import ApiError
 from ...turn.chat_turn import ReasoningDelta, TurnEnd, TurnStep
 from ...turn.sampling import usage_body
-from ...turn.wire import Frame
+from ...turn.wire import KEEPALIVE, Frame
 from .schemas import FunctionChoice, ResponsesRequest
 
 
@@ -191,9 +191,15 @@ class ResponsesEncoder:
             self.shape.keep(body)
         return [*closed, self._event(f"response.{status}", response=body)]
 
-    def error(self, err: ApiError, step: TurnStep) -> list[Frame]:
+    def waiting(self, progress: dict[str, int] | None) -> list[Frame]:
+        """A comment; asked for, a warmkv.prompt_progress event (an extension: clients pass over unknown types)."""
+        if progress is None:
+            return [KEEPALIVE]
+        return [self._event("warmkv.prompt_progress", prompt_progress=progress)]
+
+    def error(self, err: ApiError, step: TurnStep | None) -> list[Frame]:
         closed = [*self._close_thought(), *self._close_text()]
-        failed = self.shape.response("failed", step.end)
+        failed = self.shape.response("failed", None if step is None else step.end)
         failed["error"] = {"code": err.code or "server_error", "message": err.text("responses")}
         return [*closed, self._event("response.failed", response=failed)]
 
