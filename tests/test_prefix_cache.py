@@ -1,4 +1,4 @@
-"""Prefix cache and block hashes, without a model: contract, LRU, budget, locks, random sequences."""
+"""Prefix cache and block hashes, without a model: contract, LRU, budget, locks, pins, random sequences."""
 
 from __future__ import annotations
 
@@ -209,6 +209,68 @@ def test_threads_keep_integrity() -> None:
     assert cache.check_integrity() and cache.stats().locked_entries == 0
 
 
+# -- pins --------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pinned_cache(capacity: int = 100, share: float = 0.5) -> tuple[PrefixCache, list[EvictedEntry], Clock]:
+    released: list[EvictedEntry] = []
+    clock = Clock()
+    cache = PrefixCache(PrefixCacheConfig(capacity, pin_share=share), on_evict=released.append, clock=clock)
+    return cache, released, clock
+
+
+def test_a_pinned_entry_outlives_lru_until_its_pin_expires() -> None:
+    cache, released, clock = pinned_cache()
+    a = cache.insert(chain("a"), "A", 40).entry
+    cache.pin(a, 60)
+    for path in ("b", "c", "d"):  # each insert needs room: the unpinned LRU goes, never the pin
+        cache.insert(chain(path), path.upper(), 40)
+        assert a.alive and cache.check_integrity()
+    assert [r.payload for r in released] == ["B", "C"]
+    assert cache.stats().pinned_bytes == 40 and cache.stats().pinned_entries == 1
+    assert cache.evict(1000) and a.alive  # an explicit eviction passes over it too
+    clock.now = 61  # expired: plain LRU again
+    assert cache.pinned(a) is None and cache.stats().pinned_bytes == 0
+    assert [r.payload for r in cache.evict(1)] == ["A"]
+    assert cache.check_integrity()
+
+
+def test_pins_hold_their_share_and_the_oldest_lapses_first() -> None:
+    cache, _, clock = pinned_cache(100, 0.5)
+    a, b, c = (cache.insert(chain(p), p, 20).entry for p in ("a", "b", "c"))
+    assert cache.pin(a, 10) == [] and cache.pin(b, 10) == []
+    clock.now = 1
+    assert cache.pin(c, 10) == [a.id]  # 60 > 50: the oldest pin lapses, the entry stays cached
+    assert a.alive and cache.pinned(a) is None and cache.pinned(c) == pytest.approx(10)
+    assert cache.pin(b, 1) == [] and cache.pinned(b) == pytest.approx(9)  # extended, never shortened
+    with pytest.raises(InvalidInput, match="pin share"):
+        cache.pin(cache.insert(chain("dd"), "D", 60).entry, 10)
+    with pytest.raises(InvalidInput):
+        cache.pin(c, 0)
+    assert cache.unpin(c) and not cache.unpin(c)
+    assert cache.check_integrity()
+
+
+def test_a_pinned_prefix_is_not_superseded_and_a_removed_one_lets_its_pin_go() -> None:
+    cache, released, _ = pinned_cache()
+    a = cache.insert(chain("ab"), "AB", 10).entry
+    cache.pin(a, 60)
+    cache.insert(chain("abc"), "ABC", 10)
+    assert a.alive and released == []
+    cache.remove(a)
+    assert cache.stats().pinned_entries == 0 and cache.check_integrity()
+    with pytest.raises(InvalidConfig):
+        PrefixCacheConfig(100, pin_share=1.5)
+
+
 # -- random operation sequences ------------------------------------------------
 
 
@@ -218,13 +280,20 @@ class CacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.released: list[EvictedEntry] = []
-        self.cache = PrefixCache(PrefixCacheConfig(100, max_entries=6), on_evict=self.released.append)
+        self.clock = Clock()
+        config = PrefixCacheConfig(100, max_entries=6, pin_share=0.5)
+        self.cache = PrefixCache(config, on_evict=self.released.append, clock=self.clock)
         self.locks: dict[int, tuple[object, int]] = {}  # entry id -> (entry, our lock count)
         self.live: dict[int, object] = {}
+        self.pins: dict[int, float] = {}  # entry id -> expiry, as the model has them
 
     def _sync(self) -> None:
+        self.pins = {eid: until for eid, until in self.pins.items() if until > self.clock.now}
         for r in self.released:
             assert r.entry_id not in self.locks, f"locked entry #{r.entry_id} was released ({r.reason})"
+            if r.reason in ("budget", "superseded"):
+                assert r.entry_id not in self.pins, f"pinned entry #{r.entry_id} was released ({r.reason})"
+            self.pins.pop(r.entry_id, None)
             assert self.live.pop(r.entry_id, None) is not None, f"entry #{r.entry_id} released twice"
         self.released.clear()
 
@@ -279,6 +348,24 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.remove(self.live[eid])
             self._sync()
 
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), seconds=st.integers(1, 30))
+    def pin(self, data: st.DataObject, seconds: int) -> None:
+        eid = data.draw(st.sampled_from(sorted(self.live)))
+        try:
+            lapsed = self.cache.pin(self.live[eid], seconds)
+        except InvalidInput:  # over the pin share alone
+            assert self.live[eid].nbytes > 50
+            return
+        for gone in lapsed:
+            self.pins.pop(gone, None)
+        self.pins[eid] = max(self.pins.get(eid, 0.0), self.clock.now + seconds)
+
+    @rule(seconds=st.integers(1, 20))
+    def tick(self, seconds: int) -> None:
+        self.clock.now += seconds
+        self._sync()
+
     @rule()
     def clear(self) -> None:
         self.cache.clear()
@@ -292,6 +379,9 @@ class CacheMachine(RuleBasedStateMachine):
         assert s.entries == len(self.live) and s.locked_entries == len(self.locks)
         assert s.bytes <= 100 and s.bytes == sum(e.nbytes for e in self.live.values())
         assert all(e.lock_count == n for e, n in self.locks.values())
+        assert s.pinned_bytes <= 50
+        live_pins = {eid for eid, until in self.pins.items() if until > self.clock.now}
+        assert {eid for eid in self.live if self.cache.pinned(self.live[eid]) is not None} == live_pins
 
 
 CacheMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)

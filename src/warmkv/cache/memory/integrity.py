@@ -1,12 +1,14 @@
-"""Invariants of the prefix cache, checked on a CacheState copy by tests after random operation sequences."""
+"""Invariants of the prefix cache, checked on a CacheState copy (taken by snapshot()) by tests after random
+operation sequences."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import pairwise
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ...errors import CacheCorrupt
-from .types import CacheState
+from .types import CacheEntry, CacheState, CacheStats, EntryState, NodeState
 
 
 def _fail(msg: str) -> NoReturn:
@@ -53,6 +55,24 @@ def check_cache(s: CacheState) -> None:
     counters = (st.hits, st.misses, st.hit_blocks, st.inserts, st.evictions)
     if min(counters) < 0:
         _fail(f"negative counter in {counters}")
+    _check_pins(s)
+
+
+def _check_pins(s: CacheState) -> None:
+    """Pins name live entries once each, their bytes are counted right and stay within the pin share."""
+    ids = [eid for eid, _ in s.pins]
+    if len(set(ids)) != len(ids):
+        _fail(f"an entry is pinned twice: {ids}")
+    pinned = 0
+    for eid in ids:
+        e = s.entries.get(eid)
+        if e is None:
+            _fail(f"pin on entry #{eid}, which is not in the cache")
+        pinned += e.nbytes
+    if pinned != s.stats.pinned_bytes or len(ids) != s.stats.pinned_entries:
+        _fail(f"pinned {s.stats.pinned_bytes} bytes in {s.stats.pinned_entries} entries != {pinned} in {len(ids)}")
+    if pinned > s.pin_share * s.stats.capacity_bytes:
+        _fail(f"{pinned} bytes pinned > pin share {s.pin_share} of {s.stats.capacity_bytes}")
 
 
 def _check_tree(s: CacheState) -> int:
@@ -81,3 +101,40 @@ def _check_tree(s: CacheState) -> int:
     if root.entries or root.end is not None:
         _fail("the root holds entries")
     return memberships
+
+
+def snapshot(
+    root: Any,
+    entries: dict[int, CacheEntry],
+    lru: Mapping[int, CacheEntry],
+    stats: CacheStats,
+    max_entries: int | None,
+    pins: tuple[tuple[int, float], ...] = (),
+    pin_share: float = 1.0,
+) -> CacheState:
+    """Copy the trie and entries as they are linked, broken links included: check_cache judges them."""
+    node_ids: dict[int, int] = {}
+    seen: dict[int, EntryState] = {}
+
+    def nid(node: object) -> int:
+        return node_ids.setdefault(id(node), len(node_ids))
+
+    def entry(e: CacheEntry) -> EntryState:
+        if id(e) not in seen:
+            node = None if e._node is None else nid(e._node)
+            seen[id(e)] = EntryState(e.id, e.keys, e.nbytes, e._locks, e._tick, node)
+        return seen[id(e)]
+
+    nodes: dict[int, NodeState] = {}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        parent = None if n.parent is None else nid(n.parent)
+        children = {k: nid(c) for k, c in n.children.items()}
+        on_path = {k: entry(e) for k, e in n.entries.items()}
+        end = None if n.end is None else entry(n.end)
+        nodes[nid(n)] = NodeState(nid(n), n.key, n.depth, parent, children, on_path, end)
+        stack.extend(n.children.values())
+    indexed = {k: entry(e) for k, e in entries.items()}
+    lru_state = tuple((k, entry(e)) for k, e in lru.items())
+    return CacheState(indexed, lru_state, nodes, nid(root), stats, max_entries, pins, pin_share)

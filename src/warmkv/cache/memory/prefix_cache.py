@@ -11,6 +11,9 @@ Contract (all methods thread-safe, one lock; a rejected call changes nothing):
     match(keys, lock=False) -> PrefixMatch(n_blocks, entry)   longest cached prefix
     recent(n) -> [CacheEntry]            the n most recently used entries, newest first
     lock(entry) / unlock(entry)          locked = referenced by a session: never evicted
+    pin(entry, seconds) / unpin(entry)   pinned = a client asked to keep it: evicted only once the pin
+                                         expires; pins hold at most pin_share of the capacity, the
+                                         oldest lapsing first to make room for a new one
     insert(keys, payload, nbytes, lock=False) -> InsertResult  may evict LRU to make room
     evict(nbytes) -> [EvictedEntry]      LRU over unlocked entries until nbytes are freed
     remove(entry) / clear()              let go of one / every unlocked entry
@@ -25,21 +28,25 @@ released, so the callback may spill it to disk or call back into the cache.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ...errors import CacheEntryGone, CacheFull, InvalidConfig, InvalidInput
-from .integrity import check_cache
-from .types import CacheEntry, CacheState, CacheStats, EntryState, EvictedEntry, InsertResult, NodeState, PrefixMatch
+from .integrity import check_cache, snapshot
+from .pins import Pins
+from .types import CacheEntry, CacheState, CacheStats, EvictedEntry, InsertResult, PrefixMatch
 
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
-    """capacity_bytes: memory budget of all entries; max_entries: e.g. idle sequence slots (None: unbounded)."""
+    """capacity_bytes: memory budget of all entries; max_entries: e.g. idle sequence slots (None: unbounded);
+    pin_share: the part of capacity_bytes pinned entries may hold."""
 
     capacity_bytes: int
     max_entries: int | None = None
+    pin_share: float = 0.5
 
     def __post_init__(self) -> None:
         if isinstance(self.capacity_bytes, bool) or not isinstance(self.capacity_bytes, int) or self.capacity_bytes < 0:
@@ -47,6 +54,9 @@ class PrefixCacheConfig:
         m = self.max_entries
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise InvalidConfig(f"max_entries must be None or an integer >= 0, got {m!r}")
+        p = self.pin_share
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+            raise InvalidConfig(f"pin_share must be a number in [0, 1], got {p!r}")
 
 
 class _Node:
@@ -76,7 +86,12 @@ def _check_keys(keys: Sequence[str]) -> tuple[str, ...]:
 class PrefixCache:
     """See the module docstring for the contract."""
 
-    def __init__(self, config: PrefixCacheConfig, on_evict: Callable[[EvictedEntry], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: PrefixCacheConfig,
+        on_evict: Callable[[EvictedEntry], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not isinstance(config, PrefixCacheConfig):
             raise InvalidConfig(f"config must be a PrefixCacheConfig, got {type(config).__name__}")
         self.config = config
@@ -89,6 +104,7 @@ class PrefixCache:
         self._tick = 0
         self._bytes = self._locked_bytes = 0
         self._hits = self._misses = self._hit_blocks = self._inserts = self._evictions = 0
+        self._pins = Pins(clock)
 
     # -- lookups -------------------------------------------------------------
 
@@ -166,6 +182,36 @@ class PrefixCache:
         if entry._locks == 0:
             self._evictable.move_to_end(entry.id)
 
+    # -- pins ----------------------------------------------------------------
+
+    def pin(self, entry: CacheEntry, seconds: float) -> list[int]:
+        """Keep entry ahead of LRU for `seconds` (a pin already there is extended, never shortened).
+
+        Pins hold at most pin_share of the capacity: the oldest others lapse (back to plain LRU)
+        to make room; their ids are returned. InvalidInput when the entry alone is over the share.
+        """
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+            raise InvalidInput(f"a pin lasts a number of seconds > 0, got {seconds!r}")
+        with self._lock:
+            self._check_alive(entry)
+            share = int(self.config.pin_share * self.config.capacity_bytes)
+            if entry.nbytes > share:
+                raise InvalidInput(
+                    f"prefix cache entry #{entry.id} holds {entry.nbytes} bytes > the pin share "
+                    f"{self.config.pin_share} of {self.config.capacity_bytes} ({share})"
+                )
+            return self._pins.add(entry.id, entry.nbytes, seconds, share)
+
+    def unpin(self, entry: CacheEntry) -> bool:
+        """Let entry's pin go now (it stays cached, under plain LRU); False when it had none."""
+        with self._lock:
+            return self._pins.drop(entry.id) is not None
+
+    def pinned(self, entry: CacheEntry) -> float | None:
+        """How many seconds entry's pin has left; None when it has none."""
+        with self._lock:
+            return self._pins.left(entry.id)
+
     # -- insert / evict ------------------------------------------------------
 
     def insert(self, keys: Sequence[str], payload: object, nbytes: int, *, lock: bool = False) -> InsertResult:
@@ -182,6 +228,7 @@ class PrefixCache:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise InvalidInput(f"nbytes must be an integer >= 0, got {nbytes!r}")
         with self._lock:
+            self._pins.expire()
             node = self._walk(keys)
             if node.depth == len(keys):
                 existing = max(node.entries.values(), key=lambda e: e._tick)
@@ -202,7 +249,7 @@ class PrefixCache:
         plan: list[tuple[CacheEntry, str]] = []
         n = node
         while n is not self._root:
-            if n.end is not None and n.end._locks == 0:
+            if n.end is not None and n.end._locks == 0 and n.end.id not in self._pins:
                 plan.append((n.end, "superseded"))
             n = n.parent  # type: ignore[assignment]
         chosen = {e.id for e, _ in plan}
@@ -211,7 +258,7 @@ class PrefixCache:
         cap, max_n = self.config.capacity_bytes, self.config.max_entries
         lru = iter(self._evictable.values())
         while used + nbytes > cap or (max_n is not None and count + 1 > max_n):
-            victim = next((e for e in lru if e.id not in chosen), None)
+            victim = next((e for e in lru if e.id not in chosen and e.id not in self._pins), None)
             if victim is None:
                 raise CacheFull(nbytes, self._bytes, self._locked_bytes, cap, len(self._entries), max_n)
             plan.append((victim, "budget"))
@@ -225,9 +272,10 @@ class PrefixCache:
             raise InvalidInput(f"nbytes must be an integer >= 0, got {nbytes!r}")
         out: list[EvictedEntry] = []
         with self._lock:
+            self._pins.expire()
             freed = 0
-            while freed < nbytes and self._evictable:
-                victim = next(iter(self._evictable.values()))
+            lru = (e for e in list(self._evictable.values()) if e.id not in self._pins)
+            while freed < nbytes and (victim := next(lru, None)) is not None:
                 freed += victim.nbytes
                 out.append(self._detach(victim, "budget"))
         self._hand_over(out)
@@ -270,6 +318,7 @@ class PrefixCache:
         return entry
 
     def _detach(self, entry: CacheEntry, reason: str) -> EvictedEntry:
+        self._pins.drop(entry.id)
         node: _Node = entry._node  # type: ignore[assignment]
         node.end = None
         while node is not self._root:
@@ -302,6 +351,7 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         with self._lock:
+            self._pins.expire()
             return self._stats()
 
     def _stats(self) -> CacheStats:
@@ -316,48 +366,18 @@ class PrefixCache:
             entries=len(self._entries),
             locked_entries=len(self._entries) - len(self._evictable),
             capacity_bytes=self.config.capacity_bytes,
+            pinned_bytes=self._pins.bytes,
+            pinned_entries=len(self._pins),
         )
 
     def state(self) -> CacheState:
         """A copy of the bookkeeping (entries, LRU order, trie, counters), consistent as of one moment."""
         with self._lock:
-            return _snapshot(self._root, self._entries, self._evictable, self._stats(), self.config.max_entries)
+            pins = self._pins.items()
+            args = (self._stats(), self.config.max_entries, pins, self.config.pin_share)
+            return snapshot(self._root, self._entries, self._evictable, *args)
 
     def check_integrity(self) -> bool:
         """True when every invariant holds; raises CacheCorrupt naming the first broken one."""
         check_cache(self.state())
         return True
-
-
-def _snapshot(
-    root: _Node,
-    entries: dict[int, CacheEntry],
-    lru: OrderedDict[int, CacheEntry],
-    stats: CacheStats,
-    max_entries: int | None,
-) -> CacheState:
-    """Copy the trie and entries as they are linked, broken links included: check_cache judges them."""
-    node_ids: dict[int, int] = {}
-    seen: dict[int, EntryState] = {}
-
-    def nid(node: object) -> int:
-        return node_ids.setdefault(id(node), len(node_ids))
-
-    def entry(e: CacheEntry) -> EntryState:
-        if id(e) not in seen:
-            node = None if e._node is None else nid(e._node)
-            seen[id(e)] = EntryState(e.id, e.keys, e.nbytes, e._locks, e._tick, node)
-        return seen[id(e)]
-
-    nodes: dict[int, NodeState] = {}
-    stack = [root]
-    while stack:
-        n = stack.pop()
-        parent = None if n.parent is None else nid(n.parent)
-        children = {k: nid(c) for k, c in n.children.items()}
-        on_path = {k: entry(e) for k, e in n.entries.items()}
-        end = None if n.end is None else entry(n.end)
-        nodes[nid(n)] = NodeState(nid(n), n.key, n.depth, parent, children, on_path, end)
-        stack.extend(n.children.values())
-    indexed = {k: entry(e) for k, e in entries.items()}
-    return CacheState(indexed, tuple((k, entry(e)) for k, e in lru.items()), nodes, nid(root), stats, max_entries)

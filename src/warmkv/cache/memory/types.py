@@ -77,6 +77,8 @@ class CacheStats:
     entries: int
     locked_entries: int
     capacity_bytes: int
+    pinned_bytes: int = 0  # entries kept ahead of LRU until their pins expire (PrefixCache.pin)
+    pinned_entries: int = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,3 +121,5 @@ class CacheState:
     root: int
     stats: CacheStats
     max_entries: int | None
+    pins: tuple[tuple[int, float], ...] = ()  # (entry id, expiry), oldest pin first
+    pin_share: float = 1.0
