@@ -119,10 +119,10 @@ def test_claude_code_request_validates_and_renders(name: str) -> None:
     assert conversation_key(request.headers, metadata_user_id=user_id) == cap["headers"]["x-claude-code-session-id"]
     keyed = uses("metadata.user_id", request.headers, metadata_user_id=user_id)
     headers = _ignored(NOT_THINKING, req, request, keyed)
-    assert headers[ignored.IGNORED_HEADER] == "thinking, output_config.effort, cache_control"
+    assert headers[ignored.IGNORED_HEADER] == "thinking, output_config.effort"
     # With a reasoning template, thinking is honored (Claude Code's is adaptive: on).
     thinking = _ignored(THINKING, req, request, keyed)[ignored.IGNORED_HEADER]
-    assert thinking == "output_config.effort, cache_control"
+    assert thinking == "output_config.effort"
     betas = headers[ignored.BETAS_HEADER].split(", ")
     assert "claude-code-20250219" in betas and "context-management-2025-06-27" not in betas
     assert "mid-conversation-system-2026-04-07" not in betas

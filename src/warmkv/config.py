@@ -95,6 +95,7 @@ class RuntimeConfig:
     thinking_history: str = "keep"
     # Warm tiers (no effect on numerics, so not in the manifest).
     prefix_cache_mb: int = 1024
+    pin_share: float = 0.5  # the part of the prefix cache that clients' pins (cache hints) may hold
     kv_store_dir: str | None = None
     kv_store_mb: int = 8192
     cache_block_tokens: int = 64
@@ -148,6 +149,9 @@ class RuntimeConfig:
         object.__setattr__(self, "chat_template_kwargs", MappingProxyType(dict(self.chat_template_kwargs)))
         _choice("thinking_history", self.thinking_history, THINKING_HISTORY)
         _int("prefix_cache_mb", self.prefix_cache_mb, minimum=0)
+        p = self.pin_share
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+            raise InvalidConfig(f"pin_share must be a number in [0, 1], got {p!r}")
         _int("kv_store_mb", self.kv_store_mb, minimum=0)
         _int("cache_block_tokens", self.cache_block_tokens, minimum=1, maximum=65536)
         if self.kv_remote is not None:

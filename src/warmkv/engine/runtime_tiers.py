@@ -34,6 +34,7 @@ def build(backend: Backend, c: ResolvedConfig, model_lock: ModelLock) -> KVTiers
         backend,
         block_tokens=c.cache_block_tokens,
         memory_mb=c.prefix_cache_mb,
+        pin_share=c.pin_share,
         store_dir=c.kv_store_dir,
         store_mb=c.kv_store_mb,
         unlocked=model_lock.unlocked,

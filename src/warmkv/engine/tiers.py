@@ -75,6 +75,7 @@ class KVTiers:
         memory_mb: int,
         store_dir: str | None,
         store_mb: int,
+        pin_share: float = 0.5,
         unlocked: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
         held: Callable[[], bool] | None = None,
         remote: RemoteConfig | None = None,
@@ -94,7 +95,7 @@ class KVTiers:
         )
         self._spills = Spills(self.writer)  # the KV of entries on their way to the writer
         self.memory = (
-            PrefixCache(PrefixCacheConfig(capacity_bytes=memory_mb << 20), on_evict=self._spills.evicted)
+            PrefixCache(PrefixCacheConfig(memory_mb << 20, pin_share=pin_share), on_evict=self._spills.evicted)
             if memory_mb
             else None
         )
@@ -249,6 +250,21 @@ class KVTiers:
             cached.kv.release()
         elif self.remote is not None and self.writer is not None:
             self._spills.write_through(keys, cached, tokens)
+
+    def pin(self, manifest_digest: str, tokens: Sequence[int], seconds: float) -> int:
+        """Keep the memory entry that holds tokens' longest cached prefix for `seconds` ahead of LRU (a
+        client's cache hint); the prompt tokens it holds (its entry may reach past them), 0 without one."""
+        if self.memory is None:
+            return 0
+        found = self.memory.match(self.keys(manifest_digest, tokens), count=False)
+        if found.entry is None:
+            return 0
+        try:
+            self.memory.pin(found.entry, seconds)
+        except WarmkvError as e:  # the entry alone is over the pin share: plain LRU
+            log.info("prefix not pinned: %s", e)
+            return 0
+        return found.n_blocks * self.block_tokens
 
     def reclaim(self) -> bool:
         """Give pool blocks back (the backend's KV pool is short): spills already copied first,

@@ -275,6 +275,13 @@ def _gauges(hub: Hub) -> None:
         total(lambda st: st.scheduler.tokens_per_s()),
     )
 
+    def pinned(st: ServerState) -> float:
+        tiers = st.runtime.tiers  # None once the runtime closed
+        memory = tiers.memory if tiers is not None else None
+        return 0 if memory is None else memory.stats().pinned_bytes
+
+    m.gauge("warmkv_prefix_cache_pinned_bytes", "Memory-tier bytes pinned by clients' cache hints", total(pinned))
+
     def remote() -> list[tuple[str, RemoteStats]]:
         out = []
         for st in hub.table.states():

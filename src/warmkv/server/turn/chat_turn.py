@@ -63,6 +63,7 @@ class ChatInput:
     template_kwargs: Mapping[str, Any] | None = None  # the request's chat_template_kwargs (enable_thinking...)
     num_ctx: int | None = None  # a context window smaller than the served one (Ollama's options.num_ctx)
     chained: ChainedPrompt | None = None  # a stored conversation's continuation: its tokens, built incrementally
+    pin_s: float | None = None  # a cache hint: keep the prompt's prefix in the memory tier this long
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class ChatTurn:
     last_message: dict[str, Any] | None = None  # the prompt's last message as rendered (a stored turn keeps it)
     _text: list[str] = field(default_factory=list)  # the reply's content (the think block left out)
     _reasoning_tokens: int = 0
+    pin_s: float | None = None  # the request's cache hint (ChatInput.pin_s)
     # The reuse report of a stream that opened while its prompt filled: made (counted, logged) once it is resident.
     _report: Callable[[PrefixStatus], dict[str, str]] | None = None
 
@@ -115,6 +117,10 @@ class ChatTurn:
         """The turn's steps, one per decode chunk; the last carries the end (wire.py drives them).
         A prompt that failed to be resident raises its error first."""
         status = await self.gen.stream.resident()
+        if self.pin_s is not None and status is not None:  # the memory tier holds the prompt's prefix now
+            rt = self.st.runtime
+            pinned = await run_in_threadpool(rt.pin_prefix, status.manifest_digest, self.gen.prompt_ids, self.pin_s)
+            self.headers["x-warmkv-pinned-tokens"] = str(pinned)  # a non-streamed body's headers have it
         if self._report is not None and status is not None:
             # a non-streamed body's response is made after its turn: it gets the reuse headers still
             self.headers.update(await run_in_threadpool(self._report, status))
@@ -315,9 +321,10 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
     last = prompt.messages[-1] if prompt.messages else None
     known = gen.stream.reuse()
     if known is None:  # queued still: its reuse is reported once the prompt is resident
-        return ChatTurn(gen, fmt, parser, st, {**headers, **QUEUED}, splitter, prompt.context, last, _report=reuse)
+        queued = {**headers, **QUEUED}
+        return ChatTurn(gen, fmt, parser, st, queued, splitter, prompt.context, last, pin_s=inp.pin_s, _report=reuse)
     headers.update(await run_in_threadpool(reuse, known))
-    return ChatTurn(gen, fmt, parser, st, headers, splitter, prompt.context, last)
+    return ChatTurn(gen, fmt, parser, st, headers, splitter, prompt.context, last, pin_s=inp.pin_s)
 
 
 def _thinking(st: ServerState, inp: ChatInput, prompt: str) -> str:

@@ -31,7 +31,7 @@ MESSAGES: dict[str, str] = {
     "output_config.effort": "reasoning templates have no effort levels: thinking is on or off (thinking.type)",
     "thinking_blocks": "thinking blocks sent back are not rendered: the model's template has no reasoning to read",
     "redacted_thinking": "a redacted_thinking block this server did not sign cannot be read; it is not rendered",
-    "cache_control": "reuse is automatic: every resident token prefix is reused, marked or not",
+    "cache_control.scope": "one server has one cache: a marked prefix is kept (pinned) for this server's clients",
     "metadata": "client identity; only metadata.user_id is used, as the routing key when no header before it "
     "names one (its session_id, when it holds one, also picks the pooled session)",
     "service_tier": "a hosted capacity tier; one local server has one",

@@ -133,10 +133,8 @@ def _ignored(st: ServerState, req: MessagesRequest, request: Request, keyed: boo
         names.append("thinking_blocks")
     if st.thinks and any(b.type == "redacted_thinking" and st.reasoning.text(b.data) is None for b in blocks):
         names.append("redacted_thinking")
-    system = req.system if isinstance(req.system, list) else []
-    marked = [*blocks, *system, *(req.tools or []), req]
-    if any(getattr(b, "cache_control", None) is not None for b in marked):
-        names.append("cache_control")
+    if any((c := getattr(b, "cache_control", None)) is not None and c.scope is not None for b in _marked(req)):
+        names.append("cache_control.scope")
     if req.metadata is not None and not keyed:
         names.append("metadata")
     names += [f for f in ("service_tier", "speed", "inference_geo") if getattr(req, f) is not None]
@@ -180,7 +178,24 @@ def _chat_input(st: ServerState, req: MessagesRequest, edited: Edited, key: str 
     return ChatInput(
         _messages(req, edited.messages, _store(st)), tools, choice, parallel, req.max_tokens, sampling,
         new_call_id=_toolu, session_key=key, clamp_max_tokens=True, template_kwargs=_thinking(req),
+        pin_s=_pin_seconds(req),
     )  # fmt: skip
+
+
+_TTL_S = {None: 300.0, "5m": 300.0, "1h": 3600.0}  # Anthropic's cache lifetimes; 5 minutes unless told
+
+
+def _marked(req: MessagesRequest) -> list[Any]:
+    """The blocks a cache_control may mark: messages' blocks, system blocks, tools, the request itself."""
+    blocks = [b for m in req.messages if not isinstance(m.content, str) for b in m.content]
+    system = req.system if isinstance(req.system, list) else []
+    return [*blocks, *system, *(req.tools or []), req]
+
+
+def _pin_seconds(req: MessagesRequest) -> float | None:
+    """The longest lifetime the request's cache_control marks ask for (None: no mark)."""
+    ttls = [_TTL_S[c.ttl] for b in _marked(req) if (c := getattr(b, "cache_control", None)) is not None]
+    return max(ttls, default=None)
 
 
 @router.post("/messages")

@@ -10,7 +10,8 @@ from ...turn.schemas import _Request
 
 
 class CacheControl(_Request):
-    """Accepted without effect: reuse is automatic; a marked block's prefix is what warmkv keeps warm anyway."""
+    """A cache hint: the prompt's prefix is pinned in the memory tier for ttl (5 minutes unless told).
+    scope has no effect (one server has one cache)."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None

@@ -127,7 +127,12 @@ def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any], key: str |
         sampling=sampling,
         session_key=key,
         template_kwargs=req.chat_template_kwargs,
+        pin_s=RETENTION_S.get(req.prompt_cache_retention or ""),
     )
+
+
+# OpenAI keeps an in-memory prefix 5-10 minutes idle (at most an hour), an extended one up to 24 hours.
+RETENTION_S = {"in_memory": 600.0, "in-memory": 600.0, "24h": 86400.0}
 
 
 @router.post("/chat/completions", response_model=ChatCompletion)

@@ -26,6 +26,8 @@ class ChatCompletionRequest(_Sampling):
     modalities: list[Literal["text"]] | None = None  # text is all warmkv produces
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking...), as vLLM
     return_progress: bool = False  # llama.cpp server's: a stream sends prompt_progress chunks while the prompt fills
+    # Keep the prompt's prefix in the memory tier (a pin): 10 minutes, or a day. "in-memory": older SDKs' spelling.
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
 
 
 class CompletionRequest(_Sampling):
