@@ -231,10 +231,11 @@ def stream(
     return response
 
 
-async def frames(st: ServerState, turn: Turn, encoder: Encoder) -> AsyncIterator[Frame]:
+async def frames(st: ServerState, turn: Turn, encoder: Encoder, keepalive: float | None = None) -> AsyncIterator[Frame]:
     """The turn's frames as a stream would carry them, for a transport of its own (a WebSocket);
-    closing the iterator early cancels the turn."""
-    async for f in _Run(st, turn, encoder).frames(collecting=False):
+    closing the iterator early cancels the turn. keepalive: the encoder's waiting frames (a Comment,
+    which the transport writes its own way) after that many seconds of silence."""
+    async for f in _Run(st, turn, encoder).frames(collecting=False, keepalive=keepalive):
         yield f
 
 

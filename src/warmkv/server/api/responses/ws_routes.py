@@ -33,7 +33,7 @@ from ...settings import ServerSettings
 from ...state import Hub
 from ...turn import wire
 from ...turn.chat_turn import ChatTurn
-from ...turn.wire import Turn
+from ...turn.wire import Comment, Turn
 from . import compaction
 from .routes import prewarmed, start_response
 from .schemas import ResponsesRequest
@@ -184,9 +184,9 @@ async def _serve(ws: WebSocket, hub: Hub, own: ResponseStore, text: str) -> None
         turn, shape = await _kept_alive(ws, started, _cancel_started)
         encoder = ResponsesEncoder(shape)
         if generate:
-            async with aclosing(wire.frames(st, Turn.chat(turn), encoder)) as it:
-                async for f in it:
-                    await ws.send_text(json.dumps(f.data, ensure_ascii=False))
+            async with aclosing(wire.frames(st, Turn.chat(turn), encoder, KEEPALIVE_S)) as it:
+                async for f in it:  # a prompt still filling: the socket's keep-alive for the SSE comment
+                    await ws.send_text(KEEPALIVE if isinstance(f, Comment) else json.dumps(f.data, ensure_ascii=False))
             return
         keep, shape.keep = shape.keep, None
         last: dict[str, Any] = {}
