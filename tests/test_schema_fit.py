@@ -202,8 +202,8 @@ def test_loosened_names_join_the_ignored_header() -> None:
     from warmkv.server.turn import ignored
 
     headers = {ignored.IGNORED_HEADER: "tools.Edit.oneOf"}
-    ignored.merge(headers, ignored.headers(ignored.MESSAGES, ["thinking", "cache_control"]))
-    assert headers[ignored.IGNORED_HEADER] == "tools.Edit.oneOf, thinking, cache_control"
+    ignored.merge(headers, ignored.headers(ignored.MESSAGES, ["thinking", "metadata"]))
+    assert headers[ignored.IGNORED_HEADER] == "tools.Edit.oneOf, thinking, metadata"
     assert ignored.schema_names("format", ["not"]) == ["format.not"]
     with pytest.raises(KeyError, match="allOf"):
         ignored.schema_names("format", ["allOf"])
