@@ -32,7 +32,7 @@ def no_free_sequence() -> warmkv.Session:
 
 def test_a_failed_replacement_degrades_the_pool_until_one_opens(rt: warmkv.Runtime) -> None:
     app = create_app(rt, ServerSettings(pool_size=1, model_aliases=("*",), queue_timeout_s=30))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:  # a loopback server takes local Host names
         st = app.state.warmkv.default  # the one model's serving state
         h = client.get("/health").json()
         assert h["degraded"] is False and h["degraded_reason"] is None and h["pool"]["missing"] == 0

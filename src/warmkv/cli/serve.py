@@ -40,7 +40,23 @@ def serve(
             "elsewhere at least one --prefill-chunk piece)",
         ),
     ] = SERVE_STEP_TOKENS,
-    cors_origin: Annotated[list[str] | None, typer.Option("--cors-origin", help="allow this browser origin")] = None,
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option("--cors-origin", help="allow this browser origin too (scheme://host[:port], '*' wildcards)"),
+    ] = None,
+    cors_any_origin: Annotated[
+        bool, typer.Option("--cors-any-origin", help="allow every browser origin: any web page may use the server")
+    ] = False,
+    allowed_host: Annotated[
+        list[str] | None,
+        typer.Option("--allowed-host", help="accept this Host name too (a loopback server takes local names only)"),
+    ] = None,
+    admin_key: Annotated[
+        str | None,
+        typer.Option(
+            "--admin-key", envvar="WARMKV_ADMIN_KEY", help="/admin/* and /models/load|unload take this key only"
+        ),
+    ] = None,
     model_id: Annotated[str | None, typer.Option("--model-id", help="model name clients use")] = None,
     tool_format: Annotated[
         str, typer.Option("--tool-format", help="tool calls: auto (from the chat template), generic, hermes...")
@@ -122,6 +138,9 @@ def serve(
             port=port,
             api_key=api_key,
             cors_origins=tuple(cors_origin or ()),
+            cors_any_origin=cors_any_origin,
+            allowed_hosts=tuple(allowed_host or ()),
+            admin_key=admin_key,
             model_id=model_id,
             session_ttl_s=session_ttl,
             pool_size=pool_size,

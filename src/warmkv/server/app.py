@@ -133,11 +133,20 @@ def create_app(
     app.include_router(admin_routes.router)
     app.add_api_route("/health", health, methods=["GET"], tags=["ops"])
     app.add_api_route("/metrics", metrics_route, methods=["GET"], tags=["ops"], response_class=Response)
-    if cfg.cors_origins:
-        app.add_middleware(
-            CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["*"], allow_headers=["*"]
-        )
-    app.add_middleware(Guard, api_key=cfg.api_key, max_body_bytes=cfg.max_body_bytes, metrics=metrics)
+    policy = cfg.browser_policy()
+    if cfg.cors_any_origin:
+        log.warning("--cors-any-origin: any web page the user opens may call this server")
+    app.add_middleware(
+        CORSMiddleware, allow_origin_regex=policy.origin_regex, allow_methods=["*"], allow_headers=["*"]
+    )  # the Guard (outside it) has refused every other origin already
+    app.add_middleware(
+        Guard,
+        api_key=cfg.api_key,
+        admin_key=cfg.admin_key,
+        policy=policy,
+        max_body_bytes=cfg.max_body_bytes,
+        metrics=metrics,
+    )
     app.add_middleware(NodeGate, node_id=cfg.node, traffic=drain.traffic)  # every response names the node
     app.add_middleware(Leases)  # outermost: a lease outlives the whole response
     return app

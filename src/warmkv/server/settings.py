@@ -11,6 +11,7 @@ from ..config import SERVE_N_SEQ_MAX, SESSIONS_RESERVED
 from ..errors import InvalidConfig
 from ..prompt.reasoning import REASONING_FORMATS
 from ..tools.formats import FORMAT_NAMES
+from .http.browser import DEFAULT_ORIGINS, BrowserPolicy, check_host, check_origin
 
 LOOPBACK_NAMES = ("localhost",)
 WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -53,7 +54,12 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # Browser origins allowed beyond the local ones (http(s)://localhost:*, editors' webviews: http/browser.py);
+    # cors_any_origin allows every one (any page the user opens may then use the server).
     cors_origins: tuple[str, ...] = ()
+    cors_any_origin: bool = False
+    allowed_hosts: tuple[str, ...] = ()  # Host names accepted beyond the local ones (a loopback bind checks Host)
+    admin_key: str | None = None  # when set, /admin/* and /models/load|unload take this key, and only it
     model_id: str | None = None  # served model name; default: the model file's stem
     session_ttl_s: float = 600.0
     pool_size: int | None = None
@@ -91,8 +97,22 @@ class ServerSettings:
         host = socket.gethostname() if self.host in WILDCARD_HOSTS else self.host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
+    def browser_policy(self) -> BrowserPolicy:
+        """The Origin and Host rules for this server (Host is checked on a loopback bind, or when names are given)."""
+        return BrowserPolicy(
+            origins=(*DEFAULT_ORIGINS, *self.cors_origins),
+            hosts=self.allowed_hosts,
+            check_hosts=is_loopback(self.host) or bool(self.allowed_hosts),
+            any_origin=self.cors_any_origin,
+        )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
+        object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts or ()))
+        for origin in self.cors_origins:
+            check_origin(origin)
+        for name in self.allowed_hosts:
+            check_host(name)
         object.__setattr__(self, "model_aliases", tuple(self.model_aliases or ()))
         for alias in self.model_aliases:
             if not isinstance(alias, str) or not alias or len(alias) > 256:
@@ -103,6 +123,10 @@ class ServerSettings:
             raise InvalidConfig(f"port must be in [0, 65535], got {self.port!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 8):
             raise InvalidConfig("api_key must be a string of at least 8 characters")
+        if self.admin_key is not None and (not isinstance(self.admin_key, str) or len(self.admin_key) < 8):
+            raise InvalidConfig("admin_key must be a string of at least 8 characters")
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise InvalidConfig("admin_key must differ from api_key: every client holds the API key")
         if self.api_key is None and not is_loopback(self.host):
             raise InvalidConfig(
                 f"binding to {self.host} exposes the server beyond this machine: set an API key "

@@ -1,4 +1,5 @@
-"""ASGI middleware in front of every route: API key, request body limit, request counts."""
+"""ASGI middleware in front of every route: Origin and Host (browser.py), API and admin keys, JSON
+bodies on state-changing routes, the request body limit, request counts."""
 
 from __future__ import annotations
 
@@ -7,22 +8,74 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import ApiError
+from ..errors import ApiError, is_ollama
 from ..metrics import ServerMetrics
+from ..settings import ServerSettings
+from .browser import BrowserPolicy
 
 OPEN_PATHS = ("/health",)  # liveness probes need no key
+ADMIN_PATHS = ("/admin/", "/models/load", "/models/unload")  # --admin-key guards these when it is set
+WRITES = ("POST", "PUT", "PATCH", "DELETE")
+BROWSER_HEADERS = (b"origin", b"sec-fetch-mode", b"sec-fetch-site")  # every current browser sends these
+
+
+def browser_refusal(scope: Scope, policy: BrowserPolicy) -> ApiError | None:
+    """Why a request (or a WebSocket handshake) from a browser is refused: an Origin not allowed, or a
+    Host that is not a local or configured name (DNS rebinding); None when it may go on."""
+    origin = _header(scope, b"origin")
+    if origin is not None and not policy.origin_allowed(origin):
+        return ApiError(
+            403,
+            f"origin {origin!r} is not allowed: `warmkv serve --cors-origin {origin}` allows it",
+            code="origin_not_allowed",
+        )
+    host = _header(scope, b"host")
+    if not policy.host_allowed(host):
+        return ApiError(
+            403,
+            f"host {host!r} is not a local name: `warmkv serve --allowed-host NAME` allows another",
+            code="host_not_allowed",
+        )
+    return None
+
+
+def handshake_refusal(scope: Scope, settings: ServerSettings) -> ApiError | None:
+    """For a WebSocket route: the Origin and Host checks every HTTP request gets (Guard also runs them)."""
+    return browser_refusal(scope, settings.browser_policy())
+
+
+def _json_type(kind: str | None) -> bool:
+    media = (kind or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
 class Guard:
-    """Checks the Bearer key, buffers the body up to max_body_bytes (413 past it), counts requests."""
+    """Checks Origin and Host, the Bearer key (the admin key on admin routes), that a state-changing body is
+    JSON; buffers the body up to max_body_bytes (413 past it); counts requests."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics: ServerMetrics,
+        policy: BrowserPolicy | None = None,
+        admin_key: str | None = None,
+    ) -> None:
         self.app = app
         self.api_key = api_key
+        self.admin_key = admin_key
+        self.policy = policy or BrowserPolicy()
         self.max_body = max_body_bytes
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            refused = browser_refusal(scope, self.policy) or self._key_refusal(scope)
+            if refused is not None:  # closing before accept answers the handshake with a 403
+                await send({"type": "websocket.close", "code": 1008, "reason": refused.message[:120]})
+                return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -40,13 +93,12 @@ class Guard:
             self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            err = ApiError(
-                401,
-                "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                code="invalid_api_key",
-            )
-            await err.response(scope["path"])(scope, receive, send)
+        refused = browser_refusal(scope, self.policy)
+        preflight = scope["method"] == "OPTIONS" and _header(scope, b"access-control-request-method") is not None
+        if refused is None and not preflight:  # a preflight carries no key: CORS answers it
+            refused = self._key_refusal(scope)
+        if refused is not None:
+            await refused.response(scope["path"])(scope, receive, send)
             return
         length = _header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body):
@@ -63,13 +115,52 @@ class Guard:
             if len(body) > self.max_body:
                 await self._too_large(scope, receive, send)
                 return
+        if body and scope["method"] in WRITES and not self._json_allowed(scope):
+            kind = _header(scope, b"content-type")
+            err = ApiError(
+                415,
+                f"a request body must be sent as 'Content-Type: application/json', not {kind!r}",
+                code="unsupported_media_type",
+            )
+            await err.response(scope["path"])(scope, receive, send)
+            return
         await self.app(scope, _replay(bytes(body), receive), send)
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _json_allowed(self, scope: Scope) -> bool:
+        """A JSON body; or, on the Ollama routes, any type from a client that is no browser (Ollama's
+        documentation sends JSON with curl's form type), since a page cannot send without these headers."""
+        if _json_type(_header(scope, b"content-type")):
+            return True
+        from_browser = any(_header(scope, name) is not None for name in BROWSER_HEADERS)
+        return is_ollama(scope["path"]) and not from_browser
+
+    def _key_refusal(self, scope: Scope) -> ApiError | None:
+        """A 401 when the route's key is missing: the admin key on admin routes when one is set, else the API key."""
+        path = scope["path"]
+        if self.admin_key is not None and path.startswith(ADMIN_PATHS):
+            if self._authorized(scope, self.admin_key):
+                return None
+            return ApiError(
+                401,
+                "this route takes the admin key: send 'Authorization: Bearer <admin key>' or 'x-api-key'",
+                code="invalid_admin_key",
+            )
+        if self.api_key is None or path in OPEN_PATHS or self._authorized(scope, self.api_key):
+            return None
+        if self.admin_key is not None and self._authorized(scope, self.admin_key):
+            return None  # the operator's key opens every route
+        return ApiError(
+            401,
+            "missing or invalid API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+            code="invalid_api_key",
+        )
+
+    @staticmethod
+    def _authorized(scope: Scope, want_key: str) -> bool:
         """OpenAI clients send a Bearer token, Anthropic clients an x-api-key header: either will do."""
         bearer = (_header(scope, b"authorization") or "").encode()
         key = (_header(scope, b"x-api-key") or "").encode()
-        want = str(self.api_key).encode()
+        want = want_key.encode()
         return hmac.compare_digest(bearer, b"Bearer " + want) | hmac.compare_digest(key, want)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
