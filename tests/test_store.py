@@ -87,7 +87,7 @@ def test_damaged_blob_is_deleted_and_missed(tmp_path: Path, damage: str) -> None
 
 def test_size_cap_evicts_lru(tmp_path: Path) -> None:
     size = 10_000
-    with KVStore(tmp_path, StoreConfig(capacity_bytes=5 * size)) as store:
+    with KVStore(tmp_path, StoreConfig(capacity_bytes=5 * size, snapshot_bytes=0)) as store:
         for i in range(4):
             store.put(f"k{i}", MD, [i], payload(i, size))
         assert store.get("k0") is not None  # k0 becomes most recently used
@@ -99,6 +99,44 @@ def test_size_cap_evicts_lru(tmp_path: Path) -> None:
         with pytest.raises(StoreFull):
             store.put("huge", MD, [1], payload(0, 6 * size))
         assert store.get("huge") is None
+
+
+def test_snapshots_keep_to_their_budget_and_never_push_out_entries(tmp_path: Path) -> None:
+    """Session snapshots written at every unload used to count toward the whole cap and never be evicted:
+    over days they pushed every prefix entry out, then refused new snapshots."""
+    size = 10_000
+    with KVStore(tmp_path, StoreConfig(capacity_bytes=12 * size, snapshot_bytes=3 * size + 2000)) as store:
+        for i in range(8):
+            store.put(f"k{i}", MD, [i], payload(i, size))
+        before = store.stats()
+        assert before.entries == 8 and before.evictions == 0
+        for i in range(10):  # far more snapshots than their budget holds
+            store.put_snapshot(f"session-{i}", MD, {"digest": MD}, [i], payload(100 + i, size))
+            s = store.stats()
+            assert s.snapshot_bytes <= s.snapshot_budget and s.bytes <= 12 * size
+            assert s.entries == 8 and s.evictions == 0  # not one prefix entry pushed out
+        assert [x.name for x in store.list_snapshots()] == ["session-7", "session-8", "session-9"]
+        assert store.stats().snapshot_evictions == 7 and all(store.get(f"k{i}") for i in range(8))
+        with pytest.raises(StoreFull):
+            store.put_snapshot("huge", MD, {"digest": MD}, [1], payload(0, 4 * size))
+        assert store.check_integrity()
+
+
+def test_snapshots_past_the_age_limit_are_deleted(tmp_path: Path) -> None:
+    with KVStore(tmp_path, StoreConfig(capacity_bytes=100_000, snapshot_max_age_s=0.2)) as store:
+        store.put_snapshot("old", MD, {"digest": MD}, [1], b"state")
+        time.sleep(0.15)
+        assert store.get_snapshot("old").blob == b"state"  # a read counts as use
+        time.sleep(0.15)
+        store.put_snapshot("new", MD, {"digest": MD}, [2], b"state")
+        assert [x.name for x in store.list_snapshots()] == ["new", "old"]
+        time.sleep(0.1)
+        with pytest.raises(SnapshotNotFound):
+            store.get_snapshot("old")
+        assert [x.name for x in store.list_snapshots()] == ["new"]
+    time.sleep(0.25)
+    with KVStore(tmp_path, StoreConfig(capacity_bytes=100_000, snapshot_max_age_s=0.2)) as store:
+        assert store.list_snapshots() == [] and not list((tmp_path / "blobs").glob("*.wkv"))  # gone on open
 
 
 def test_bad_input_changes_nothing(tmp_path: Path) -> None:

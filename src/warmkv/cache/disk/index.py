@@ -136,6 +136,14 @@ class StoreIndex:
         """(key, size) of every entry, least recently used first."""
         yield from c.execute("SELECT key, size FROM entries ORDER BY accessed, rowid")
 
+    def snapshot_lru(self, c: sqlite3.Connection) -> Iterator[tuple[str, int]]:
+        """(name, size) of every snapshot, least recently used first."""
+        yield from c.execute("SELECT name, size FROM snapshots ORDER BY accessed, rowid")
+
+    def stale_snapshots(self, c: sqlite3.Connection, before: int) -> list[str]:
+        """Names of the snapshots last used (written or read) before `before` (ns since the epoch)."""
+        return [r[0] for r in c.execute("SELECT name FROM snapshots WHERE accessed < ?", (before,))]
+
     def touch(self, table: str, key: str, now: int) -> None:
         col = "name" if table == "snapshots" else "key"
         with self.transaction() as c:

@@ -17,7 +17,9 @@ reported as a miss (snapshots: StoreCorrupt), never served.
 Several processes may share one directory: index changes run in BEGIN IMMEDIATE
 transactions, blob files are immutable once renamed, and rows are deleted before
 their files, so a reader sees a complete blob or none. The size cap covers every
-blob; prefix entries are evicted least recently used first, snapshots never.
+blob: snapshots have a budget of their own within it and prefix entries the rest
+(StoreConfig), each kind evicted least recently used first within its own budget, so
+snapshots never push prefix entries out; a snapshot unused past the age limit is deleted.
 """
 
 from __future__ import annotations
@@ -62,13 +64,31 @@ class KVStore:
             raise StoreError(f"cannot create KV store directory {self._blobs}: {e}") from None
         self._index = StoreIndex(self.directory / "index.sqlite3", config.busy_timeout_s)
         self._lock = threading.Lock()
-        self._hits = self._misses = self._corrupt = self._evictions = 0
+        self._hits = self._misses = self._corrupt = self._evictions = self._snapshot_evictions = 0
         self.gc()
 
     def gc(self) -> int:
-        """Remove temp files of dead writers and stale unindexed blobs; return how many."""
+        """Remove temp files of dead writers, stale unindexed blobs and snapshots past the age limit; how many."""
+        expired = self.expire_snapshots()
         with self._lock:
-            return remove_leftovers(self._blobs, self._index.files(), self.config.stale_after_s)
+            return expired + remove_leftovers(self._blobs, self._index.files(), self.config.stale_after_s)
+
+    def expire_snapshots(self) -> int:
+        """Delete the snapshots unused (not written nor read) for longer than snapshot_max_age_s; how many."""
+        age = self.config.snapshot_max_age_s
+        if age is None:
+            return 0
+        before = time.time_ns() - int(age * 1e9)
+        files: list[str] = []
+        try:
+            with self._lock, self._index.transaction() as c:
+                for name in self._index.stale_snapshots(c, before):
+                    files += [f for f in [self._index.delete_snapshot(c, name)] if f]
+        except sqlite3.Error as e:
+            raise StoreError(f"KV store index {self.directory} failed: {e}") from None
+        for f in files:
+            unlink_quiet(self._blobs / f)
+        return len(files)
 
     # -- prefix entries ------------------------------------------------------
 
@@ -161,7 +181,8 @@ class KVStore:
         blob: bytes,
         meta: Mapping[str, object] | None = None,
     ) -> SnapshotInfo:
-        """Store (or replace) a named snapshot; it counts toward the cap but is never evicted."""
+        """Store (or replace) a named snapshot, evicting the least recently used ones past the snapshot
+        budget (never a prefix entry); StoreFull when it alone is larger than that budget."""
         name, md = check_name(name, "snapshot name"), check_name(manifest_digest, "manifest_digest")
         man = json_object(manifest, "manifest")
         if "digest" in man and man["digest"] != md:
@@ -178,6 +199,7 @@ class KVStore:
         """The verified snapshot. SnapshotNotFound; ManifestMismatch when manifest_digest differs
         (manifest, if given, names the differing fields); StoreCorrupt when its blob failed a check."""
         name = check_name(name, "snapshot name")
+        self.expire_snapshots()  # one past the age limit is gone, whether or not gc ran since
         with self._lock:
             found = self._index.snapshot(name)
             count = self._index.totals()[2]
@@ -213,31 +235,36 @@ class KVStore:
     def _install(
         self, header: BlobHeader, payload: bytes | memoryview, insert: Callable[[sqlite3.Connection, Row, int], None]
     ) -> Row:
-        """Write the blob durably, then commit its row, evicting LRU entries to stay under the cap."""
-        cap = self.config.capacity_bytes
+        """Write the blob durably, then commit its row, evicting LRU rows of its kind to stay in its budget."""
+        snapshot = header.kind == "snapshot"
+        budget = self.config.snapshot_budget
+        cap = budget if snapshot else self.config.capacity_bytes - budget
         if header.payload_len > cap:  # cheap early refusal before touching the disk
             raise StoreFull(header.payload_len, 0, cap)
         name, size, crc = write_blob(self._blobs, header, payload)
         row = Row(header.key, header.manifest_digest, header.n_tokens, name, size, crc, time.time_ns())
-        snapshot = header.kind == "snapshot"
+        delete = self._index.delete_snapshot if snapshot else self._index.delete_entry
         doomed: list[str] = []
         try:
             with self._lock, self._index.transaction() as c:
-                old = (self._index.delete_snapshot if snapshot else self._index.delete_entry)(c, row.key)
+                old = delete(c, row.key)
                 doomed += [old] if old else []
                 _, entry_bytes, _, snap_bytes = self._index.totals(c)
-                if snap_bytes + size > cap:
-                    raise StoreFull(size, snap_bytes, cap)
-                used = entry_bytes + snap_bytes + size
+                if size > cap:
+                    raise StoreFull(size, 0, cap)
+                used = (snap_bytes if snapshot else entry_bytes) + size
                 victims = []
-                for key, vsize in self._index.lru(c):
+                for key, vsize in (self._index.snapshot_lru if snapshot else self._index.lru)(c):
                     if used <= cap:
                         break
                     victims.append(key)
                     used -= vsize
-                doomed += [f for k in victims if (f := self._index.delete_entry(c, k))]
+                doomed += [f for k in victims if (f := delete(c, k))]
                 insert(c, row, row.created)
-                self._evictions += len(victims)
+                if snapshot:
+                    self._snapshot_evictions += len(victims)
+                else:
+                    self._evictions += len(victims)
         except BaseException as e:
             unlink_quiet(self._blobs / name)
             if isinstance(e, sqlite3.Error):
@@ -288,7 +315,10 @@ class KVStore:
         with self._lock:
             n, eb, sn, sb = self._index.totals()
             counts = (self._hits, self._misses, self._corrupt, self._evictions)
-            return StoreStats(str(self.directory), n, eb, sn, sb, self.config.capacity_bytes, *counts)
+            return StoreStats(
+                str(self.directory), n, eb, sn, sb, self.config.capacity_bytes, *counts,
+                snapshot_budget=self.config.snapshot_budget, snapshot_evictions=self._snapshot_evictions,
+            )  # fmt: skip
 
     def check_integrity(self) -> bool:
         """Read and verify every blob without changing anything; StoreCorrupt on the first failure."""
@@ -300,6 +330,11 @@ class KVStore:
             raise StoreCorrupt(str(self.directory), f"{orphans} block rows point to no entry")
         if total > self.config.capacity_bytes:
             raise StoreCorrupt(str(self.directory), f"{total} bytes stored > capacity {self.config.capacity_bytes}")
+        snap_bytes = sum(r.size for r, kind in rows if kind == "snapshot")
+        if snap_bytes > self.config.snapshot_budget:
+            raise StoreCorrupt(
+                str(self.directory), f"{snap_bytes} snapshot bytes > budget {self.config.snapshot_budget}"
+            )
         for row, kind in rows:
             try:
                 got = check_blob(read_blob(self._blobs, row.file), row, kind)

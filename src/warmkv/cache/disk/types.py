@@ -15,6 +15,7 @@ from ...errors import InvalidConfig
 Blob = bytes | bytearray | memoryview
 
 DEFAULT_CAPACITY = 8 << 30
+DEFAULT_SNAPSHOT_AGE_S = 30 * 86400.0  # a snapshot nobody read for a month is deleted
 
 
 def cache_root() -> Path:
@@ -38,7 +39,10 @@ def default_store_dir() -> Path:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """capacity_bytes caps all blobs (prefix entries are evicted LRU; snapshots never are).
+    """capacity_bytes caps all blobs. Snapshots have a budget of their own inside it, snapshot_bytes
+    (None: a quarter of the capacity), and prefix entries the rest, so neither pushes the other out:
+    each kind is evicted least recently used first to fit its own budget. A snapshot not read for
+    snapshot_max_age_s (None: no limit) is deleted.
 
     busy_timeout_s: how long a writer waits for another process's index transaction.
     stale_after_s: age after which a stray temp file or unindexed blob is removed on open.
@@ -47,11 +51,24 @@ class StoreConfig:
     capacity_bytes: int = DEFAULT_CAPACITY
     busy_timeout_s: float = 30.0
     stale_after_s: float = 600.0
+    snapshot_bytes: int | None = None
+    snapshot_max_age_s: float | None = DEFAULT_SNAPSHOT_AGE_S
+
+    @property
+    def snapshot_budget(self) -> int:
+        """The bytes snapshots may use; prefix entries may use the rest of the capacity."""
+        return self.capacity_bytes // 4 if self.snapshot_bytes is None else self.snapshot_bytes
 
     def __post_init__(self) -> None:
         c = self.capacity_bytes
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise InvalidConfig(f"capacity_bytes must be an integer >= 0, got {c!r}")
+        s = self.snapshot_bytes
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s <= c):
+            raise InvalidConfig(f"snapshot_bytes must be an integer in [0, capacity_bytes={c}], got {s!r}")
+        a = self.snapshot_max_age_s
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int | float) or a <= 0):
+            raise InvalidConfig(f"snapshot_max_age_s must be a positive number of seconds or None, got {a!r}")
         for name in ("busy_timeout_s", "stale_after_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 86400:
@@ -118,6 +135,8 @@ class StoreStats:
     misses: int
     corrupt: int
     evictions: int
+    snapshot_budget: int = 0  # the bytes snapshots may use (StoreConfig.snapshot_budget)
+    snapshot_evictions: int = 0  # snapshots evicted to fit that budget, by this process
 
     @property
     def bytes(self) -> int:
