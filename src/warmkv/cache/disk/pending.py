@@ -99,15 +99,28 @@ class SnapshotJob:
 
 @dataclass
 class SessionCopy:
-    """A named session's latest copy, for the remote tier; replaced in place while not taken."""
+    """A named session's latest copy, for the remote tier (kept there ttl_s); replaced in place while
+    not taken, skipped once cancelled (the session was deleted before the writer reached it)."""
 
     sid: str
     snap: Snapshot
+    ttl_s: float
     taken: bool = False  # the writer has started on it: a newer copy is queued apart
+    cancelled: bool = False
 
     @property
     def nbytes(self) -> int:
         return len(self.snap.blob)
+
+
+@dataclass(frozen=True)
+class SessionDelete:
+    """A deleted session's remote copies (one per manifest it may be under), deleted in queue order:
+    after a copy the writer had already taken, so that copy cannot outlive the delete."""
+
+    sid: str
+    digests: tuple[str, ...]
+    nbytes: int = 0
 
 
 def best_match(

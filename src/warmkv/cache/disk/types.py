@@ -16,6 +16,7 @@ Blob = bytes | bytearray | memoryview
 
 DEFAULT_CAPACITY = 8 << 30
 DEFAULT_SNAPSHOT_AGE_S = 30 * 86400.0  # a snapshot nobody read for a month is deleted
+SESSION_COPY_TTL_S = 86400.0  # a session's copy in the remote tier, unless its owner says otherwise
 
 
 def cache_root() -> Path:

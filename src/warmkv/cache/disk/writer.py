@@ -24,6 +24,9 @@ may run with the remote tier alone (store None).
                          entry before copying the KV: an entry is never sent twice.
     submit_session(...)  a named session's latest copy, for the remote tier; never waits. A copy
                          still queued for the same session is replaced (only the latest matters).
+    delete_session(...)  an ordered delete of a session's remote copies: a copy still queued is
+                         cancelled, one being written is deleted right after, and the id is
+                         remembered (a tombstone) so no later copy of it is queued.
 
 Calls that wait (put_snapshot, flush, close, submit_entry(wait=True)) refuse to run
 while the calling thread holds the lock named by `held` (the model lock): see the
@@ -37,7 +40,7 @@ import contextlib
 import logging
 import os
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,18 +51,21 @@ from .pending import (
     PendingEntry,
     PendingMatch,
     SessionCopy,
+    SessionDelete,
     SnapshotJob,
     best_match,
     blob_bytes,
     blob_nbytes,
 )
 from .store import KVStore
-from .types import Blob, Snapshot, SnapshotInfo
+from .types import SESSION_COPY_TTL_S, Blob, Snapshot, SnapshotInfo
 
 if TYPE_CHECKING:
     from ..remote.store import RemoteStore
 
 log = logging.getLogger(__name__)
+_TOMBSTONES = 4096  # deleted session ids remembered: a copy of one is never queued again
+Job = PendingEntry | SnapshotJob | SessionCopy | SessionDelete
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,7 @@ class StoreWriter:
         self._max = max_pending_bytes
         self._held = held or (lambda: False)
         self._cond = threading.Condition()
-        self._queue: deque[PendingEntry | SnapshotJob | SessionCopy] = deque()
+        self._queue: deque[Job] = deque()
         self._pending: dict[str, PendingEntry] = {}  # last block key -> entry, until it is written
         self._bytes = 0  # of queued jobs and the one being written
         self._submitted = self._finished = 0
@@ -116,6 +122,7 @@ class StoreWriter:
         self._through = dict.fromkeys(("queued", "sent", "present", "dropped", "failed"), 0)
         self._sessions: dict[str, SessionCopy] = {}  # session id -> its queued copy, not taken yet
         self._session_n = {"replaced": 0, "dropped": 0}
+        self._deleted: OrderedDict[str, None] = OrderedDict()  # tombstones of deleted session ids
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="warmkv-store-writer", daemon=True)
         self._thread.start()
@@ -158,23 +165,38 @@ class StoreWriter:
             self._push(PendingEntry(tuple(keys), manifest_digest, tuple(tokens), blob, through=True), blob.nbytes)
         return True
 
-    def submit_session(self, sid: str, snap: Snapshot) -> bool:
-        """Queue a session's latest copy for the remote tier; never waits. False (counted) without a
-        remote tier, when closed, or when the byte budget is reached."""
+    def submit_session(self, sid: str, snap: Snapshot, ttl_s: float = SESSION_COPY_TTL_S) -> bool:
+        """Queue a session's latest copy for the remote tier, kept there ttl_s; never waits. False (counted)
+        without a remote tier, when closed, when the byte budget is reached or the session was deleted."""
         with self._cond:
-            if self.remote is None or self._closed:
+            if self.remote is None or self._closed or sid in self._deleted:
                 return False
             queued = self._sessions.get(sid)
             if queued is not None and not queued.taken:
                 self._bytes += len(snap.blob) - queued.nbytes
-                queued.snap = snap
+                queued.snap, queued.ttl_s = snap, ttl_s
                 self._session_n["replaced"] += 1
                 return True
             if not self._fits(len(snap.blob)):
                 self._session_n["dropped"] += 1
                 return False
-            job = self._sessions[sid] = SessionCopy(sid, snap)
+            job = self._sessions[sid] = SessionCopy(sid, snap, ttl_s)
             self._push(job, job.nbytes)
+        return True
+
+    def delete_session(self, sid: str, digests: Sequence[str]) -> bool:
+        """Delete a session's remote copies (under each manifest digest) in queue order; never waits.
+        False without a remote tier or when closed. flush() returns once they are gone."""
+        with self._cond:
+            if self.remote is None or self._closed:
+                return False
+            self._deleted[sid] = None
+            while len(self._deleted) > _TOMBSTONES:
+                self._deleted.popitem(last=False)
+            queued = self._sessions.pop(sid, None)
+            if queued is not None and not queued.taken:
+                queued.cancelled = True
+            self._push(SessionDelete(sid, tuple(digests)), 0)
         return True
 
     def put_snapshot(
@@ -257,7 +279,7 @@ class StoreWriter:
     def _wait_room(self, nbytes: int) -> None:
         self._cond.wait_for(lambda: self._closed or self._fits(nbytes))
 
-    def _push(self, job: PendingEntry | SnapshotJob | SessionCopy, nbytes: int) -> None:
+    def _push(self, job: Job, nbytes: int) -> None:
         self._queue.append(job)
         self._bytes += nbytes
         self._submitted += 1
@@ -290,11 +312,15 @@ class StoreWriter:
                 self._finished += 1
                 self._cond.notify_all()
 
-    def _write(self, job: PendingEntry | SnapshotJob | SessionCopy) -> None:
-        if isinstance(job, SessionCopy):
-            assert self.remote is not None  # submit_session refuses without one
-            try:
-                self.remote.put_session(job.sid, job.snap)  # counts and logs its own failures
+    def _write(self, job: Job) -> None:
+        if isinstance(job, SessionCopy | SessionDelete):
+            assert self.remote is not None  # submit_session and delete_session refuse without one
+            try:  # the remote tier counts and logs its own failures
+                if isinstance(job, SessionDelete):
+                    for digest in job.digests:
+                        self.remote.delete_session(job.sid, digest)
+                elif not job.cancelled:
+                    self.remote.put_session(job.sid, job.snap, job.ttl_s)
             except Exception:
                 log.exception("kv remote tier session write failed")
             return

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import redis
@@ -43,9 +45,12 @@ class RemoteSessions:
         self.link = link
         self._read, self._write = read, write
         self._count, self._delete = count, delete
+        self._lock = threading.Lock()
+        self._held: dict[str, tuple[int, float]] = {}  # key -> (bytes, until): this node's copies
 
-    def put(self, ns: str, sid: str, snap: Snapshot) -> bool:
-        """Write (replace) a session's copy; False when skipped or failed (counted by the link)."""
+    def put(self, ns: str, sid: str, snap: Snapshot, ttl_s: float) -> bool:
+        """Write (replace) a session's copy, which Redis deletes ttl_s after (each copy restarts the clock:
+        a session idle that long is closed on its node too); False when skipped or failed (counted by the link)."""
         if not self.link.ready():
             return False
         key = session_key(sid)
@@ -53,7 +58,7 @@ class RemoteSessions:
         header = make_header("snapshot", key, snap.manifest_digest, snap.tokens, snap.blob, snap.meta, snap.manifest)
         write_container(buf, header, snap.blob)
         try:
-            self._write.set(f"{ns}:s:{key}", buf.getbuffer())
+            self._write.set(f"{ns}:s:{key}", buf.getbuffer(), px=max(1, int(ttl_s * 1000)))
         except LINK_ERRORS as e:
             self.link.failed("write", e)
             return False
@@ -62,6 +67,8 @@ class RemoteSessions:
             return False
         self.link.ok()
         self._count("sessions_written")
+        with self._lock:
+            self._held[f"{ns}:s:{key}"] = (buf.tell(), time.monotonic() + ttl_s)
         return True
 
     def get(self, ns: str, sid: str, manifest_digest: str) -> Snapshot | None:
@@ -97,6 +104,17 @@ class RemoteSessions:
         return Snapshot("", manifest_digest, header.manifest or {}, header.tokens, bytes(payload), header.meta, 0.0)
 
     def delete(self, ns: str, sid: str) -> None:
-        """Forget a closed session's copy (best effort)."""
+        """Forget a closed session's copy (best effort: an unreachable link leaves it to its TTL)."""
+        name = f"{ns}:s:{session_key(sid)}"
+        with self._lock:
+            self._held.pop(name, None)
         if self.link.ready():
-            self._delete([f"{ns}:s:{session_key(sid)}"])
+            self._delete([name])
+
+    def held(self) -> tuple[int, int]:
+        """(copies, bytes) this node wrote that are neither deleted nor past their TTL."""
+        now = time.monotonic()
+        with self._lock:
+            for name in [n for n, (_, until) in self._held.items() if until <= now]:
+                del self._held[name]
+            return len(self._held), sum(size for size, _ in self._held.values())

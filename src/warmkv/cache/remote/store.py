@@ -43,7 +43,7 @@ from redis.retry import Retry
 
 from ...prompt.tokens import common_prefix_len
 from ..disk.container import ContainerError, make_header, read_container, write_container
-from ..disk.types import Blob, Snapshot, StoreEntry
+from ..disk.types import SESSION_COPY_TTL_S, Blob, Snapshot, StoreEntry
 from .link import LINK_ERRORS, RemoteLink, log
 from .rates import RemoteRates
 from .sessions import RemoteSessions
@@ -290,9 +290,9 @@ class RemoteStore:
 
     # -- session copies (sessions.py) ---------------------------------------------
 
-    def put_session(self, sid: str, snap: Snapshot) -> bool:
-        """Write (replace) a session's copy; False when skipped or failed (counted by the link)."""
-        return self.sessions.put(namespace(snap.manifest_digest), sid, snap)
+    def put_session(self, sid: str, snap: Snapshot, ttl_s: float = SESSION_COPY_TTL_S) -> bool:
+        """Write (replace) a session's copy, deleted by Redis ttl_s later; False when skipped or failed."""
+        return self.sessions.put(namespace(snap.manifest_digest), sid, snap, ttl_s)
 
     def get_session(self, sid: str, manifest_digest: str) -> Snapshot | None:
         """A session's verified copy under this manifest, named by its id; None when absent, bad or unreachable."""

@@ -7,7 +7,8 @@ copy of it still queued. A node that does not know a session id it is asked abou
 copy under its own model's manifest, restores it under the same id and serves the request:
 a session whose node was drained, stopped or killed continues on another node, from its last
 finished operation. Copies are stored under the id's hash (registry ids are capabilities, and
-whoever lists the server's keys must not learn them); closing a session deletes its copy.
+whoever lists the server's keys must not learn them), with a TTL of the session TTL; closing a
+session deletes its copy through the writer's queue, so a copy queued before cannot outlive it.
 """
 
 from __future__ import annotations
@@ -45,16 +46,17 @@ def share(st: ServerState, sid: str) -> None:
     except WarmkvError as e:  # unloaded or failed meanwhile: nothing to share
         log.debug("session %s not copied to the remote tier: %s", sid[:6], e)
         return
-    if snap is not None and not tiers.writer.submit_session(sid, snap):
-        log.info("session copy for the remote tier dropped: the writer's queue is full")
+    # Redis keeps the copy as long as the session may stay idle: past that it is closed here too.
+    if snap is not None and not tiers.writer.submit_session(sid, snap, st.settings.session_ttl_s):
+        log.info("session %s not copied to the remote tier: the writer's queue is full or it was deleted", sid[:6])
 
 
 def forget(st: ServerState, sid: str) -> None:
-    """Delete a closed session's copy (a worker thread)."""
+    """Delete a closed session's copies, in the writer's queue order: a copy still queued is dropped,
+    one being sent is deleted right after, and none is queued again (the writer keeps a tombstone)."""
     tiers = st.runtime.tiers
-    if tiers is not None and tiers.remote is not None:
-        for digest in _digests(st):
-            tiers.remote.delete_session(sid, digest)
+    if tiers is not None and tiers.writer is not None and tiers.remote is not None:
+        tiers.writer.delete_session(sid, _digests(st))
 
 
 async def restore_shared(hub: Hub, st: ServerState, sid: str) -> None:
