@@ -26,7 +26,14 @@ def live_server(rt: warmkv.Runtime, **settings: object) -> Iterator[str]:
     """Serve rt until the block ends; yields the base URL (http://127.0.0.1:PORT)."""
     port = free_port()
     cfg = ServerSettings(host="127.0.0.1", port=port, **settings)  # type: ignore[arg-type]
-    server = uvicorn.Server(uvicorn.Config(create_app(rt, cfg), host="127.0.0.1", port=port, log_level="warning"))
+    with live_app(create_app(rt, cfg), port) as base:
+        yield base
+
+
+@contextmanager
+def live_app(app: object, port: int) -> Iterator[str]:
+    """Serve an app made by create_app on 127.0.0.1:port until the block ends; yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))  # type: ignore[arg-type]
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

@@ -6,17 +6,33 @@ from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
+import pytest
+
+import warmkv
 from redis_server import RedisServer
+from server_harness import free_port, live_app
 from warmkv.cache.disk.pending import LazyBlob
+from warmkv.cache.disk.store import KVStore
 from warmkv.cache.disk.types import Snapshot
 from warmkv.cache.disk.writer import StoreWriter
 from warmkv.cache.memory.block_hash import block_keys
 from warmkv.cache.remote.sessions import session_key
 from warmkv.cache.remote.store import RemoteStore, namespace
 from warmkv.cache.remote.types import RemoteConfig
+from warmkv.models import default_model_path
+from warmkv.server import ServerSettings, create_app
+from warmkv.server.models.slot import ModelSpec
+from warmkv.server.turn.reasoning_store import ReasoningStore
 
 MD = "c" * 64
+MODEL = "smollm2"
+# Two full 64-token blocks and more: a snapshot with KV in it.
+TEXT = "Notes on the repository: " + " ".join(f"module m{i} is tested by test_m{i}.py." for i in range(20))
 
 
 def _snap(n: int) -> Snapshot:
@@ -74,3 +90,101 @@ def test_remote_copies_get_the_default_ttl(redis_server: RedisServer) -> None:
         assert remote.sessions.held() == (0, 0)
     finally:
         remote.close()
+
+
+# -- the server: parked sessions' snapshots, on a real model ------------------------------------
+
+
+@pytest.fixture
+def table_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, Path]]:
+    """The default model as a table's one model (so it can be unloaded), with a disk store in tmp_path;
+    the session TTL is the test's parameter (600 s unless given)."""
+    store = tmp_path / "kv"
+
+    def load() -> warmkv.Runtime:
+        return warmkv.Runtime.load(
+            backend="llamacpp", num_ctx=512, n_seq_max=4, kv_store_mb=64, kv_store_dir=str(store)
+        )
+
+    spec = ModelSpec(MODEL, str(default_model_path()), load, backend="llamacpp")
+    port = free_port()
+    ttl = getattr(request, "param", 600.0)
+    cfg = ServerSettings(port=port, pool_size=2, session_ttl_s=ttl)  # two /v1/sessions at most
+    with live_app(create_app(models=[spec], settings=cfg), port) as base:
+        yield base, store
+
+
+def _snapshots(store: Path) -> list[str]:
+    with KVStore(store) as s:
+        return [x.name for x in s.list_snapshots()]
+
+
+def _session(c: httpx.Client) -> str:
+    sid = c.post("/v1/sessions", json={"model": MODEL}).json()["id"]
+    assert c.post(f"/v1/sessions/{sid}/prefix", json={"text": TEXT}).status_code == 200
+    return sid
+
+
+def _kept(c: httpx.Client, kind: str) -> tuple[float, float]:
+    text = c.get("/metrics").text
+    got = [0.0, 0.0]
+    for line in text.splitlines():
+        for i, family in enumerate(("warmkv_kept_items", "warmkv_kept_bytes")):
+            if line.startswith(family + "{") and f'kind="{kind}"' in line:
+                got[i] += float(line.rsplit(" ", 1)[1])
+    return got[0], got[1]
+
+
+def test_parked_sessions_keep_their_snapshot_until_it_has_served(table_server: tuple[str, Path]) -> None:
+    base, store = table_server
+    with httpx.Client(base_url=base, timeout=120) as c:
+        a = _session(c)
+        assert c.post("/models/unload", json={"model": MODEL}).json()["unloaded"]
+        assert _snapshots(store) == [f"session-{a}"] and _kept(c, "parked_sessions")[0] == 1
+        b, d = _session(c), _session(c)  # the model is back; every /v1/sessions slot is taken
+        busy = c.get(f"/v1/sessions/{a}")  # before: 404, the session forgotten though safe on disk
+        assert busy.status_code == 429 and busy.json()["error"]["code"] == "session_limit", busy.text
+        assert f"session-{a}" in _snapshots(store)  # still parked: a retry may succeed
+        assert c.delete(f"/v1/sessions/{b}").status_code == 200
+        assert c.get(f"/v1/sessions/{a}").status_code == 200  # restored under its own id
+        assert _snapshots(store) == [] and _kept(c, "parked_sessions") == (0, 0)  # before: kept for good
+        # DELETE of a parked session deletes its snapshot without restoring it.
+        assert c.delete(f"/v1/sessions/{d}").status_code == 200
+        assert c.post("/models/unload", json={"model": MODEL}).json()["unloaded"]
+        assert _snapshots(store) == [f"session-{a}"]
+        assert c.delete(f"/v1/sessions/{a}").status_code == 200
+        assert _snapshots(store) == [] and c.get(f"/v1/sessions/{a}").status_code in (404, 410)
+
+
+@pytest.mark.parametrize("table_server", [4.0], indirect=True)
+def test_a_parked_session_that_expires_takes_its_snapshot_along(table_server: tuple[str, Path]) -> None:
+    base, store = table_server
+    with httpx.Client(base_url=base, timeout=120) as c:
+        a = _session(c)
+        assert c.post("/models/unload", json={"model": MODEL}).json()["unloaded"]
+        items, nbytes = _kept(c, "parked_sessions")
+        assert _snapshots(store) == [f"session-{a}"] and items == 1 and nbytes > 0
+        deadline = time.monotonic() + 15  # the session TTL is 4 s; the sweep runs every second
+        while _snapshots(store) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _snapshots(store) == [] and _kept(c, "parked_sessions") == (0, 0)
+        assert c.get(f"/v1/sessions/{a}").status_code == 404
+
+
+def test_the_reasoning_store_keeps_to_its_byte_budget() -> None:
+    """It was bounded by entries alone (4096 of any size) and shared by every model."""
+    store = ReasoningStore(max_bytes=10_000)
+    sigs = [store.sign(f"{i:04d}" + "x" * 996) for i in range(30)]  # ~1 kB each
+    use = store.usage()
+    assert use.bytes <= 10_000 and 5 <= use.count < 10
+    assert store.text(sigs[0]) is None and store.text(sigs[-1]) is not None  # the oldest went first
+    store.text(sigs[-use.count])  # a read makes it recent: it outlives newer ones
+    for i in range(3):
+        store.remember_answer("conv", f"answer {i}", "y" * 1000)
+    assert store.text(sigs[-use.count]) is not None and store.usage().bytes <= 10_000
+    assert store.answer_reasoning("conv", "answer 2") == "y" * 1000
+    assert store.forget(sigs[-1]) and store.text(sigs[-1]) is None and not store.forget(sigs[-1])
+    huge = store.sign("z" * 20_000)  # larger than the budget alone: not kept
+    assert store.text(huge) is None and store.usage().bytes <= 10_000
+    other = ReasoningStore()
+    assert not other.ours("0029" + "x" * 996, sigs[-1])  # another model's store: another key

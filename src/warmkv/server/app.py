@@ -35,13 +35,16 @@ from .fleet.readiness import readiness
 from .http.guard import Guard
 from .http.leases import Leases
 from .http.node import NodeGate
+from .lifecycle import KeptRegistry
 from .metrics import ServerMetrics
 from .models import routes as model_routes
 from .models.table import ModelSpec, ModelTable, name_map
 from .sessions import routes as session_routes
 from .sessions.admission import Admission
+from .sessions.copies import RemoteCopies, StoredSnapshots
 from .sessions.pool import SessionPool
 from .sessions.registry import SNAPSHOT_PREFIX, SessionRegistry, session_snapshot_name
+from .sessions.share import digests, shares
 from .settings import ServerSettings, TableSettings, default_pool_size
 from .state import Hub, ServerState
 
@@ -69,6 +72,8 @@ def create_app(
     name_map(specs)  # two models with one name: InvalidConfig before serving
     metrics = ServerMetrics()
     drain = Drain()
+    kept = KeptRegistry()  # each kind of state kept for users: its count and bytes in /metrics
+    metrics.registry.register(kept)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -93,7 +98,7 @@ def create_app(
         )
         limits = StoreLimits(cfg.responses_mb << 20, cfg.responses_max_age_s)
         responses = await asyncio.to_thread(ResponseStore, cfg.responses_path, limits)
-        hub = Hub(cfg, metrics, admission, models_table, drain=drain, responses=responses)
+        hub = Hub(cfg, metrics, admission, models_table, drain=drain, kept=kept, responses=responses)
         app.state.warmkv = hub
         if runtime is not None:
             models_table.adopt(models_table.default, await build(runtime, specs[0]))
@@ -185,7 +190,7 @@ async def _serve_model(rt: Runtime, spec: ModelSpec, hub: Hub) -> ServerState:
         rt, capacity, cfg.session_ttl_s, hub.admission, cfg.queue_timeout_s, hub.session_owner, spec.id
     )
     step = {} if cfg.max_step_tokens is None else {"max_step_tokens": cfg.max_step_tokens}
-    return ServerState(
+    st = ServerState(
         runtime=rt,
         settings=cfg,
         scheduler=Scheduler(rt, SchedulerConfig(**step)),
@@ -196,22 +201,34 @@ async def _serve_model(rt: Runtime, spec: ModelSpec, hub: Hub) -> ServerState:
         model_id=spec.id,
         tool_format=tool_format,
         messages_log=hub.messages_log,
-        reasoning=hub.reasoning,
+        reasoning=hub.reasoning_for(spec.id),
         started=hub.started,
         names=spec.names,
         table_default=spec is hub.table.default.spec,
     )
+    tiers = rt.tiers
+    if tiers is not None and tiers.store is not None:
+        hub.kept.add(spec.id, StoredSnapshots(tiers.store))
+    if shares(st):
+        assert tiers is not None and tiers.remote is not None and tiers.writer is not None
+        hub.kept.add(spec.id, RemoteCopies(tiers.remote, tiers.writer, cfg.session_ttl_s, lambda: digests(st)))
+    return st
 
 
 async def _unload_model(st: ServerState, hub: Hub) -> None:
     """Keep a model's warm context on disk, then close it: the same offload as a drain (pooled
     sessions parked, named ones snapshotted under their id, the memory tier written to disk)."""
+    hub.kept.remove(st.model_id, "snapshots")  # the runtime's store and tiers close below
+    hub.kept.remove(st.model_id, "remote_sessions")
     try:
         await asyncio.to_thread(st.scheduler.close)
         done = await offload(st.pool, st.registry, st.runtime, hub.settings.queue_timeout_s)
         kept = {name.removeprefix(SNAPSHOT_PREFIX) for name in done.snapshots}
+        store = st.runtime.tiers.store if st.runtime.tiers is not None else None
+        sizes = {s.name: s.size for s in await asyncio.to_thread(store.list_snapshots)} if store and kept else {}
         for sid in kept:
-            hub.parked_sessions[sid] = (session_snapshot_name(sid), time.monotonic())
+            name = session_snapshot_name(sid)
+            hub.parked.park(sid, name, store.directory if store else "", sizes.get(name, 0))
         for entry in st.registry.entries():  # a session not kept is gone: its id must not reload the model
             if entry.id not in kept:
                 hub.session_owner.pop(entry.id, None)
@@ -310,7 +327,7 @@ async def _sweep_loop(hub: Hub) -> None:
         try:
             for st in hub.table.states():
                 st.registry.expire()
-            hub.expire_parked_sessions()
+            await asyncio.to_thread(hub.kept.expire)  # parked sessions, snapshots: disk work
             await hub.table.expire()
         except Exception:  # one failure must not end expiry and idle unloads for good
             log.exception("the sweep of idle sessions and models failed")

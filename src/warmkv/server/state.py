@@ -25,9 +25,11 @@ from .conversations.store import ResponseStore
 from .errors import ApiError
 from .fleet.drain import Drain
 from .http.leases import hold
+from .lifecycle import KeptRegistry
 from .metrics import ModelMetrics, ServerMetrics
 from .models.keep_alive import keep_alive_seconds
 from .sessions.admission import Admission
+from .sessions.parked import ParkedSessions, transient
 from .sessions.pool import SessionPool
 from .sessions.registry import SessionRegistry
 from .sessions.share import restore_shared, shares
@@ -123,24 +125,28 @@ class Hub:
     admission: Admission
     table: ModelTable
     messages_log: MessageLog = field(default_factory=MessageLog)
-    reasoning: ReasoningStore = field(default_factory=ReasoningStore)
+    reasoning_stores: dict[str, ReasoningStore] = field(default_factory=dict)  # by model: kept across reloads
     responses: ResponseStore = field(default_factory=ResponseStore)  # store=true responses (conversations/)
     started: int = field(default_factory=lambda: int(time.time()))
-    # /v1/sessions ids -> the model that owns them; snapshot names of those whose model was unloaded
+    # /v1/sessions ids -> the model that owns them
     session_owner: dict[str, str] = field(default_factory=dict)
-    parked_sessions: dict[str, tuple[str, float]] = field(default_factory=dict)  # id -> (snapshot, parked at)
     drain: Drain = field(default_factory=Drain)  # POST /admin/drain; its Traffic counts generating requests
     # sessions being restored (from the disk store after an unload, or the remote tier): one per id
     restoring: dict[str, asyncio.Future[None]] = field(default_factory=dict)
+    kept: KeptRegistry = field(default_factory=KeptRegistry)  # every kind of kept state, for expiry and /metrics
+    parked: ParkedSessions = field(init=False)  # sessions on disk while their model is unloaded
 
-    def expire_parked_sessions(self) -> int:
-        """Forget sessions parked (their model unloaded) for longer than the session TTL."""
-        cutoff = time.monotonic() - self.settings.session_ttl_s
-        old = [sid for sid, (_, at) in self.parked_sessions.items() if at < cutoff]
-        for sid in old:
-            del self.parked_sessions[sid]
-            self.session_owner.pop(sid, None)
-        return len(old)
+    def __post_init__(self) -> None:
+        self.parked = ParkedSessions(self.settings.session_ttl_s, self.session_owner)
+        self.kept.add("*", self.parked)
+
+    def reasoning_for(self, model_id: str) -> ReasoningStore:
+        """The model's own reasoning store (its signatures mean nothing to another model)."""
+        store = self.reasoning_stores.get(model_id)
+        if store is None:
+            store = self.reasoning_stores[model_id] = ReasoningStore()
+            self.kept.add(model_id, store)
+        return store
 
     @property
     def default(self) -> ServerState | None:
@@ -179,8 +185,8 @@ async def get_state(request: Request) -> ServerState:
     st = await hub.table.acquire(slot, keep)
     hold(request, lambda: hub.table.release(slot))
     sid = request.path_params.get("sid")
-    if sid is not None and sid not in st.registry:
-        if sid in hub.parked_sessions or sid in hub.restoring:
+    if sid is not None and sid not in st.registry and request.method != "DELETE":  # DELETE restores nothing
+        if sid in hub.parked or sid in hub.restoring:
             task = hub.restoring.get(sid)
             if task is None:
                 task = hub.restoring[sid] = asyncio.ensure_future(_restore_session(hub, st, sid))
@@ -192,19 +198,25 @@ async def get_state(request: Request) -> ServerState:
 
 
 async def _restore_session(hub: Hub, st: ServerState, sid: str) -> None:
-    """A /v1/sessions session kept on disk while its model was unloaded: back under its own id.
-    It stays parked until the restore succeeds; a restore that fails forgets it (the route's 404)."""
-    name, _ = hub.parked_sessions[sid]
+    """A /v1/sessions session kept on disk while its model was unloaded: back under its own id, and its
+    snapshot deleted. A transient failure (no room for a session, the KV pool short) keeps it parked and
+    answers 429/503; a permanent one (a bad or missing snapshot) forgets it and its snapshot (a 404)."""
+    parked = hub.parked.get(sid)
+    if parked is None:
+        return
+    store = st.runtime.tiers.store if st.runtime.tiers is not None else None
     try:
         st.registry.check_room()
-        session = await asyncio.to_thread(st.runtime.restore, name)
+        session = await asyncio.to_thread(st.runtime.restore, parked.snapshot)
     except (WarmkvError, ApiError) as e:
-        log.warning("session %s could not be restored after its model was reloaded: %s", sid, e)
-        hub.parked_sessions.pop(sid, None)
-        hub.session_owner.pop(sid, None)
+        if transient(e):
+            log.info("session %s stays parked: %s", sid[:6], e)
+            raise
+        log.warning("session %s could not be restored after its model was reloaded: %s", sid[:6], e)
+        await asyncio.to_thread(hub.parked.forget, sid, store)
         return
-    hub.parked_sessions.pop(sid, None)
     st.registry.register(session, sid)
+    await asyncio.to_thread(hub.parked.restored, sid, store)
 
 
 State = Annotated[ServerState, Depends(get_state)]

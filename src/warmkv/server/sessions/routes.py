@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Annotated, Any
 
-from fastapi import APIRouter, BackgroundTasks, Body
+from fastapi import APIRouter, BackgroundTasks, Body, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -26,7 +26,8 @@ from ..turn.sampling import sampling_fields, usage_body
 from ..turn.schemas import ERRORS
 from ..turn.streams import SSE_DONE, ChunkStream, start_turn
 from ..turn.wire import KEEPALIVE, Frame, Turn, chunk_steps
-from .registry import Entry
+from .copies import StoredSnapshots
+from .registry import Entry, session_snapshot_name
 from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
 from .share import forget, share, shares
 
@@ -221,9 +222,15 @@ async def explain(sid: str, st: State) -> dict[str, Any]:
 
 
 @router.delete("/{sid}", operation_id="session_close")
-async def close_session(sid: str, st: State) -> dict[str, Any]:
-    """Close the session and free its KV (and its copy in the remote tier); a running decode on it is cancelled."""
-    st.registry.close(sid)
+async def close_session(sid: str, st: State, request: Request) -> dict[str, Any]:
+    """Close the session and free its KV; delete its snapshot on disk (kept while its model was unloaded,
+    or at a drain) and its copy in the remote tier. A running decode on it is cancelled."""
+    hub = request.app.state.warmkv
+    store = st.runtime.tiers.store if st.runtime.tiers is not None else None
+    if not await run_in_threadpool(hub.parked.forget, sid, store):  # parked: not restored just to be closed
+        st.registry.close(sid)
+    if store is not None:
+        await run_in_threadpool(StoredSnapshots(store).forget, session_snapshot_name(sid))
     if shares(st):
         await run_in_threadpool(forget, st, sid)
     return {"id": sid, "object": "session.deleted", "deleted": True}

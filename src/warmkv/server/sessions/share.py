@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("warmkv.server")
 
 
-def _digests(st: ServerState) -> list[str]:
+def digests(st: ServerState) -> list[str]:
     """The manifests a session of this model may be under (with and without BOS), the default first."""
     rt = st.runtime
     return list(dict.fromkeys(rt.manifest(b).digest for b in (rt.default_add_bos, not rt.default_add_bos)))
@@ -56,7 +56,7 @@ def forget(st: ServerState, sid: str) -> None:
     one being sent is deleted right after, and none is queued again (the writer keeps a tombstone)."""
     tiers = st.runtime.tiers
     if tiers is not None and tiers.writer is not None and tiers.remote is not None:
-        tiers.writer.delete_session(sid, _digests(st))
+        tiers.writer.delete_session(sid, digests(st))
 
 
 async def restore_shared(hub: Hub, st: ServerState, sid: str) -> None:
@@ -72,7 +72,7 @@ async def restore_shared(hub: Hub, st: ServerState, sid: str) -> None:
 async def _restore(hub: Hub, st: ServerState, sid: str) -> None:
     remote = st.runtime.tiers.remote  # type: ignore[union-attr]
     assert remote is not None
-    for digest in _digests(st):
+    for digest in digests(st):
         snap = await asyncio.to_thread(remote.get_session, sid, digest)
         if snap is not None:
             break
