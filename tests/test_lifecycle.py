@@ -61,7 +61,7 @@ def test_a_deleted_session_is_gone_from_redis_within_one_flush(redis_server: Red
         release = _busy_writer(writer)
         assert writer.submit_session(sid, _snap(10), ttl_s=60)  # queued behind the busy write
         assert writer.submit_session(other, _snap(20), ttl_s=60)
-        assert writer.delete_session(sid, [MD])  # DELETE /v1/sessions/{id} while the copy waits
+        assert writer.delete_session(sid, [MD]) is not None  # DELETE /v1/sessions/{id} while the copy waits
         assert not writer.submit_session(sid, _snap(11), ttl_s=60)  # a late copy: refused (tombstone)
         release.set()
         assert writer.flush(30)
@@ -71,7 +71,8 @@ def test_a_deleted_session_is_gone_from_redis_within_one_flush(redis_server: Red
         assert remote.sessions.held()[0] == 1
         # A copy just submitted, whether or not the writer has taken it yet, is gone after the flush.
         assert writer.submit_session("third-id", _snap(5), ttl_s=60)
-        assert writer.delete_session("third-id", [MD]) and writer.flush(30)
+        done = writer.delete_session("third-id", [MD])
+        assert done is not None and done.wait(30)
         assert not client.exists(f"{namespace(MD)}:s:{session_key('third-id')}")
     finally:
         writer.close()

@@ -113,14 +113,15 @@ class SessionCopy:
         return len(self.snap.blob)
 
 
-@dataclass(frozen=True)
+@dataclass
 class SessionDelete:
     """A deleted session's remote copies (one per manifest it may be under), deleted in queue order:
-    after a copy the writer had already taken, so that copy cannot outlive the delete."""
+    after a copy the writer had already taken, so that copy cannot outlive the delete. `done` once tried."""
 
     sid: str
     digests: tuple[str, ...]
     nbytes: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 def best_match(

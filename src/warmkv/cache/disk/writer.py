@@ -184,20 +184,21 @@ class StoreWriter:
             self._push(job, job.nbytes)
         return True
 
-    def delete_session(self, sid: str, digests: Sequence[str]) -> bool:
+    def delete_session(self, sid: str, digests: Sequence[str]) -> threading.Event | None:
         """Delete a session's remote copies (under each manifest digest) in queue order; never waits.
-        False without a remote tier or when closed. flush() returns once they are gone."""
+        The event is set once the delete was sent; None without a remote tier or when closed."""
         with self._cond:
             if self.remote is None or self._closed:
-                return False
+                return None
             self._deleted[sid] = None
             while len(self._deleted) > _TOMBSTONES:
                 self._deleted.popitem(last=False)
             queued = self._sessions.pop(sid, None)
             if queued is not None and not queued.taken:
                 queued.cancelled = True
-            self._push(SessionDelete(sid, tuple(digests)), 0)
-        return True
+            job = SessionDelete(sid, tuple(digests))
+            self._push(job, 0)
+        return job.done
 
     def put_snapshot(
         self,
@@ -319,6 +320,7 @@ class StoreWriter:
                 if isinstance(job, SessionDelete):
                     for digest in job.digests:
                         self.remote.delete_session(job.sid, digest)
+                    job.done.set()
                 elif not job.cancelled:
                     self.remote.put_session(job.sid, job.snap, job.ttl_s)
             except Exception:

@@ -59,7 +59,7 @@ class RemoteCopies:
 
     def forget(self, key: str) -> bool:
         """Delete a session's copies behind anything queued for it (a copy queued before cannot outlive it)."""
-        return self.writer.delete_session(key, list(self._digests()))
+        return self.writer.delete_session(key, list(self._digests())) is not None
 
     def expire(self) -> int:
         return 0  # Redis expires copies itself (their TTL)

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from ..state import Hub, ServerState
 
 log = logging.getLogger("warmkv.server")
+FORGET_WAIT_S = 10.0  # the writer may be sending a large spill first
 
 
 def digests(st: ServerState) -> list[str]:
@@ -51,12 +52,15 @@ def share(st: ServerState, sid: str) -> None:
         log.info("session %s not copied to the remote tier: the writer's queue is full or it was deleted", sid[:6])
 
 
-def forget(st: ServerState, sid: str) -> None:
+def forget(st: ServerState, sid: str, wait_s: float = FORGET_WAIT_S) -> None:
     """Delete a closed session's copies, in the writer's queue order: a copy still queued is dropped,
-    one being sent is deleted right after, and none is queued again (the writer keeps a tombstone)."""
+    one being sent is deleted right after, and none is queued again (the writer keeps a tombstone).
+    Waits (a worker thread) up to wait_s for the delete to be sent: the DELETE's answer then means gone."""
     tiers = st.runtime.tiers
     if tiers is not None and tiers.writer is not None and tiers.remote is not None:
-        tiers.writer.delete_session(sid, digests(st))
+        done = tiers.writer.delete_session(sid, digests(st))
+        if done is not None and not done.wait(wait_s):
+            log.warning("session %s: its remote copy's delete is still queued after %gs", sid[:6], wait_s)
 
 
 async def restore_shared(hub: Hub, st: ServerState, sid: str) -> None:
