@@ -15,7 +15,7 @@ import pytest
 
 import warmkv
 from redis_server import RedisServer
-from server_harness import free_port, live_app
+from server_harness import free_port, live_app, live_server
 from warmkv.cache.disk.pending import LazyBlob
 from warmkv.cache.disk.store import KVStore
 from warmkv.cache.disk.types import Snapshot
@@ -189,3 +189,34 @@ def test_the_reasoning_store_keeps_to_its_byte_budget() -> None:
     assert store.text(huge) is None and store.usage().bytes <= 10_000
     other = ReasoningStore()
     assert not other.ours("0029" + "x" * 996, sigs[-1])  # another model's store: another key
+
+
+def test_delete_reaches_the_remote_copy_of_a_live_session(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Each call's copy is queued after its response: a DELETE right after used to race it, and the
+    copy written after the delete let another node restore a session its user had deleted."""
+    rt = warmkv.Runtime.load(
+        backend="llamacpp", num_ctx=512, n_seq_max=4, kv_store_mb=64, kv_store_dir=str(tmp_path / "kv"),
+        kv_remote=redis_server.url, kv_remote_timeout_ms=2000,
+    )  # fmt: skip
+    client = redis_server.client()
+    try:
+        with live_server(rt, pool_size=2) as base, httpx.Client(base_url=base, timeout=120) as c:
+            for _ in range(2):
+                sid = c.post("/v1/sessions").json()["id"]
+                assert c.post(f"/v1/sessions/{sid}/prefix", json={"text": TEXT}).status_code == 200
+                assert c.delete(f"/v1/sessions/{sid}").status_code == 200  # at once, while its copy is queued
+                assert rt.tiers is not None and rt.tiers.writer is not None
+                time.sleep(0.3)  # the response's background copy has run by now
+                assert rt.tiers.writer.flush(30)
+                assert not list(client.scan_iter(match=f"*:s:{session_key(sid)}", count=1000))
+                assert c.get(f"/v1/sessions/{sid}").status_code == 410
+            kept = c.post("/v1/sessions").json()["id"]
+            assert c.post(f"/v1/sessions/{kept}/prefix", json={"text": TEXT}).status_code == 200
+            deadline = time.monotonic() + 30
+            while not (names := list(client.scan_iter(match=f"*:s:{session_key(kept)}", count=1000))):
+                assert time.monotonic() < deadline, "the session's copy never reached Redis"
+                time.sleep(0.1)
+            assert 0 < client.pttl(names[0]) <= 600_000  # the session TTL
+            assert _kept(c, "remote_sessions")[0] == 1
+    finally:
+        rt.close()

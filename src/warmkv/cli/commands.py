@@ -274,7 +274,7 @@ def stats(
         console.print_json(json.dumps({"store": st, "snapshots": snaps}))
         return
     t = Table(title=f"KV store {st['directory']}", show_header=False)
-    for k in ("entries", "entry_bytes", "snapshots", "snapshot_bytes", "capacity_bytes"):
+    for k in ("entries", "entry_bytes", "snapshots", "snapshot_bytes", "snapshot_budget", "capacity_bytes"):
         t.add_row(k, f"{st[k]:,}")
     console.print(t)
     for s in snaps:
