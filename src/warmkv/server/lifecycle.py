@@ -95,7 +95,14 @@ class KeptRegistry(Collector):
         return n
 
     def usage(self) -> list[tuple[str, str, Usage, Limits]]:
-        return [(kind, model, o.usage(), o.limits) for (kind, model), o in sorted(self._owners.items())]
+        """Each kind's usage; one that cannot say (its store closing under an unload) is left out."""
+        out = []
+        for (kind, model), owner in sorted(self._owners.items()):
+            try:
+                out.append((kind, model, owner.usage(), owner.limits))
+            except Exception as e:
+                log.debug("usage of %s of %s not read: %s", kind, model, e)
+        return out
 
     def collect(self) -> Iterator[Metric]:
         rows = self.usage()

@@ -185,9 +185,11 @@ async def get_state(request: Request) -> ServerState:
     st = await hub.table.acquire(slot, keep)
     hold(request, lambda: hub.table.release(slot))
     sid = request.path_params.get("sid")
-    if sid is not None and sid not in st.registry and request.method != "DELETE":  # DELETE restores nothing
+    if sid is not None and sid not in st.registry:
         if sid in hub.parked or sid in hub.restoring:
             task = hub.restoring.get(sid)
+            if task is None and request.method == "DELETE":  # the route deletes the parked snapshot
+                return st
             if task is None:
                 task = hub.restoring[sid] = asyncio.ensure_future(_restore_session(hub, st, sid))
                 task.add_done_callback(lambda _: hub.restoring.pop(sid, None))

@@ -95,6 +95,8 @@ class ParkedSessions:
 
 def _delete(parked: Parked, store: KVStore | None) -> None:
     """Delete a parked session's snapshot from its store (the model's own, or opened for this)."""
+    if not parked.directory:
+        return
     try:
         if store is not None and Path(store.directory) == Path(parked.directory):
             store.delete_snapshot(parked.snapshot)
