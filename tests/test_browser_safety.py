@@ -30,6 +30,7 @@ ADMIN = "admin-key-for-tests"
 WS = "ws://127.0.0.1:8000/v1/responses"
 # What a page's fetch(url, {method: "POST", mode: "no-cors", body: "..."}) sends: no preflight.
 NO_CORS = {"origin": EVIL, "sec-fetch-mode": "no-cors", "sec-fetch-site": "cross-site", "content-type": "text/plain"}
+TIMEOUT = 120  # a generation on a busy shared machine takes seconds
 GENERATE = '{"model": "smollm2", "prompt": "Hi", "stream": false, "options": {"num_predict": 2}}'
 
 
@@ -143,7 +144,9 @@ def test_a_local_page_must_send_json(base: str) -> None:
         headers={"origin": "http://localhost:5173", "access-control-request-method": "POST"},
     )
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://localhost:5173"
-    ok = httpx.post(f"{base}/api/generate", content=GENERATE, headers={**local, "content-type": "application/json"})
+    ok = httpx.post(
+        f"{base}/api/generate", content=GENERATE, headers={**local, "content-type": "application/json"}, timeout=TIMEOUT
+    )
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:5173"
     assert _generated(base) == before + 1
 
@@ -161,16 +164,19 @@ def test_official_clients_still_work(base: str) -> None:
     openai = pytest.importorskip("openai")
     anthropic = pytest.importorskip("anthropic")
     ollama = pytest.importorskip("ollama")
-    oc = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+    oc = openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=TIMEOUT)
     r = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     assert r.choices[0].message.content is not None
-    ac = anthropic.Anthropic(base_url=base, api_key="none")
+    ac = anthropic.Anthropic(base_url=base, api_key="none", timeout=TIMEOUT)
     m = ac.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
     assert m.content and m.usage.output_tokens > 0
-    g = ollama.Client(host=base).generate("smollm2", "Hi", options={"num_predict": 2})
+    g = ollama.Client(host=base, timeout=TIMEOUT).generate("smollm2", "Hi", options={"num_predict": 2})
     assert g.done
     # Ollama's documentation sends JSON with curl's form type: a client that is no browser may.
     form = httpx.post(
-        f"{base}/api/generate", content=GENERATE, headers={"content-type": "application/x-www-form-urlencoded"}
+        f"{base}/api/generate",
+        content=GENERATE,
+        headers={"content-type": "application/x-www-form-urlencoded"},
+        timeout=TIMEOUT,
     )
     assert form.status_code == 200, form.text
