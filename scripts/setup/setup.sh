@@ -37,7 +37,9 @@ if [ -n "$EXTRAS" ]; then
 else
     $PIP install -q -e .
 fi
-# The agent CLIs the tests drive (Claude Code, Codex), at the versions harnesses/package-lock.json pins.
+# The agent CLIs the tests drive, at the versions harnesses/package-lock.json pins. `npm install
+# --no-save`, not `npm ci`: the lock holds only the platform binaries the registry serves here, and
+# npm ci refuses a lock without every platform's optional package.
 if [[ ",$EXTRAS," == *",dev,"* ]]; then
     if ! command -v npm >/dev/null; then
         echo "npm is needed for the agent CLIs the tests drive (install Node.js 18 or newer)" >&2
@@ -45,7 +47,7 @@ if [[ ",$EXTRAS," == *",dev,"* ]]; then
     fi
     if [ ! -f harnesses/node_modules/.package-lock.json ] \
         || [ harnesses/package-lock.json -nt harnesses/node_modules/.package-lock.json ]; then
-        npm ci --prefix harnesses --no-audit --no-fund --loglevel=error
+        npm install --prefix harnesses --no-save --no-audit --no-fund --loglevel=error
     fi
 fi
 # redis-server, nginx and HAProxy: the remote KV tier's and the fleet's tests start their own
