@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
 from .. import __version__
-from ..cache.remote.types import RemoteStats
 from ..engine.runtime import Runtime
 from ..engine.scheduler import Scheduler, SchedulerConfig
 from ..errors import InvalidConfig
@@ -32,6 +31,7 @@ from .conversations.store import ResponseStore, StoreLimits
 from .fleet import routes as admin_routes
 from .fleet.drain import Drain, offload
 from .fleet.readiness import readiness
+from .gauges import register_gauges
 from .http.guard import Guard
 from .http.leases import Leases
 from .http.node import NodeGate
@@ -102,7 +102,7 @@ def create_app(
         app.state.warmkv = hub
         if runtime is not None:
             models_table.adopt(models_table.default, await build(runtime, specs[0]))
-        _gauges(hub)
+        register_gauges(hub)
         sweep = asyncio.create_task(_sweep_loop(hub))
         try:
             yield
@@ -244,79 +244,6 @@ async def _unload_model(st: ServerState, hub: Hub) -> None:
 def _close_sessions(pool: SessionPool, registry: SessionRegistry) -> None:
     pool.close()
     registry.close_all()
-
-
-def _gauges(hub: Hub) -> None:
-    """Gauges read the published stats (warmkv.engine.stats) and the loop's own state: never the model lock.
-    Each sums over the loaded models."""
-    m = hub.metrics
-
-    def total(fn: Callable[[ServerState], float]) -> Callable[[], float]:
-        return lambda: sum(fn(st) for st in hub.table.states())
-
-    m.gauge("warmkv_models_loaded", "Models loaded now", lambda: len(hub.table.loaded()))
-    m.gauge("warmkv_model_swaps", "Loads that first unloaded another model (--models-max), since start",
-            lambda: hub.table.swaps)  # fmt: skip
-    m.gauge(
-        "warmkv_resident_sessions",
-        "Open sessions (server pool + /v1/sessions)",
-        total(lambda st: st.runtime.stats.sessions),
-    )
-    m.gauge("warmkv_user_sessions", "Sessions opened through /v1/sessions", total(lambda st: len(st.registry)))
-    m.gauge("warmkv_queue_depth", "Requests waiting for a session", lambda: hub.admission.waiting)
-    m.gauge("warmkv_stored_responses", "Responses kept with store=true", lambda: hub.responses.stats()[0])
-    m.gauge("warmkv_stored_response_bytes", "Bytes of stored responses", lambda: hub.responses.stats()[1])
-    m.gauge(
-        "warmkv_active_streams",
-        "Turns on the scheduler (waiting or running)",
-        total(lambda st: st.scheduler.stats.active),
-    )
-    m.gauge(
-        "warmkv_scheduler_waiting_turns",
-        "Turns whose prompt is not resident yet",
-        total(lambda st: st.scheduler.stats.waiting),
-    )
-    m.gauge("warmkv_running_streams", "Turns decoding on the scheduler", total(lambda st: st.scheduler.stats.running))
-    m.gauge(
-        "warmkv_kv_held_tokens",
-        "Tokens whose KV the pool holds now",
-        total(lambda st: st.runtime.stats.kv_memory.held_tokens),
-    )
-    m.gauge(
-        "warmkv_preempted_streams",
-        "Turns waiting for KV pool room (preempted)",
-        total(lambda st: st.scheduler.stats.preempted),
-    )
-    m.gauge(
-        "warmkv_preemptions", "Turns preempted because the KV pool was short, since start",
-        total(lambda st: st.scheduler.stats.preemptions),
-    )  # fmt: skip
-    m.gauge(
-        "warmkv_parked_sessions", "Idle sessions whose KV moved to the tiers because the KV pool was short",
-        total(lambda st: st.runtime.stats.parked),
-    )  # fmt: skip
-    m.gauge(
-        "warmkv_decode_tokens_per_second",
-        "Aggregate decode rate over the last 5 s",
-        total(lambda st: st.scheduler.tokens_per_s()),
-    )
-
-    def pinned(st: ServerState) -> float:
-        tiers = st.runtime.tiers  # None once the runtime closed
-        memory = tiers.memory if tiers is not None else None
-        return 0 if memory is None else memory.stats().pinned_bytes
-
-    m.gauge("warmkv_prefix_cache_pinned_bytes", "Memory-tier bytes pinned by clients' cache hints", total(pinned))
-
-    def remote() -> list[tuple[str, RemoteStats]]:
-        out = []
-        for st in hub.table.states():
-            tiers = st.runtime.tiers  # None once the runtime closed
-            if tiers is not None and tiers.remote is not None:
-                out.append((st.model_id, tiers.remote.stats()))
-        return out
-
-    m.remote_tier(remote)
 
 
 async def _sweep_loop(hub: Hub) -> None:
