@@ -63,7 +63,7 @@ def test_the_peer_adds_no_openmp_pool() -> None:
     code = textwrap.dedent(
         """
         import os, warmkv
-        from warmkv.bench.peer import peer_close, peer_generate, peer_llama
+        from warmkv.bench.peers.llamacpp import peer_close, peer_generate, peer_llama
         rt = warmkv.Runtime.load(num_ctx=512, n_seq_max=1, num_threads=2, prefix_cache_mb=0, kv_store_mb=0)
         with rt.session() as s:
             s.ensure_prefix("Hello")

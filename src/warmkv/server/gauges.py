@@ -1,0 +1,81 @@
+"""The server's gauges in /metrics: read from published stats and the loop's own state, never the model lock."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..cache.remote.types import RemoteStats
+from .state import Hub, ServerState
+
+
+def register_gauges(hub: Hub) -> None:
+    """Gauges read the published stats (warmkv.engine.stats) and the loop's own state: never the model lock.
+    Each sums over the loaded models."""
+    m = hub.metrics
+
+    def total(fn: Callable[[ServerState], float]) -> Callable[[], float]:
+        return lambda: sum(fn(st) for st in hub.table.states())
+
+    m.gauge("warmkv_models_loaded", "Models loaded now", lambda: len(hub.table.loaded()))
+    m.gauge("warmkv_model_swaps", "Loads that first unloaded another model (--models-max), since start",
+            lambda: hub.table.swaps)  # fmt: skip
+    m.gauge(
+        "warmkv_resident_sessions",
+        "Open sessions (server pool + /v1/sessions)",
+        total(lambda st: st.runtime.stats.sessions),
+    )
+    m.gauge("warmkv_user_sessions", "Sessions opened through /v1/sessions", total(lambda st: len(st.registry)))
+    m.gauge("warmkv_queue_depth", "Requests waiting for a session", lambda: hub.admission.waiting)
+    m.gauge("warmkv_stored_responses", "Responses kept with store=true", lambda: hub.responses.stats()[0])
+    m.gauge("warmkv_stored_response_bytes", "Bytes of stored responses", lambda: hub.responses.stats()[1])
+    m.gauge(
+        "warmkv_active_streams",
+        "Turns on the scheduler (waiting or running)",
+        total(lambda st: st.scheduler.stats.active),
+    )
+    m.gauge(
+        "warmkv_scheduler_waiting_turns",
+        "Turns whose prompt is not resident yet",
+        total(lambda st: st.scheduler.stats.waiting),
+    )
+    m.gauge("warmkv_running_streams", "Turns decoding on the scheduler", total(lambda st: st.scheduler.stats.running))
+    m.gauge(
+        "warmkv_kv_held_tokens",
+        "Tokens whose KV the pool holds now",
+        total(lambda st: st.runtime.stats.kv_memory.held_tokens),
+    )
+    m.gauge(
+        "warmkv_preempted_streams",
+        "Turns waiting for KV pool room (preempted)",
+        total(lambda st: st.scheduler.stats.preempted),
+    )
+    m.gauge(
+        "warmkv_preemptions", "Turns preempted because the KV pool was short, since start",
+        total(lambda st: st.scheduler.stats.preemptions),
+    )  # fmt: skip
+    m.gauge(
+        "warmkv_parked_sessions", "Idle sessions whose KV moved to the tiers because the KV pool was short",
+        total(lambda st: st.runtime.stats.parked),
+    )  # fmt: skip
+    m.gauge(
+        "warmkv_decode_tokens_per_second",
+        "Aggregate decode rate over the last 5 s",
+        total(lambda st: st.scheduler.tokens_per_s()),
+    )
+
+    def pinned(st: ServerState) -> float:
+        tiers = st.runtime.tiers  # None once the runtime closed
+        memory = tiers.memory if tiers is not None else None
+        return 0 if memory is None else memory.stats().pinned_bytes
+
+    m.gauge("warmkv_prefix_cache_pinned_bytes", "Memory-tier bytes pinned by clients' cache hints", total(pinned))
+
+    def remote() -> list[tuple[str, RemoteStats]]:
+        out = []
+        for st in hub.table.states():
+            tiers = st.runtime.tiers  # None once the runtime closed
+            if tiers is not None and tiers.remote is not None:
+                out.append((st.model_id, tiers.remote.stats()))
+        return out
+
+    m.remote_tier(remote)
