@@ -73,19 +73,20 @@ def test_health_does_not_wait_for_a_prefill(backend: str) -> None:
         decoding = threading.Semaphore(0)
 
         def stream(i: int) -> None:
+            # Each stream starts again when it ends, its cap staggered so that they never end together:
+            # the load lasts however long a busy machine takes to reach the probes.
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"Tell story {i}."}], "stream": True}
-            body |= {"max_tokens": 2000, "ignore_eos": True, "temperature": 0}
-            with (
-                httpx.Client(base_url=base, timeout=600) as c,
-                c.stream("POST", "/v1/chat/completions", json=body) as r,
-            ):
-                first = True
-                for line in r.iter_lines():
-                    if first and '"content":"' in line.replace(" ", ""):
-                        first = False
-                        decoding.release()
-                    if stop.is_set():
-                        return  # leaving ends the stream
+            body |= {"max_tokens": 1200 + 300 * i, "ignore_eos": True, "temperature": 0}
+            first = True
+            with httpx.Client(base_url=base, timeout=600) as c:
+                while not stop.is_set():
+                    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                        for line in r.iter_lines():
+                            if first and '"content":"' in line.replace(" ", ""):
+                                first = False
+                                decoding.release()
+                            if stop.is_set():
+                                return  # leaving ends the stream
 
         def prefills() -> None:
             with httpx.Client(base_url=base, timeout=600) as c:
@@ -112,8 +113,9 @@ def test_health_does_not_wait_for_a_prefill(backend: str) -> None:
                     latencies.append(time.perf_counter() - t)
                 window = time.perf_counter() - t0
                 h = c.get("/health").json()["scheduler"]
-            # The load lasted throughout: the streams still decode, a prompt still prefills or did meanwhile.
-            assert h["running_streams"] >= STREAMS
+            # The load lasted throughout: the streams still decode (one may be starting again), a prompt
+            # still prefills or did meanwhile.
+            assert h["running_streams"] >= STREAMS - 1
             assert h["waiting_turns"] >= 1 or h["prefilled_tokens"] > prefilled0
         finally:
             stop.set()
