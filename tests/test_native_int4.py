@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif("native" not in warmkv.available_backends(), rea
 
 
 def test_int4_linear_rows_are_batch_invariant() -> None:
-    from warmkv.backends.native.model.transformer import Linear
+    from warmkv.backends.native.model.linear import Linear
 
     torch.manual_seed(0)
     lin = Linear.make(torch.randn(256, 96), torch.bfloat16, "int4")

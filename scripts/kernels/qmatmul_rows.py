@@ -18,7 +18,7 @@ import torch
 
 import warmkv
 from warmkv.backends.compute_thread import compute_thread
-from warmkv.backends.native.model.transformer import INT4_GROUP, Linear
+from warmkv.backends.native.model.linear import INT4_GROUP, Linear
 
 
 def _inputs(lin: Linear) -> int:

@@ -37,7 +37,8 @@ from ....errors import BackendUnavailable, InvalidConfig
 if TYPE_CHECKING:
     from ..kv.paged_kv import PagedKVCache
     from ..model.attention import RowPlan
-    from ..model.transformer import Linear, Transformer
+    from ..model.linear import Linear
+    from ..model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,11 @@ def _build_name(flags: tuple[str, ...] = FLAGS) -> str:
         h.update(f.name.encode() + f.read_bytes())
     h.update(" ".join(flags).encode() + _cpu_features().encode() + torch.__version__.encode())
     return f"warmkv_decode_{h.hexdigest()[:12]}"
+
+
+def build_id() -> str:
+    """The default build's name: it changes with the sources, the flags, the CPU and torch."""
+    return _build_name()
 
 
 def extension(mode: str) -> ModuleType | None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +26,11 @@ from ..kv.paged_kv import PagedKVCache
 from ..load.checkpoint import Lazy
 from ..load.coded_rows import CodedRows
 from ..load.qweights import Blocks
-from .args import ModelArgs
 from .attention import RowPlan, paged_attention
+from .linear import Linear
+from .parts import Parts
 from .rope import Rope, apply
-from .transformer import Linear, Transformer, _take
+from .transformer import Transformer, _take
 
 # Why the C++ decode loop does not take these layers: it runs the Llama layer (SiLU, two norms,
 # one key range for every layer); Gemma 3 decodes in the Python loop.
@@ -58,27 +58,22 @@ def _mm(lin: Linear, x: torch.Tensor, prefill: bool) -> torch.Tensor:
 class Gemma3(Transformer):
     FFN_NORM = "pre_feedforward_layernorm"
 
-    def __init__(
-        self,
-        args: ModelArgs,
-        weights: Lazy[torch.Tensor],
-        dtype: torch.dtype,
-        max_pos: int,
-        quant: str = "none",
-        device: torch.device | None = None,
-        blocks: Lazy[Blocks] | None = None,
-        ext: ModuleType | None = None,
-        prefill_dense: bool = True,
-        rows: Lazy[CodedRows] | None = None,
-    ) -> None:
-        super().__init__(args, weights, dtype, max_pos, quant, device, blocks, ext, prefill_dense, rows)
-        a = args
-        self.post_norms: list[tuple[torch.Tensor, torch.Tensor]] = []
+    def _build_parts(
+        self, weights: Lazy[torch.Tensor], blocks: Lazy[Blocks], rows: Lazy[CodedRows] | None, quant: str
+    ) -> Parts:
+        a = self.args
+        post = []
         for i in range(a.n_layers):
             p = f"model.layers.{i}."
             attn = _take(weights, f"{p}post_attention_layernorm.weight", (a.dim,)).float().to(self.device)
             ffn = _take(weights, f"{p}post_feedforward_layernorm.weight", (a.dim,)).float().to(self.device)
-            self.post_norms.append((attn, ffn))
+            post.append((attn, ffn))
+        return replace(super()._build_parts(weights, blocks, rows, quant), post_norms=tuple(post))
+
+    def _assemble(self, parts: Parts, max_pos: int) -> None:
+        super()._assemble(parts, max_pos)
+        a = self.args
+        self.post_norms = list(parts.post_norms)
         self.local_rope = Rope(replace(a, rope_theta=a.rope_local_theta, rope_llama3=None), max_pos, self.device)
         self.scale = a.head_dim**-0.5 if a.attn_scale is None else a.attn_scale
         self.embed_scale = math.sqrt(a.dim)  # a float32 multiply after the lookup, as llama.cpp scales

@@ -9,7 +9,7 @@ matmuls run in the compute dtype (float32 or bfloat16).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from types import ModuleType
 
 import torch
@@ -20,119 +20,15 @@ from ..cpp.decode_ext import DecodeLoop
 from ..kv.paged_kv import PagedKVCache
 from ..load.checkpoint import Lazy
 from ..load.coded_rows import CodedRows
-from ..load.qweights import KINDS, Blocks, cat, quantize_q4, quantize_q8
+from ..load.qweights import Blocks, cat, quantize_q4, quantize_q8
 from ..load.weight_arena import WeightArena
 from .args import ModelArgs
 from .attention import RowPlan, paged_attention
+from .linear import INT4_GROUP, Layer, Linear
+from .parts import Parts
 from .rope import Rope, apply
 
 log = logging.getLogger(__name__)
-INT4_GROUP = 32  # Q4_0/Q4_1's block: a GGUF's own 4-bit codes come back exactly
-
-
-@dataclass(frozen=True)
-class Linear:
-    """y = x W^T + b, W float or weight-only quantized.
-
-    int8: a scale per output row. int4 with the C++ kernels (`ext`): blocks of 32 packed for
-    qmatmul (csrc/qmatmul.h), `qkind` >= 0, plus an optional bfloat16 copy `dense` that
-    prefill rows multiply by (prefill_weights="bf16": on CPUs without int8 dot products).
-    int4 without them: torch's CPU int4 kernel (groups with a scale and a minimum each);
-    `scale` then holds [in/32, out, 2] (scale, zero) as it wants them.
-    """
-
-    w: torch.Tensor
-    bias: torch.Tensor | None = None
-    scale: torch.Tensor | None = None
-    group: int = 0  # torch int4 group size, 0 otherwise
-    qkind: int = -1  # qmatmul's kind (0 Q4_0, 1 Q4_1, 2 Q8_0) when w holds its packed blocks
-    n: int = 0  # outputs, when qkind >= 0 (w's rows are padded to tiles)
-    dense: torch.Tensor | None = None
-    ext: ModuleType | None = None
-
-    @staticmethod
-    def make(
-        w: torch.Tensor,
-        dtype: torch.dtype,
-        quant: str = "none",
-        bias: torch.Tensor | None = None,
-        device: torch.device | None = None,
-    ) -> Linear:
-        """Quantized weights (int8, int4) run on torch's CPU kernels: `device` is for float weights."""
-        b = None if bias is None else bias.to(device=device, dtype=dtype)
-        if quant == "none":
-            return Linear(w.to(device=device, dtype=dtype).contiguous(), b)
-        if quant == "int4" and w.shape[1] % INT4_GROUP == 0:
-            return Linear._int4(w.float(), dtype, b)
-        # Decode is memory-bound: int8 rows read 4x fewer bytes than float32.
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-        return Linear(q, b, scale.to(dtype))
-
-    @staticmethod
-    def blocks(blocks: Blocks, arena: WeightArena, bias: torch.Tensor | None, dense: bool) -> Linear:
-        """qmatmul's packed blocks, placed in the model's arena; dense: also keep a bfloat16 copy
-        for prefill rows."""
-        w = blocks.dequantize().to(torch.bfloat16) if dense else None
-        packed = arena.place(blocks.pack())
-        return Linear(packed, bias, qkind=KINDS[blocks.kind], n=blocks.shape[0], dense=w, ext=arena.ext)
-
-    @staticmethod
-    def _int4(w: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None) -> Linear:
-        n, k = w.shape
-        groups = w.reshape(n, k // INT4_GROUP, INT4_GROUP)
-        lo = groups.amin(dim=-1)
-        step = ((groups.amax(dim=-1) - lo) / 15).clamp_min(1e-12)
-        q = torch.round((groups - lo[..., None]) / step[..., None]).clamp(0, 15).to(torch.int32).reshape(n, k)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        # The kernel computes (q - 8) * scale + zero.
-        scale_zero = torch.stack((step.t(), (lo + 8 * step).t()), dim=-1).to(dtype).contiguous()
-        return Linear(packed, bias, scale_zero, INT4_GROUP)
-
-    def __call__(self, x: torch.Tensor, prefill: bool = False) -> torch.Tensor:
-        """prefill: the row kind; it picks the kernel (never the row count), so a token's numbers
-        do not depend on how long its prefill piece is."""
-        if prefill and self.dense is not None:
-            if x.shape[0] == 1:  # oneDNN multiplies one row another way (a GEMV): keep every row on its GEMM
-                return F.linear(x.to(self.dense.dtype).expand(2, -1), self.dense, self.bias)[:1]
-            return F.linear(x.to(self.dense.dtype), self.dense, self.bias)
-        if self.qkind >= 0:
-            y = self.ext.qmatmul(x, self.w, self.qkind, self.n)  # type: ignore[union-attr]
-            return (y if self.bias is None else y + self.bias).to(x.dtype)
-        if self.scale is None:
-            return F.linear(x, self.w, self.bias)
-        if self.group:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w, self.group, self.scale)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
-        return y if self.bias is None else y + self.bias
-
-    def add_to(self, x: torch.Tensor, h: torch.Tensor, prefill: bool = False) -> torch.Tensor:
-        """x + self(h) in float32; one addmm when the weight is float32 too (one op fewer per decode step)."""
-        if self.w.dtype == torch.float32 and self.bias is None:
-            return torch.addmm(x, h, self.w.t())
-        return torch.add(x, self(h, prefill))  # type promotion adds in float32: no separate cast
-
-    def numel(self) -> int:
-        # qmatmul: [tiles, blocks, bytes]; torch int4: two codes per packed byte.
-        n = self.n * self.w.shape[1] * INT4_GROUP if self.qkind >= 0 else self.w.numel() * (2 if self.group else 1)
-        return n + (0 if self.bias is None else self.bias.numel())
-
-    def dense_bytes(self) -> int:
-        return 0 if self.dense is None else self.dense.numel() * self.dense.element_size()
-
-
-@dataclass(frozen=True)
-class Layer:
-    """The RMSNorm weights in front of qkv and gate_up are folded into their columns, except under int4."""
-
-    qkv: Linear
-    o: Linear
-    qk_norm: torch.Tensor | None  # [n_heads + n_kv_heads, head_dim]: q_norm rows, then k_norm rows
-    gate_up: Linear
-    down: Linear
-    attn_norm: torch.Tensor | None = None  # set when not folded
-    ffn_norm: torch.Tensor | None = None
 
 
 def _shape(weights: Lazy[torch.Tensor], name: str, shape: tuple[int, ...]) -> str:
@@ -173,16 +69,52 @@ class Transformer:
         keeps a bfloat16 copy of the layers for prefill rows (2 bytes a weight, ~4x the 4-bit codes).
         rows: a GGUF's coded matrices by row; on the CPU the token embeddings stay in their codes.
         """
-        a = args
         device = torch.device("cpu") if device is None else device
         if quant != "none" and device.type != "cpu":
             raise Unsupported("quantized weights", f"{quant} runs on torch's CPU kernels, not on {device}")
-        self.args, self.dtype, self.device = a, dtype, device
-        blocks = blocks if blocks is not None else Lazy.none()  # read while building, never kept: it maps the file
+        self.args, self.dtype, self.device = args, dtype, device
         self._ext = ext if quant == "int4" else None
+        self._dense = prefill_dense
+        parts = self._build_parts(weights, blocks if blocks is not None else Lazy.none(), rows, quant)
+        self._assemble(parts, max_pos)
+
+    @classmethod
+    def from_parts(
+        cls,
+        args: ModelArgs,
+        parts: Parts,
+        dtype: torch.dtype,
+        max_pos: int,
+        device: torch.device,
+        ext: ModuleType | None,
+        prefill_dense: bool,
+    ) -> Transformer:
+        """The model of parts a build made before (a load cache's): nothing read from a checkpoint.
+        Packed matrices come back into a new weight arena, in the order the build placed them."""
+        model = cls.__new__(cls)
+        model.args, model.dtype, model.device = args, dtype, device
+        model._ext, model._dense = ext, prefill_dense
+        model._assemble(parts.placed(None if ext is None else WeightArena(ext)), max_pos)
+        return model
+
+    def _assemble(self, parts: Parts, max_pos: int) -> None:
+        """What the forward pass reads, set in one place whether built or restored."""
+        a = self.args
+        self.parts = parts
+        self.lm_head, self.embed, self.norm, self.layers = parts.lm_head, parts.embed, parts.norm, list(parts.layers)
+        self.rope = Rope(a, max_pos, self.device)
+        self.scale = a.head_dim**-0.5
+        self._qk_dim = (a.n_heads + a.n_kv_heads) * a.head_dim
+        self.decode_loop: DecodeLoop | None = None  # the C++ layer loop for decode steps, when built
+
+    def _build_parts(
+        self, weights: Lazy[torch.Tensor], blocks: Lazy[Blocks], rows: Lazy[CodedRows] | None, quant: str
+    ) -> Parts:
+        """Every matrix and norm from the checkpoint, in the engine's form. blocks are read while
+        building, never kept: they map the file."""
+        a, device, dtype = self.args, self.device, self.dtype
         # the packed matrices one after another as built: the head's, then the layers' in step order
         arena = None if self._ext is None else WeightArena(self._ext)
-        self._dense = prefill_dense
         q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         emb = _shape(weights, "model.embed_tokens.weight", (a.vocab_size, a.dim))
         head = emb if a.tie_embeddings else "lm_head.weight"
@@ -199,19 +131,19 @@ class Transformer:
 
         if arena is not None:
             head_blocks = blocks.get(head) or quantize_q8(floats(head))
-            self.lm_head = Linear.blocks(head_blocks, arena, None, dense=False)
+            lm_head = Linear.blocks(head_blocks, arena, None, dense=False)
         else:
-            self.lm_head = Linear.make(floats(head), dtype, "int8" if quant == "int4" else quant, device=device)
+            lm_head = Linear.make(floats(head), dtype, "int8" if quant == "int4" else quant, device=device)
         # Lookups take the file's codes row by row (coded_rows.py), unless a dense float32 head of a
         # tied model holds the float table anyway: then they share it.
-        shared = table is not None and self.lm_head.w.data_ptr() == table.data_ptr()
+        shared = table is not None and lm_head.w.data_ptr() == table.data_ptr()
         coded = rows is not None and emb in rows and device.type == "cpu" and not shared
-        self.embed: torch.Tensor | CodedRows = rows[emb] if coded else floats(emb).to(device)  # type: ignore[index]
+        embed: torch.Tensor | CodedRows = rows[emb] if coded else floats(emb).to(device)  # type: ignore[index]
         table = None  # the layers are built without the float table unless it is kept
         # Folding g into the columns would change each 4-bit group's values: int4 keeps the norms apart.
         fold = quant != "int4"
-        self.norm = _take(weights, "model.norm.weight", (a.dim,)).float().to(device)
-        self.layers: list[Layer] = []
+        norm = _take(weights, "model.norm.weight", (a.dim,)).float().to(device)
+        layers: list[Layer] = []
         qkv_dims = (("q", q_dim), ("k", kv_dim), ("v", kv_dim))
         for i in range(a.n_layers):
             if i % 8 == 0:
@@ -232,7 +164,7 @@ class Transformer:
                 qn = _take(weights, f"{p}self_attn.q_norm.weight", (a.head_dim,))
                 kn = _take(weights, f"{p}self_attn.k_norm.weight", (a.head_dim,))
                 qk_norm = torch.cat((qn.float().expand(a.n_heads, -1), kn.float().expand(a.n_kv_heads, -1)))
-            self.layers.append(
+            layers.append(
                 Layer(
                     qkv=self._linear(weights, blocks, arena, qkv, attn_norm if fold else None, quant, bias),
                     o=self._linear(weights, blocks, arena, [o], None, quant),
@@ -243,10 +175,7 @@ class Transformer:
                     ffn_norm=None if fold else ffn_norm.to(device),
                 )
             )
-        self.rope = Rope(a, max_pos, device)
-        self.scale = a.head_dim**-0.5
-        self._qk_dim = q_dim + kv_dim
-        self.decode_loop: DecodeLoop | None = None  # the C++ layer loop for decode steps, when built
+        return Parts(lm_head, embed, norm, tuple(layers))
 
     def _linear(
         self,
