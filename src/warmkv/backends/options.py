@@ -64,6 +64,9 @@ class NativeOptions(BackendOptions):
     float32 sums, where the CPU has AVX-512 BF16 and the head size is 64 or 128: a warm turn 16K
     tokens deep reaches its first token 2.1x sooner and decodes 0.94x as fast) or "auto" (default:
     "bf16" where it is built and the loop prefills on 4-bit codes, else "f32").
+    load_cache: where a GGUF's derived form (packed matrices, tokenizer, hyperparameters) is kept so
+    that the next load of the same file reads it instead of deriving it again: "auto" (default:
+    $WARMKV_LOAD_CACHE, else ~/.cache/warmkv/native), a directory, or "off" (load_cache.py).
     """
 
     compute_dtype: str = "auto"
@@ -72,8 +75,11 @@ class NativeOptions(BackendOptions):
     kv_cache_mb: int | None = None
     prefill_weights: str = "auto"
     attention: str = "auto"
+    load_cache: str = "auto"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.load_cache, str) or not self.load_cache:
+            raise InvalidConfig(f"load_cache must be 'auto', 'off' or a directory; got {self.load_cache!r}")
         if self.attention not in ATTENTION:
             raise InvalidConfig(f"attention must be one of {', '.join(ATTENTION)}; got {self.attention!r}")
         if self.prefill_weights not in PREFILL_WEIGHTS:

@@ -28,6 +28,7 @@ from .load.checkpoint import Checkpoint
 from .load.gguf_header import GGUF_MAGIC
 from .load.gguf_loader import load_gguf
 from .load.hf_loader import load_hf
+from .load.load_cache import LoadCache
 from .load.tokenizer import TextTokenizer
 from .model.args import ModelArgs
 from .model.gemma3 import CPP_LOOP_UNSUPPORTED, Gemma3
@@ -148,8 +149,9 @@ def pick_device(name: object, compute_dtype: str) -> torch.device:
     return dev
 
 
-def _read(path: Path) -> tuple[Checkpoint, str, int]:
-    """Load a GGUF file or an HF directory: (checkpoint, content digest, size in bytes)."""
+def _read(path: Path, digest: str | None = None) -> tuple[Checkpoint, str, int]:
+    """Load a GGUF file or an HF directory: (checkpoint, content digest, size in bytes). digest: the
+    file's, when known already."""
     if not path.exists():
         raise ModelNotFound(f"model not found: {path}")
     try:
@@ -163,11 +165,25 @@ def _read(path: Path) -> tuple[Checkpoint, str, int]:
             magic = f.read(4)
         if magic != GGUF_MAGIC:
             raise InvalidModelFile(f"{path} is not a GGUF file (first bytes {magic!r}, expected {GGUF_MAGIC!r})")
-        return load_gguf(path), file_digest(path), path.stat().st_size
+        return load_gguf(path), digest or file_digest(path), path.stat().st_size
     except WarmkvError:
         raise
     except Exception as e:  # a malformed file can fail anywhere inside the readers
         raise InvalidModelFile(f"cannot load {path}: {type(e).__name__}: {e}") from None
+
+
+def _checkpoint(p: Path, cache: LoadCache | None) -> tuple[Checkpoint, str, int, bool]:
+    """(checkpoint, digest, size, read): the file's facts from the load cache where it has them (read
+    False: its weights are not in it), else from the file, then kept for the next load."""
+    if cache is None:
+        return (*_read(p), True)
+    digest = cache.digest(p)
+    header = cache.header(digest)
+    if header is not None:
+        return header, digest, p.stat().st_size, False
+    ckpt, _, size = _read(p, digest)
+    cache.put_header(digest, ckpt)
+    return ckpt, digest, size, True
 
 
 def _attention(model: Transformer, wanted: str) -> str:
@@ -208,7 +224,8 @@ class Loaded:
 def build(p: Path, config: RuntimeConfig, opts: NativeOptions, device: torch.device) -> Loaded:
     """Read the checkpoint at p and build its model on device (sets torch's thread count: call it
     on the compute thread)."""
-    ckpt, digest, size = _read(p)
+    cache = LoadCache.for_option(opts.load_cache) if device.type == "cpu" and p.is_file() else None
+    ckpt, digest, size, read = _checkpoint(p, cache)
     args = ckpt.args
     resolved = config.resolved(n_ctx_train=args.max_seq_len)
     torch.set_num_threads(resolved.num_threads)  # also this thread's OpenMP team size
@@ -225,18 +242,20 @@ def build(p: Path, config: RuntimeConfig, opts: NativeOptions, device: torch.dev
         wanted = "off"
     module = decode_ext.extension("auto" if wanted == "off" and cpu and quant == "int4" else wanted)
     prefill_weights = _prefill_weights(opts.prefill_weights, quant, module, ckpt.layer_params())
-    model = (Gemma3 if args.arch == "gemma3" else Transformer)(
-        args,
-        ckpt.weights,
-        dtype,
-        resolved.num_ctx,
-        quant,
-        device,
-        blocks=ckpt.blocks,
-        rows=ckpt.rows,
-        ext=module,
-        prefill_dense=prefill_weights == "bf16",
-    )
+    cls = Gemma3 if args.arch == "gemma3" else Transformer
+    dense = prefill_weights == "bf16"
+    ext = module if quant == "int4" else None
+    kernels = decode_ext.build_id() if ext is not None else None  # qmatmul reads the packed layout
+    build_key = LoadCache.build_key(arch=args.arch, dtype=dtype, quant=quant, dense=dense, kernels=kernels)
+    parts = cache.parts(digest, build_key) if cache is not None else None
+    if parts is not None:
+        model = cls.from_parts(args, parts, dtype, resolved.num_ctx, device, ext, dense)
+    else:
+        if not read:  # the facts came from the load cache, the weights come from the file
+            ckpt = _read(p, digest)[0]
+        model = cls(args, ckpt.weights, dtype, resolved.num_ctx, quant, device, ckpt.blocks, module, dense, ckpt.rows)
+        if cache is not None:
+            cache.put_parts(digest, build_key, model.parts)
     loop = module if wanted != "off" else None
     if loop is not None:
         model.decode_loop = decode_ext.DecodeLoop(loop, model)

@@ -113,6 +113,28 @@ class TextTokenizer:
                 pieces.append(_byte_level_bytes(text, table) if byte_level else _spm_bytes(text))
         self._pieces = tuple(pieces)
 
+    def state(self) -> dict[str, object]:
+        """What `restore` needs, as JSON values: the pipeline as `tokenizers` serializes it, the
+        vocabulary, and each token's bytes (worked out once, ~0.4 s for a 49K vocabulary)."""
+        v = self.vocab
+        return {
+            "tokenizer": self._tok.to_str(),
+            "vocab": [list(v.texts), list(v.types), v.bos, v.eos, sorted(v.eog), v.digest],
+            "pieces": [p.hex() for p in self._pieces],
+        }
+
+    @classmethod
+    def restore(cls, state: dict[str, object]) -> TextTokenizer:
+        texts, types, bos, eos, eog, digest = state["vocab"]  # type: ignore[misc]
+        out = cls.__new__(cls)
+        out._tok = Tokenizer.from_str(str(state["tokenizer"]))
+        out.vocab = Vocab(tuple(texts), tuple(types), bos, eos, frozenset(eog), digest)
+        out.n_vocab = len(out.vocab.texts)
+        out._pieces = tuple(bytes.fromhex(p) for p in state["pieces"])  # type: ignore[attr-defined]
+        if len(out._pieces) != out.n_vocab:
+            raise ValueError(f"{len(out._pieces)} token pieces for {out.n_vocab} tokens")
+        return out
+
     def tokenize(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
         if not isinstance(text, str):
             raise InvalidInput(f"text to tokenize must be str, got {type(text).__name__}")
