@@ -28,6 +28,9 @@ def register(app: typer.Typer) -> None:
     app.command("deep")(bench_deep)
     app.command("speculative")(bench_speculative)
     app.command("chunks")(bench_chunks)
+    from .sharing_command import bench_sharing  # it imports this module's helpers
+
+    app.command("sharing")(bench_sharing)
 
 
 @runtime_options()

@@ -69,7 +69,8 @@ def prompt_ids(backend: Backend, n: int) -> list[int]:
     return ids[:n]
 
 
-def _time_backend(label: str, backend: Backend, ids: list[int], decode: int) -> EngineResult:
+def time_backend(label: str, backend: Backend, ids: list[int], decode: int) -> EngineResult:
+    """One cold prefill of ids, then `decode` greedy steps, after a short warm-up."""
     seq = backend.acquire_seq()
     try:
         backend.forward([ForwardRow(seq, ids[:16], 0)])  # warm-up: lazy allocations, kernels
@@ -197,7 +198,7 @@ def run_throughput(
                     continue
                 try:
                     ids = ids or prompt_ids(b, prompt_tokens)
-                    measured[label].rounds.append(_time_backend(label, b, ids, decode_tokens))
+                    measured[label].rounds.append(time_backend(label, b, ids, decode_tokens))
                 finally:
                     if k + 1 < rounds:
                         resident[label] = b
