@@ -1,5 +1,7 @@
 """warmkv: keep the KV cache of a stable prefix warm; re-prefill only what changed."""
 
+# First: before torch or llama.cpp loads libgomp, which reads its settings once (_threads.py).
+from . import _threads  # noqa: F401
 from .backends import available_backends, registered_backends
 from .config import DecodeConfig, RuntimeConfig
 from .engine.completions import Completion
