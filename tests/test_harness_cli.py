@@ -23,6 +23,7 @@ from harness_common import (
     Server,
     cli,
     configure,
+    long_harness,
     reuse_between,
     run,
     workspace,
@@ -85,6 +86,7 @@ def test_claude_code_two_turns_small_prompt(harness_server: Server, tmp_path: Pa
     assert share >= MIN_REUSE, f"turn 2 reused {share:.1%} of its prompt"
 
 
+@long_harness  # ~3 min on 2 cores; the small-prompt test drives the same CLI in `make test`
 def test_claude_code_two_turns_default_prompt(harness_server: Server, tmp_path: Path) -> None:
     """Claude Code as installed: its system prompt and tools (~12K tokens in -p, 2.1.332).
 
