@@ -16,10 +16,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from warmkv.backends import load_cache  # noqa: E402
 from warmkv.backends.base import ForwardRow  # noqa: E402
 from warmkv.backends.native import setup  # noqa: E402
 from warmkv.backends.native.backend import NativeBackend  # noqa: E402
-from warmkv.backends.native.load import load_cache  # noqa: E402
 from warmkv.backends.options import NativeOptions  # noqa: E402
 from warmkv.config import RuntimeConfig  # noqa: E402
 from warmkv.models import default_model_path  # noqa: E402
@@ -180,3 +180,20 @@ def test_bad_option_and_budget_are_typed_errors(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("WARMKV_LOAD_CACHE", "off")
     monkeypatch.delenv("WARMKV_LOAD_CACHE_MB")
     assert load_cache.LoadCache.for_option("auto") is None
+
+
+def test_llamacpp_remembers_its_digests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from warmkv.backends.llamacpp.backend import LlamaCppBackend
+    from warmkv.backends.llamacpp.vocab import LlamaVocab
+    from warmkv.backends.options import LlamaCppOptions
+
+    hashed: list[int] = []
+    real = LlamaVocab.digest
+    monkeypatch.setattr(LlamaVocab, "digest", lambda self, meta: hashed.append(1) or real(self, meta))
+    infos = []
+    for cache in ("off", str(tmp_path), str(tmp_path)):
+        b = LlamaCppBackend(str(default_model_path()), CONFIG, LlamaCppOptions(load_cache=cache))
+        infos.append(b.info)
+        b.close()
+    assert infos[0] == infos[1] == infos[2] and len(hashed) == 2  # the third load hashed nothing
+    assert "llamacpp.json" in _files(tmp_path)

@@ -78,8 +78,7 @@ class NativeOptions(BackendOptions):
     load_cache: str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.load_cache, str) or not self.load_cache:
-            raise InvalidConfig(f"load_cache must be 'auto', 'off' or a directory; got {self.load_cache!r}")
+        _check_load_cache(self.load_cache)
         if self.attention not in ATTENTION:
             raise InvalidConfig(f"attention must be one of {', '.join(ATTENTION)}; got {self.attention!r}")
         if self.prefill_weights not in PREFILL_WEIGHTS:
@@ -100,12 +99,20 @@ class NativeOptions(BackendOptions):
 @dataclass(frozen=True)
 class LlamaCppOptions(BackendOptions):
     """llama.cpp's options. use_mmap: map the model file instead of reading it (pages load on use);
-    use_mlock: lock the weights in RAM so the OS never pages them out."""
+    use_mlock: lock the weights in RAM so the OS never pages them out; load_cache: where the file's
+    and its vocabulary's digests are kept for the next load, as NativeOptions.load_cache."""
 
     use_mmap: bool = True
     use_mlock: bool = False
+    load_cache: str = "auto"
 
     def __post_init__(self) -> None:
+        _check_load_cache(self.load_cache)
         for name in ("use_mmap", "use_mlock"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidConfig(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+def _check_load_cache(value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise InvalidConfig(f"load_cache must be 'auto', 'off' or a directory; got {value!r}")

@@ -176,6 +176,14 @@ SPECS = (
         "native: KV pool budget in MiB (default: num_ctx per session)",
         "backend",
     ),
+    Spec(
+        "load_cache",
+        ("--load-cache",),
+        str,
+        "where what a load derives from a GGUF is kept for the next load: auto (~/.cache/warmkv/native), "
+        "a directory, or off",
+        "backend",
+    ),
     Spec("use_mmap", ("--mmap/--no-mmap",), bool, "llama.cpp: map the model file (default: on)", "backend"),
     Spec("use_mlock", ("--mlock/--no-mlock",), bool, "llama.cpp: lock the weights in RAM (default: off)", "backend"),
 )

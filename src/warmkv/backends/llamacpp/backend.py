@@ -26,6 +26,7 @@ from ...errors import InvalidConfig, InvalidInput, SessionFatal, Unsupported
 from ...prompt.sampling import Sampler
 from ..base import BlobKV, ForwardRow, KVMemory, ModelState, check_embed_tokens, check_rows
 from ..compute_thread import compute_thread, on_compute_thread
+from ..load_cache import LoadCache
 from ..options import LlamaCppOptions
 from ..slots import SeqSlots
 from .batches import decode_rows
@@ -53,7 +54,7 @@ class LlamaCppBackend:
         self._vocab = LlamaVocab(model)
         self._n_vocab = self._vocab.n
         self._state = ModelState.WARM
-        self.info = model_info(self._path, model, self._vocab)
+        self.info = model_info(self._path, model, self._vocab, LoadCache.for_option(self.options.load_cache))
         self.config = config.resolved(n_ctx_train=self.info.n_ctx_train)
         self._embedder: EmbeddingContext | None = None
         self._ctx = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from importlib.metadata import version
 from pathlib import Path
 
 import llama_cpp as lc
@@ -19,6 +20,7 @@ from ...config import RuntimeConfig
 from ...errors import InvalidModelFile, ModelNotFound, SessionFatal
 from ...manifest import file_digest
 from ..base import ModelInfo
+from ..load_cache import LoadCache, read_json
 from ..options import LlamaCppOptions
 from .vocab import LlamaVocab, read_metadata
 
@@ -82,9 +84,11 @@ def load_model(path: str, config: RuntimeConfig, options: LlamaCppOptions) -> ob
     return model
 
 
-def model_info(path: Path, model: object, vocab: LlamaVocab) -> ModelInfo:
-    """What the loaded model is: its shape, tokens, chat template and digests."""
+def model_info(path: Path, model: object, vocab: LlamaVocab, cache: LoadCache | None) -> ModelInfo:
+    """What the loaded model is: its shape, tokens, chat template and digests (the file's and the
+    vocabulary's remembered in the load cache: ~1.2 s of a 2 s load of Gemma 3 270M, 262K tokens)."""
     meta = read_metadata(model)
+    digest = cache.digest(path) if cache is not None else file_digest(path)
     template = lc.llama_model_chat_template(model, None)
     bos = lc.llama_vocab_bos(vocab.ptr)
     eos = lc.llama_vocab_eos(vocab.ptr)
@@ -102,8 +106,8 @@ def model_info(path: Path, model: object, vocab: LlamaVocab) -> ModelInfo:
         eos_token_id=eos if eos >= 0 else None,
         add_bos=bool(lc.llama_vocab_get_add_bos(vocab.ptr)),
         chat_template=template.decode("utf-8", "replace") if template else None,
-        file_digest=file_digest(path),
-        tokenizer_digest=vocab.digest(meta),
+        file_digest=digest,
+        tokenizer_digest=_vocab_digest(cache, digest, vocab, meta),
         metadata=meta,
     )
 
@@ -138,3 +142,18 @@ def new_context(
         lc.llama_free(ctx)
         raise SessionFatal(f"llama.cpp gave {per_seq} cells per sequence, need num_ctx={c.num_ctx}")
     return ctx
+
+
+def _vocab_digest(cache: LoadCache | None, digest: str, vocab: LlamaVocab, meta: dict[str, str]) -> str:
+    """vocab.digest(meta), kept per file and llama.cpp build: the vocabulary is the file's, as read by it."""
+    if cache is None:
+        return vocab.digest(meta)
+    path, build = cache.path(digest, "llamacpp.json"), version("llama_cpp_python")
+    doc = read_json(path) or {}
+    if doc.get("build") == build and isinstance(doc.get("vocab_digest"), str):
+        cache.loaded(digest)
+        return doc["vocab_digest"]
+    got = vocab.digest(meta)
+    cache.write_json(path, {"build": build, "vocab_digest": got})
+    cache.evict(keep=digest)
+    return got

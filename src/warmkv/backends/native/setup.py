@@ -21,14 +21,15 @@ from ...config import RuntimeConfig
 from ...errors import BackendUnavailable, InvalidConfig, InvalidModelFile, ModelNotFound, Unsupported, WarmkvError
 from ...manifest import file_digest
 from ..base import ModelInfo
+from ..load_cache import LoadCache
 from ..options import NATIVE_KV_STORAGE, NativeOptions
 from .cpp import decode_ext
 from .kv.layout import KVLayout
+from .load import cached_build
 from .load.checkpoint import Checkpoint
 from .load.gguf_header import GGUF_MAGIC
 from .load.gguf_loader import load_gguf
 from .load.hf_loader import load_hf
-from .load.load_cache import LoadCache
 from .load.tokenizer import TextTokenizer
 from .model.args import ModelArgs
 from .model.gemma3 import CPP_LOOP_UNSUPPORTED, Gemma3
@@ -178,11 +179,11 @@ def _checkpoint(p: Path, cache: LoadCache | None) -> tuple[Checkpoint, str, int,
     if cache is None:
         return (*_read(p), True)
     digest = cache.digest(p)
-    header = cache.header(digest)
+    header = cached_build.read_header(cache, digest)
     if header is not None:
         return header, digest, p.stat().st_size, False
     ckpt, _, size = _read(p, digest)
-    cache.put_header(digest, ckpt)
+    cached_build.write_header(cache, digest, ckpt)
     return ckpt, digest, size, True
 
 
@@ -246,8 +247,8 @@ def build(p: Path, config: RuntimeConfig, opts: NativeOptions, device: torch.dev
     dense = prefill_weights == "bf16"
     ext = module if quant == "int4" else None
     kernels = decode_ext.build_id() if ext is not None else None  # qmatmul reads the packed layout
-    build_key = LoadCache.build_key(arch=args.arch, dtype=dtype, quant=quant, dense=dense, kernels=kernels)
-    parts = cache.parts(digest, build_key) if cache is not None else None
+    build_key = cached_build.build_key(arch=args.arch, dtype=dtype, quant=quant, dense=dense, kernels=kernels)
+    parts = cached_build.read_parts(cache, digest, build_key) if cache is not None else None
     if parts is not None:
         model = cls.from_parts(args, parts, dtype, resolved.num_ctx, device, ext, dense)
     else:
@@ -255,7 +256,7 @@ def build(p: Path, config: RuntimeConfig, opts: NativeOptions, device: torch.dev
             ckpt = _read(p, digest)[0]
         model = cls(args, ckpt.weights, dtype, resolved.num_ctx, quant, device, ckpt.blocks, module, dense, ckpt.rows)
         if cache is not None:
-            cache.put_parts(digest, build_key, model.parts)
+            cached_build.write_parts(cache, digest, build_key, model.parts)
     loop = module if wanted != "off" else None
     if loop is not None:
         model.decode_loop = decode_ext.DecodeLoop(loop, model)
