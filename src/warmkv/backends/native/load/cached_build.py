@@ -29,6 +29,9 @@ from .mapped import map_safetensors
 from .tokenizer import TextTokenizer
 
 FORMAT = 1
+# Tokenizers by vocabulary digest, kept across unloads (a few MB each): a swap back reuses its own.
+_TOKENIZERS: dict[str, TextTokenizer] = {}
+_KEEP_TOKENIZERS = 8
 _NATIVE = Path(__file__).resolve().parent.parent
 _code: str | None = None
 
@@ -49,6 +52,27 @@ def _no_file(name: str) -> torch.Tensor:
     raise InvalidModelFile(f"weight {name} read from a load cache's header, which holds no weights")
 
 
+def _tokenizer(cache: LoadCache, digest: str, vocab_digest: str) -> TextTokenizer:
+    """The file's tokenizer: the one a load in this process made already (a swap back makes none:
+    rebuilding a 49K-token BPE took ~0.2 s, most of a reload), else from tokenizer.json."""
+    tok = _TOKENIZERS.get(vocab_digest)
+    if tok is None:
+        d = read_json(cache.path(digest, "tokenizer.json"))
+        if d is None:
+            raise ValueError("tokenizer.json is missing or not JSON")
+        tok = _remember(TextTokenizer.restore(d))
+    if tok.vocab.digest != vocab_digest:
+        raise ValueError(f"tokenizer.json holds vocabulary {tok.vocab.digest[:12]}, not {vocab_digest[:12]}")
+    return tok
+
+
+def _remember(tok: TextTokenizer) -> TextTokenizer:
+    _TOKENIZERS[tok.vocab.digest] = tok
+    while len(_TOKENIZERS) > _KEEP_TOKENIZERS:
+        del _TOKENIZERS[next(iter(_TOKENIZERS))]
+    return tok
+
+
 def read_header(cache: LoadCache, digest: str) -> Checkpoint | None:
     """The checkpoint's facts as a load of this file found them; its weights are not in it."""
     path = cache.path(digest, "header.json")
@@ -60,7 +84,7 @@ def read_header(cache: LoadCache, digest: str) -> Checkpoint | None:
         return Checkpoint(
             args=ModelArgs(**args),
             weights=Lazy({k: tuple(v) for k, v in d["shapes"].items()}, _no_file),
-            tokenizer=TextTokenizer.restore(d["tokenizer"]),
+            tokenizer=_tokenizer(cache, digest, d["vocab_digest"]),
             chat_template=d["chat_template"],
             name=d["name"],
             add_bos=d["add_bos"],
@@ -77,14 +101,16 @@ def write_header(cache: LoadCache, digest: str, ckpt: Checkpoint) -> None:
         "code": code_digest(),
         "args": dataclasses.asdict(ckpt.args),
         "shapes": {k: ckpt.weights.shape(k) for k in ckpt.weights},
-        "tokenizer": ckpt.tokenizer.state(),
+        "vocab_digest": ckpt.tokenizer.vocab.digest,
         "chat_template": ckpt.chat_template,
         "name": ckpt.name,
         "add_bos": ckpt.add_bos,
         "metadata": ckpt.metadata,
         "layer_weight_types": sorted(ckpt.layer_weight_types),
     }
-    cache.write_json(cache.path(digest, "header.json"), doc)
+    cache.write_json(cache.path(digest, "tokenizer.json"), ckpt.tokenizer.state())
+    cache.write_json(cache.path(digest, "header.json"), doc)  # last: a header is read only with its tokenizer
+    _remember(ckpt.tokenizer)
 
 
 def build_key(**choices: object) -> str:

@@ -8,6 +8,7 @@ print as b"", byte-level tokens map back through GPT-2's byte<->unicode table.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,6 +101,7 @@ class TextTokenizer:
 
     def __init__(self, tok: Tokenizer, vocab: Vocab, byte_level: bool) -> None:
         self._tok = tok
+        self._lock = threading.Lock()
         self.vocab = vocab
         self.n_vocab = len(vocab.texts)
         table = _unicode_to_byte()
@@ -128,6 +130,7 @@ class TextTokenizer:
         texts, types, bos, eos, eog, digest = state["vocab"]  # type: ignore[misc]
         out = cls.__new__(cls)
         out._tok = Tokenizer.from_str(str(state["tokenizer"]))
+        out._lock = threading.Lock()
         out.vocab = Vocab(tuple(texts), tuple(types), bos, eos, frozenset(eog), digest)
         out.n_vocab = len(out.vocab.texts)
         out._pieces = tuple(bytes.fromhex(p) for p in state["pieces"])  # type: ignore[attr-defined]
@@ -138,9 +141,11 @@ class TextTokenizer:
     def tokenize(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
         if not isinstance(text, str):
             raise InvalidInput(f"text to tokenize must be str, got {type(text).__name__}")
-        # Not thread-safe, but every backend call runs under the runtime's model lock.
-        self._tok.encode_special_tokens = not parse_special
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # The switch is the tokenizer's state, and runtimes of one model file share a tokenizer
+        # (cached_build.py): set and encode under its own lock.
+        with self._lock:
+            self._tok.encode_special_tokens = not parse_special
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_bos and self.vocab.bos is not None:
             ids.insert(0, self.vocab.bos)
         return ids
