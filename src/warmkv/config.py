@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from .cache.remote.seal import read_key
 from .cache.remote.types import check_prefill_rate, parse_remote_url
 from .errors import InvalidConfig, InvalidInput
 from .prompt.chat import check_template_kwargs
@@ -102,6 +103,10 @@ class RuntimeConfig:
     # The remote tier below the disk (Redis or Valkey, shared by several nodes): redis://HOST:PORT/DB
     # or rediss:// (TLS); a password in the URL or in $WARMKV_KV_REMOTE_PASSWORD. None: no remote tier.
     kv_remote: str | None = field(default=None, repr=False)  # the URL may hold a password
+    # The fleet key sealing the remote tier's values (cache/remote/seal.py): a file holding it, else
+    # $WARMKV_KV_REMOTE_KEY (never the key itself here: a command line shows in `ps`). None and no
+    # variable: the remote tier is trusted as-is.
+    kv_remote_key_file: str | None = None
     kv_remote_timeout_ms: int = 200  # connect and read timeout of a probe or read; spills get 10x
     # Tokens/s a remote read must beat to be used; None: this runtime's measured prefill rate.
     kv_remote_prefill_rate: float | None = None
@@ -156,6 +161,10 @@ class RuntimeConfig:
         _int("cache_block_tokens", self.cache_block_tokens, minimum=1, maximum=65536)
         if self.kv_remote is not None:
             parse_remote_url(self.kv_remote)
+        if self.kv_remote_key_file is not None:
+            if not isinstance(self.kv_remote_key_file, str) or not self.kv_remote_key_file:
+                raise InvalidConfig(f"kv_remote_key_file must be a path string, got {self.kv_remote_key_file!r}")
+            read_key(self.kv_remote_key_file)  # a missing, unreadable or short key fails here, not at first use
         _int("kv_remote_timeout_ms", self.kv_remote_timeout_ms, minimum=1, maximum=60_000)
         check_prefill_rate(self.kv_remote_prefill_rate, "kv_remote_prefill_rate")
         _int("prefill_chunk", self.prefill_chunk, minimum=1, maximum=1 << 16)

@@ -138,6 +138,14 @@ SPECS = (
         "runtime",
     ),
     Spec(
+        "kv_remote_key_file",
+        ("--kv-remote-key-file",),
+        str,
+        "remote KV tier: a file holding the fleet key that seals its values (HMAC-SHA256; or "
+        "$WARMKV_KV_REMOTE_KEY); without one the tier is trusted as-is",
+        "runtime",
+    ),
+    Spec(
         "kv_remote_timeout_ms",
         ("--kv-remote-timeout-ms",),
         int,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..backends import Backend
+from ..cache.remote.seal import read_key
 from ..cache.remote.types import RemoteConfig
 from ..config import ResolvedConfig
 from .model_lock import ModelLock
@@ -48,7 +49,11 @@ def remote_config(c: ResolvedConfig) -> RemoteConfig | None:
         return None
     timeout = c.kv_remote_timeout_ms / 1000
     return RemoteConfig(
-        c.kv_remote, timeout_s=timeout, write_timeout_s=timeout * 10, prefill_rate=c.kv_remote_prefill_rate
+        c.kv_remote,
+        timeout_s=timeout,
+        write_timeout_s=timeout * 10,
+        prefill_rate=c.kv_remote_prefill_rate,
+        key=read_key(c.kv_remote_key_file),  # the file, else $WARMKV_KV_REMOTE_KEY, else trusted as-is
     )
 
 

@@ -123,7 +123,7 @@ def file_crc(data: bytes) -> int:
     return crc32c.crc32c(memoryview(data)[: -_TRAILER.size]) if len(data) >= _TRAILER.size else -1
 
 
-def read_container(data: bytes, *, view: bool = False) -> tuple[BlobHeader, bytes]:
+def read_container(data: bytes | memoryview, *, view: bool = False) -> tuple[BlobHeader, bytes]:
     """Parse and verify a container; raises ContainerError naming the first failed check.
 
     view: the payload is a view into data, not a copy (a large value read once: no second copy)."""
@@ -142,7 +142,7 @@ def read_container(data: bytes, *, view: bool = False) -> tuple[BlobHeader, byte
     if head_len > MAX_HEADER or start > len(data) - _TRAILER.size:
         raise ContainerError(f"header length {head_len} exceeds the {len(data)}-byte file")
     try:
-        doc = json.loads(data[_FIXED.size : start])
+        doc = json.loads(bytes(memoryview(data)[_FIXED.size : start]))  # data may be a view
         header = BlobHeader(
             kind=str(doc["kind"]),
             key=str(doc["key"]),

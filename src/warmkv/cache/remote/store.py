@@ -17,7 +17,8 @@ writer thread) send the value first and the block records after it, so a record 
 value that was not written. Reads (`longest_prefix`) probe the records of the prompt's blocks in
 pipelined batches (one round trip each), stop at the first miss, then read the value the deepest
 record names, if the read is worth it (remote_rates), and check it: its size against the record,
-its crc32c, its key, manifest and tokens. A value failing a check is deleted with its records and
+its fleet-key tag first, when a key is configured (seal.py: before any parser or importer sees a
+byte), then its crc32c, its key, manifest and tokens. A value failing a check is deleted with its records and
 counted, never served; the caller prefills instead.
 
 Named sessions' copies (the `:s:` keys) are read and written by RemoteSessions (sessions.py).
@@ -46,10 +47,12 @@ from ..disk.container import ContainerError, make_header, read_container, write_
 from ..disk.types import SESSION_COPY_TTL_S, Blob, Snapshot, StoreEntry
 from .link import LINK_ERRORS, RemoteLink, log
 from .rates import RemoteRates
+from .seal import KEY_ENV, seal, unseal
 from .sessions import RemoteSessions
 from .types import RemoteConfig, RemoteStats
 
 PREFIX = "warmkv:kv1"
+_noted_trusted: list[str] = []  # the tier said to be trusted as-is (once per process)
 
 
 def namespace(manifest_digest: str) -> str:
@@ -112,6 +115,15 @@ class RemoteStore:
         self._read = redis.Redis(**common, socket_timeout=config.timeout_s)
         self._write = redis.Redis(**common, socket_timeout=config.write_timeout_s)
         self._lock = threading.Lock()
+        self._key = config.key
+        if self._key is None and not _noted_trusted:
+            _noted_trusted.append(url.where)
+            log.warning(
+                "kv remote tier %s: no fleet key (kv_remote_key_file or $%s): its values are trusted as-is, "
+                "so anyone who can write to it can choose this node's KV; see docs/cache.md",
+                url.where,
+                KEY_ENV,
+            )
         self._n = dict.fromkeys(
             (
                 "probes",
@@ -126,10 +138,11 @@ class RemoteStore:
                 "sessions_written",
                 "sessions_read",
                 "sessions_rejected",
+                "untrusted",
             ),
             0,
         )
-        self.sessions = RemoteSessions(self.link, self._read, self._write, self._count, self._delete)
+        self.sessions = RemoteSessions(self.link, self._read, self._write, self._count, self._delete, self._key)
 
     def _count(self, name: str, k: int = 1) -> None:
         with self._lock:
@@ -200,8 +213,9 @@ class RemoteStore:
         # keys[i] has record found[i]: the ones naming this entry go with it if it is gone or bad
         naming = [k for k, raw in zip(keys, found, strict=True) if (r := _record(raw)) and r.entry == rec.entry]
         t0 = time.perf_counter()
+        name = f"{ns}:v:{rec.entry}"
         try:
-            value = self._read.get(f"{ns}:v:{rec.entry}")
+            value = self._read.get(name)
         except LINK_ERRORS as e:
             self.link.failed("read", e)
             return None
@@ -213,7 +227,12 @@ class RemoteStore:
             self._count("misses")
             self._delete([f"{ns}:b:{k}" for k in naming])
             return None
-        got = _verified(value, rec, md, tokens, covered)
+        container = unseal(self._key, name, value)
+        if isinstance(container, str):  # refused unparsed; deleted, so no node reads it again
+            self._count("untrusted")
+            self._drop(ns, naming, container, rec.entry)
+            return None
+        got = _verified(value, container, rec, md, tokens, covered)
         if isinstance(got, str):
             self._drop(ns, naming, got, rec.entry)
             return None
@@ -270,7 +289,7 @@ class RemoteStore:
             if size:
                 self._count("present")
             else:
-                value = _value(entry, manifest_digest, tokens, blob)
+                value = seal(self._key, f"{ns}:v:{entry}", _value(entry, manifest_digest, tokens, blob))
                 self._write.set(f"{ns}:v:{entry}", value)  # the value first: no record names a missing value
                 size = len(value)
                 self._count("written")
@@ -330,12 +349,15 @@ class RemoteStore:
         self._write.close()
 
 
-def _verified(value: bytes, rec: Record, md: str, tokens: Sequence[int], covered: int) -> tuple[StoreEntry, int] | str:
-    """(entry, tokens it shares with the prompt) when the value passes every check; else the reason."""
+def _verified(
+    value: bytes, container: memoryview, rec: Record, md: str, tokens: Sequence[int], covered: int
+) -> tuple[StoreEntry, int] | str:
+    """(entry, tokens it shares with the prompt) when the value (its container unsealed) passes every
+    check; else the reason."""
     if len(value) != rec.size:
         return f"value is {len(value)} bytes, its block record says {rec.size}"
     try:
-        header, payload = read_container(value, view=True)
+        header, payload = read_container(container, view=True)
     except ContainerError as e:
         return str(e)
     if header.kind != "prefix" or header.key != rec.entry:

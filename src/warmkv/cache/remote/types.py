@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from ...errors import InvalidConfig
+from .seal import MIN_KEY_BYTES
 
 SCHEMES = ("redis", "rediss")
 PASSWORD_ENV = "WARMKV_KV_REMOTE_PASSWORD"  # used when the URL carries no password
@@ -78,6 +79,7 @@ class RemoteConfig:
     write_timeout_s: of spills, which run on the store writer thread (a large value takes longer).
     After a failure the link is left alone for backoff_s, doubling per failure up to backoff_max_s.
     prefill_rate: tokens/s a remote read must beat; None: the runtime's measured prefill rate.
+    key: the fleet key sealing every value (seal.py); None: the tier is trusted as-is.
     """
 
     url: str = field(repr=False)
@@ -87,9 +89,12 @@ class RemoteConfig:
     backoff_max_s: float = 30.0
     probe_batch: int = 32
     prefill_rate: float | None = None
+    key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         parse_remote_url(self.url)
+        if self.key is not None and (not isinstance(self.key, bytes) or len(self.key) < MIN_KEY_BYTES):
+            raise InvalidConfig(f"key must be bytes, at least {MIN_KEY_BYTES} of them, or None")
         for name in ("timeout_s", "write_timeout_s", "backoff_s", "backoff_max_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v <= 3600:
@@ -120,9 +125,10 @@ class RemoteStats:
     """The remote tier as this process saw it (counts since start).
 
     errors: operations that failed on the link (refused, timed out, a server error); rejected:
-    values dropped because they failed a check (crc, size, manifest, tokens); dangling: block
-    keys whose value the server had evicted; skipped: operations not tried while the link was
-    down; declined: hits not read because a prefill was expected to be faster.
+    values dropped because they failed a check (crc, size, manifest, tokens, the fleet-key tag);
+    untrusted: those of them (entries and session copies) whose fleet-key tag was missing or wrong;
+    dangling: block keys whose value the server had evicted; skipped: operations not tried while
+    the link was down; declined: hits not read because a prefill was expected to be faster.
     """
 
     where: str
@@ -144,6 +150,7 @@ class RemoteStats:
     sessions_written: int  # session copies sent (one per operation that changed a session)
     sessions_read: int  # session copies read by a node that did not know the session
     sessions_rejected: int  # session copies that failed a check (deleted, not restored)
+    untrusted: int  # values and session copies refused for their fleet-key tag (never parsed nor imported)
     read_bytes_per_s: float | None  # EWMA of real reads, round trip taken out
     rtt_s: float | None  # EWMA of probe round trips
     prefill_tokens_per_s: float | None  # what a read must beat: measured EWMA, or the configured rate
