@@ -8,6 +8,8 @@ from typing import Any
 from .errors import InvalidInput, WarmkvError
 from .manifest import Segment
 
+MAX_CACHE_SALT = 256  # characters of a cache_salt (as vLLM's)
+
 
 @dataclass(frozen=True)
 class PrefixInput:
@@ -19,6 +21,8 @@ class PrefixInput:
     tokens, when set, are the prompt's tokens as the caller built them (an infill prompt, whose
     user text must not parse as control tokens); text then only names them (hashes, segments).
     reuse_mode "chunks" also reuses KV of resident runs that moved (approximate; see RuntimeConfig).
+    cache_salt separates reuse: KV computed under one salt is never reused under another (a
+    session's resident KV, and every tier's, whose block keys it seeds); None is a salt of its own.
     """
 
     text: str | bytes
@@ -28,6 +32,16 @@ class PrefixInput:
     expect_manifest: str | None = None
     tokens: tuple[int, ...] | None = None
     reuse_mode: str | None = None  # "exact" or "chunks"; None: the runtime's reuse_mode
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT):
+            raise InvalidInput(
+                f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got "
+                f"{type(salt).__name__} of length {len(salt) if isinstance(salt, str) else '-'}",
+                param="cache_salt",
+            )
 
     @classmethod
     def coerce(cls, value: PrefixInput | str | bytes) -> PrefixInput:

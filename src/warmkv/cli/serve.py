@@ -19,7 +19,12 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="address to bind (non-loopback needs --api-key)")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8000,
     api_key: Annotated[
-        str | None, typer.Option("--api-key", envvar="WARMKV_API_KEY", help="require 'Authorization: Bearer KEY'")
+        list[str] | None,
+        typer.Option(
+            "--api-key",
+            envvar="WARMKV_API_KEY",
+            help="require 'Authorization: Bearer KEY'; again for more keys, each with a prompt cache of its own",
+        ),
     ] = None,
     session_ttl: Annotated[float, typer.Option("--session-ttl", help="seconds before an idle session expires")] = 600,
     pool_size: Annotated[
@@ -136,7 +141,8 @@ def serve(
         settings = ServerSettings(
             host=host,
             port=port,
-            api_key=api_key,
+            api_key=api_key[0] if api_key else None,
+            api_keys=tuple(api_key[1:]) if api_key else (),
             cors_origins=tuple(cors_origin or ()),
             cors_any_origin=cors_any_origin,
             allowed_hosts=tuple(allowed_host or ()),

@@ -75,7 +75,7 @@ def park(session: Session) -> tuple[int, int]:
         return 0, 0
     kept = 0
     if tiers is not None and manifest is not None:
-        keys = tiers.keys(manifest.digest, ctx.tokens[: ctx.exact])
+        keys = tiers.keys(manifest.digest, ctx.tokens[: ctx.exact], session.cache_salt)
         keep = len(keys) * tiers.block_tokens
         if keep and exact_cut(session._backend, session._seq, keep) == keep:
             ctx.truncate(keep, refill=False)

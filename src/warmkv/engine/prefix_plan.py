@@ -81,6 +81,7 @@ class PrefixPlan:
     resident: tuple[int, ...]  # the resident tokens it was planned against
     moves: tuple[ChunkMove, ...] = ()  # reuse_mode="chunks": runs moved after the exact prefix, by new_start
     runs: tuple[int, int] | None = None  # reuse_mode="chunks": (chunk_min_tokens, chunk_recompute)
+    salt: str | None = None  # the prompt's cache salt: seeds its block keys, marks the KV it leaves resident
 
 
 class PrefixLoad:
@@ -128,7 +129,7 @@ class PrefixLoad:
         self.reused = reused = ctx.begin_prompt(reused, detach=plan.detach and not parked and not self._tier_runs)
         if tiers is not None:
             tokens = list(plan.tokens)
-            self._keys = tiers.keys(plan.manifest.digest, tokens)
+            self._keys = tiers.keys(plan.manifest.digest, tokens, plan.salt)
             if disk is None:
                 disk = tiers.lookup(plan.manifest.digest, tokens, self._keys, reused)
                 hit = disk.beating(reused)
@@ -155,7 +156,7 @@ class PrefixLoad:
         plan, ctx = self.plan, self.ctx
         assert plan.runs is not None
         covered, best = _covered(reused, moves), None
-        for entry in tiers.run_sources(plan.manifest.digest):
+        for entry in tiers.run_sources(plan.manifest.digest, plan.salt):
             old = cached_kv(entry).tokens
             if len(old) <= covered:  # its prefix and runs are disjoint parts of it: it cannot cover more
                 continue

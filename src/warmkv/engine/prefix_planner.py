@@ -55,7 +55,8 @@ def plan_prefix(session: Session, prefix: PrefixInput | str | bytes) -> PrefixPl
         if not tokens:
             raise InvalidInput("prefix text produced no tokens")
         ctx = s.ctx
-        same = s._manifest is not None and s._manifest == manifest
+        # KV made under another cache salt is never reused, nor compared (no divergence is reported)
+        same = s._manifest is not None and s._manifest == manifest and s.cache_salt == inp.cache_salt
         reused = common_prefix_len(ctx.tokens, tokens) if same else 0
         if len(tokens) > s._num_ctx:
             raise ContextOverflow("ensure_prefix", reused, len(tokens) - reused, s._num_ctx)
@@ -68,7 +69,7 @@ def plan_prefix(session: Session, prefix: PrefixInput | str | bytes) -> PrefixPl
         common = reused
         if reused < len(ctx.tokens):  # window or recurrent layers: back to the nearest exact point
             reused = exact_cut(s._backend, s._seq, reused)
-        reason = _prefix_reason(s, same, manifest, reused, len(tokens))
+        reason = _prefix_reason(s, same, manifest, reused, len(tokens), inp.cache_salt)
         if reused < common:
             layers = getattr(s._backend, "cut_layers", "window")
             reason += f" (diverged at token {common}; the nearest exact point of the {layers} layers is {reused})"
@@ -84,13 +85,14 @@ def plan_prefix(session: Session, prefix: PrefixInput | str | bytes) -> PrefixPl
             resident=tuple(ctx.tokens),
             moves=moves,
             runs=runs,
+            salt=inp.cache_salt,
         )
 
 
 def begin_load(session: Session, plan: PrefixPlan, disk: DiskRead | None = None) -> PrefixLoad:
     """Start executing a plan (model lock held): drop what diverged, load from a tier (Session.begin_load)."""
     load = PrefixLoad(session.ctx, plan, session._rt.tiers, session._num_ctx)
-    session._manifest = plan.manifest
+    session._manifest, session.cache_salt = plan.manifest, plan.salt
     load.begin(disk)
     return load
 
@@ -101,7 +103,8 @@ def disk_read(session: Session, plan: PrefixPlan) -> Callable[[], DiskRead] | No
     if tiers is None:
         return None
     tokens = plan.tokens
-    return tiers.disk_read(plan.manifest.digest, tokens, tiers.keys(plan.manifest.digest, tokens), plan.reused)
+    keys = tiers.keys(plan.manifest.digest, tokens, plan.salt)
+    return tiers.disk_read(plan.manifest.digest, tokens, keys, plan.reused)
 
 
 def finish_load(session: Session, load: PrefixLoad) -> PrefixStatus:
@@ -135,10 +138,14 @@ def _divergence(session: Session, tokens: Sequence[int], reused: int, add_bos: b
     )
 
 
-def _prefix_reason(session: Session, same: bool, manifest: ContextManifest, reused: int, n: int) -> str:
+def _prefix_reason(
+    session: Session, same: bool, manifest: ContextManifest, reused: int, n: int, salt: str | None
+) -> str:
     resident = session._manifest
     if resident is None or not session.ctx.tokens:
         return f"cold: nothing resident; prefilled {n} tokens"
+    if session.cache_salt != salt:  # says nothing of what the other salt's KV holds
+        return f"cold: nothing resident under this cache salt; prefilled {n} tokens"
     if not same:
         return f"cold: manifest changed ({resident.diff(manifest)}); prefilled {n} tokens"
     if reused == 0:

@@ -174,11 +174,11 @@ class Runtime:
     def manifest(self, add_bos: bool | None = None) -> ContextManifest:
         return self._manifests[self.default_add_bos if add_bos is None else bool(add_bos)]
 
-    def pin_prefix(self, manifest_digest: str, tokens: Sequence[int], seconds: float) -> int:
-        """Keep the memory tier's entry for tokens' prefix ahead of LRU for seconds (a client's cache
-        hint, tiers.py); the tokens it holds, 0 without a memory tier or an entry. No model lock."""
+    def pin_prefix(self, manifest_digest: str, tokens: Sequence[int], seconds: float, salt: str | None = None) -> int:
+        """Keep the memory tier's entry for tokens' prefix (under a cache salt) ahead of LRU for seconds (a
+        client's cache hint, tiers.py); the tokens it holds, 0 without a memory tier or an entry. No model lock."""
         tiers = self.tiers
-        return 0 if tiers is None else tiers.pin(manifest_digest, tokens, seconds)
+        return 0 if tiers is None else tiers.pin(manifest_digest, tokens, seconds, salt)
 
     def reuse_mode(self, mode: str | None = None) -> str:
         """The reuse mode a prompt asked for (None: the runtime's), checked against what the backend can."""

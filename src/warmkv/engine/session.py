@@ -88,6 +88,7 @@ class Session:
             runtime.backend, seq, runtime.config.prefill_chunk, self._num_ctx, on_forward=runtime.note_prefill
         )
         self._manifest: ContextManifest | None = None
+        self.cache_salt: str | None = None  # the salt the resident KV was computed under (PrefixInput)
         self._byte_hash: str | None = None
         self._token_hash: str | None = None
         self._last_prefix: PrefixStatus | None = None

@@ -99,6 +99,8 @@ def _copy(session: Session, name: str) -> Snapshot:
         "byte_hash": session._byte_hash,
         "exact_end": ctx.exact_end,  # a restore keeps moved KV out of exact reuse
     }
+    if session.cache_salt is not None:  # a restore reuses it only under the same salt
+        meta["cache_salt"] = session.cache_salt
     blob = session._backend.export_seq(session._seq)
     return Snapshot(name, m.digest, m.to_dict(), tuple(ctx.tokens), bytes(blob), meta, time.time())
 
@@ -154,6 +156,8 @@ def load(session: Session, tokens: Sequence[int], blob: bytes, manifest: Context
             int(exact_end) if exact_end is not None else None,
         )
         session._manifest = manifest
+        salt = meta.get("cache_salt")
+        session.cache_salt = salt if isinstance(salt, str) and salt else None
         session._byte_hash = meta.get("byte_hash")  # type: ignore[assignment]
         session._token_hash = hash_token_ids(ctx.tokens[: ctx.prefix_len])
 
@@ -161,5 +165,5 @@ def load(session: Session, tokens: Sequence[int], blob: bytes, manifest: Context
 def _adopt(child: Session, parent: Session) -> None:
     """The child takes over the parent's bookkeeping (its KV was copied to the child's sequence)."""
     child.ctx.adopt(parent.ctx)
-    child._manifest = parent._manifest
+    child._manifest, child.cache_salt = parent._manifest, parent.cache_salt
     child._byte_hash, child._token_hash, child._last_prefix = parent._byte_hash, parent._token_hash, parent._last_prefix

@@ -100,8 +100,9 @@ class KVTiers:
             else None
         )
 
-    def keys(self, manifest_digest: str, tokens: Sequence[int]) -> list[str]:
-        return block_keys(manifest_digest, tokens, self.block_tokens)
+    def keys(self, manifest_digest: str, tokens: Sequence[int], salt: str | None = None) -> list[str]:
+        """The block keys of tokens under a manifest and a cache salt (block_hash.py)."""
+        return block_keys(manifest_digest, tokens, self.block_tokens, salt)
 
     def lookup(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> DiskRead:
         """The longest cached prefix of `tokens` longer than `beat` tokens: the memory tier's, or a
@@ -160,14 +161,21 @@ class KVTiers:
                 return WarmHit("memory", n, kv)
         return None
 
-    def run_sources(self, manifest_digest: str) -> list[CacheEntry]:
+    def run_sources(self, manifest_digest: str, salt: str | None = None) -> list[CacheEntry]:
         """The memory entries a chunks-mode load may take runs from (under the model lock): the
-        RUN_SOURCES most recently used of this manifest, newest first; each payload is a CachedKV.
-        The disk tier is not searched (its entries are read only for an exact prefix)."""
+        RUN_SOURCES most recently used of this manifest and cache salt, newest first; each payload is a
+        CachedKV. The disk tier is not searched (its entries are read only for an exact prefix)."""
         self._spills.release_copied()
         if self.memory is None:
             return []
-        return [e for e in self.memory.recent(RUN_SOURCES) if cached_kv(e).manifest_digest == manifest_digest]
+        n = self.block_tokens
+        return [
+            e
+            for e in self.memory.recent(RUN_SOURCES)
+            if cached_kv(e).manifest_digest == manifest_digest
+            # its first key names its salt's chain (every entry holds at least one full block)
+            and e.keys[:1] == tuple(self.keys(manifest_digest, cached_kv(e).tokens[:n], salt))
+        ]
 
     def load_source(self, entry: CacheEntry, seq: int) -> None:
         """Replace seq's KV with all of a run_sources entry (under the model lock); a use of it."""
@@ -251,12 +259,12 @@ class KVTiers:
         elif self.remote is not None and self.writer is not None:
             self._spills.write_through(keys, cached, tokens)
 
-    def pin(self, manifest_digest: str, tokens: Sequence[int], seconds: float) -> int:
+    def pin(self, manifest_digest: str, tokens: Sequence[int], seconds: float, salt: str | None = None) -> int:
         """Keep the memory entry that holds tokens' longest cached prefix for `seconds` ahead of LRU (a
         client's cache hint); the prompt tokens it holds (its entry may reach past them), 0 without one."""
         if self.memory is None:
             return 0
-        found = self.memory.match(self.keys(manifest_digest, tokens), count=False)
+        found = self.memory.match(self.keys(manifest_digest, tokens, salt), count=False)
         if found.entry is None:
             return 0
         try:

@@ -147,6 +147,7 @@ def create_app(
     app.add_middleware(
         Guard,
         api_key=cfg.api_key,
+        api_keys=cfg.api_keys,
         admin_key=cfg.admin_key,
         policy=policy,
         max_body_bytes=cfg.max_body_bytes,

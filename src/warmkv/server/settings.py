@@ -54,6 +54,9 @@ class ServerSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    # More API keys (`--api-key` given again): each key, api_key included, is a tenant whose prompts
+    # share no cached prefix with another key's (http/cache_salt.py).
+    api_keys: tuple[str, ...] = ()
     # Browser origins allowed beyond the local ones (http(s)://localhost:*, editors' webviews: http/browser.py);
     # cors_any_origin allows every one (any page the user opens may then use the server).
     cors_origins: tuple[str, ...] = ()
@@ -106,6 +109,11 @@ class ServerSettings:
             any_origin=self.cors_any_origin,
         )
 
+    @property
+    def all_api_keys(self) -> tuple[str, ...]:
+        """Every API key a client may send (none: the server takes no key)."""
+        return (() if self.api_key is None else (self.api_key,)) + tuple(self.api_keys)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "cors_origins", tuple(self.cors_origins or ()))
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts or ()))
@@ -125,7 +133,16 @@ class ServerSettings:
             raise InvalidConfig("api_key must be a string of at least 8 characters")
         if self.admin_key is not None and (not isinstance(self.admin_key, str) or len(self.admin_key) < 8):
             raise InvalidConfig("admin_key must be a string of at least 8 characters")
-        if self.admin_key is not None and self.admin_key == self.api_key:
+        if self.api_keys and self.api_key is None:
+            raise InvalidConfig("api_keys add to api_key: set api_key first")
+        for k in self.api_keys:
+            if not isinstance(k, str) or len(k) < 8:
+                raise InvalidConfig(
+                    f"each of api_keys must be a string of at least 8 characters ({len(self.api_keys)} given)"
+                )
+        if len(set(self.all_api_keys)) != len(self.all_api_keys):
+            raise InvalidConfig("api_key and api_keys must all differ: a key names its tenant")
+        if self.admin_key is not None and self.admin_key in self.all_api_keys:
             raise InvalidConfig("admin_key must differ from api_key: every client holds the API key")
         if self.api_key is None and not is_loopback(self.host):
             raise InvalidConfig(

@@ -1,10 +1,13 @@
 """Chained hashes of fixed-size token blocks: the keys of the prefix cache and the store.
 
-    key[-1] = H("warmkv-block-v1", manifest_digest, block_size)
+    key[-1] = H("warmkv-block-v1", manifest_digest, block_size)              (no cache salt)
+    key[-1] = H("warmkv-block-v1", manifest_digest, block_size, "salt", salt)  (a request's cache_salt)
     key[i]  = H(key[i-1], tokens[i*bs : (i+1)*bs])      (uint32 little-endian token ids)
 
 A block's key covers every token before it and the manifest, so two equal keys
-mean equal KV for the whole prefix up to the end of that block. Only full blocks
+mean equal KV for the whole prefix up to the end of that block. A cache salt (a tenant's, see
+docs/server.md) starts another chain: prompts of two salts share no key in any tier (memory, disk,
+remote), while their KV stays what a cold prefill computes. Only full blocks
 get a key: a partial last block is recomputed, never cached.
 """
 
@@ -42,15 +45,20 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     return arr.astype("<u4").tobytes()
 
 
-def seed_key(manifest_digest: str, block_size: int) -> str:
-    """The key "before block 0": ties every chain to one manifest and one block size."""
+def seed_key(manifest_digest: str, block_size: int, salt: str | None = None) -> str:
+    """The key "before block 0": ties every chain to one manifest, one block size and one cache salt."""
     _check(manifest_digest, block_size)
-    return _h(_DOMAIN, manifest_digest.encode(), block_size.to_bytes(4, "little")).hex()
+    parts = [_DOMAIN, manifest_digest.encode(), block_size.to_bytes(4, "little")]
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise InvalidInput(f"cache salt must be a non-empty string, got {salt!r}")
+        parts += [b"salt", salt.encode()]
+    return _h(*parts).hex()
 
 
-def block_keys(manifest_digest: str, tokens: Sequence[int], block_size: int) -> list[str]:
+def block_keys(manifest_digest: str, tokens: Sequence[int], block_size: int, salt: str | None = None) -> list[str]:
     """Keys of the len(tokens) // block_size full blocks of tokens, in order (hex strings)."""
-    prev = bytes.fromhex(seed_key(manifest_digest, block_size))
+    prev = bytes.fromhex(seed_key(manifest_digest, block_size, salt))
     data = token_bytes(tokens)
     step = 4 * block_size
     keys: list[str] = []

@@ -1,5 +1,6 @@
 """ASGI middleware in front of every route: Origin and Host (browser.py), API and admin keys, JSON
-bodies on state-changing routes, the request body limit, request counts."""
+bodies on state-changing routes, the request body limit, request counts; and the request's cache
+salt: the key it authenticated with and its salt header (cache_salt.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..errors import ApiError, is_ollama
+from ...errors import InvalidInput
+from ..errors import ApiError, from_warmkv, is_ollama
 from ..metrics import ServerMetrics
 from ..settings import ServerSettings
+from . import cache_salt
 from .browser import BrowserPolicy
 
 OPEN_PATHS = ("/health",)  # liveness probes need no key
@@ -62,9 +65,11 @@ class Guard:
         metrics: ServerMetrics,
         policy: BrowserPolicy | None = None,
         admin_key: str | None = None,
+        api_keys: tuple[str, ...] = (),
     ) -> None:
         self.app = app
         self.api_key = api_key
+        self.api_keys = (() if api_key is None else (api_key,)) + tuple(api_keys)  # each a tenant
         self.admin_key = admin_key
         self.policy = policy or BrowserPolicy()
         self.max_body = max_body_bytes
@@ -76,6 +81,16 @@ class Guard:
             if refused is not None:  # closing before accept answers the handshake with a 403
                 await send({"type": "websocket.close", "code": 1008, "reason": refused.message[:120]})
                 return
+            try:
+                salt = cache_salt.enter(self._tenant(scope), _header(scope, cache_salt.HEADER.encode()))
+            except InvalidInput as e:
+                await send({"type": "websocket.close", "code": 1008, "reason": str(e)[:120]})
+                return
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                cache_salt.leave(salt)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -124,7 +139,24 @@ class Guard:
             )
             await err.response(scope["path"])(scope, receive, send)
             return
-        await self.app(scope, _replay(bytes(body), receive), send)
+        try:
+            salt = cache_salt.enter(self._tenant(scope), _header(scope, cache_salt.HEADER.encode()))
+        except InvalidInput as e:
+            await from_warmkv(e).response(scope["path"])(scope, receive, send)
+            return
+        try:
+            await self.app(scope, _replay(bytes(body), receive), send)
+        finally:
+            cache_salt.leave(salt)
+
+    def _tenant(self, scope: Scope) -> str | None:
+        """The key the request authenticated with, whose own cache salt it gets; None when keys are off."""
+        if not self.api_keys:
+            return None
+        for key in (*self.api_keys, self.admin_key):
+            if key is not None and self._authorized(scope, key):
+                return key
+        return None  # an open path (/health)
 
     def _json_allowed(self, scope: Scope) -> bool:
         """A JSON body; or, on the Ollama routes, any type from a client that is no browser (Ollama's
@@ -145,7 +177,7 @@ class Guard:
                 "this route takes the admin key: send 'Authorization: Bearer <admin key>' or 'x-api-key'",
                 code="invalid_admin_key",
             )
-        if self.api_key is None or path in OPEN_PATHS or self._authorized(scope, self.api_key):
+        if not self.api_keys or path in OPEN_PATHS or any(self._authorized(scope, k) for k in self.api_keys):
             return None
         if self.admin_key is not None and self._authorized(scope, self.admin_key):
             return None  # the operator's key opens every route

@@ -86,12 +86,12 @@ class SessionPool:
     def idle_sessions(self) -> tuple[Session, ...]:
         return tuple(self._idle)
 
-    async def acquire(self, tokens: list[int], key: str | None = None) -> Session:
-        """The idle session sharing the longest prefix with tokens (key's own first, others' last);
-        waits (bounded) when none is idle."""
+    async def acquire(self, tokens: list[int], key: str | None = None, salt: str | None = None) -> Session:
+        """The idle session sharing the longest prefix with tokens under the same cache salt (key's own
+        first, others' last); waits (bounded) when none is idle."""
         self._refill()
         if self._idle:
-            return self._best(tokens, key)
+            return self._best(tokens, key, salt)
         if self._missing == self.size and not self._opening:
             raise self._unavailable()
         with self._admission.wait():
@@ -114,12 +114,13 @@ class SessionPool:
                     ) from None
                 raise
 
-    def _best(self, tokens: list[int], key: str | None) -> Session:
+    def _best(self, tokens: list[int], key: str | None, salt: str | None) -> Session:
         def score(s: Session) -> tuple[bool, int, float]:
             r = s.resident  # what it held when its last turn ended: no lock, no wait
             owner = self._owner.get(s.id)
             mine = key is not None and owner == key
-            common = common_prefix_len(r, tokens)
+            # KV of another cache salt is worth nothing here (the engine prefills such a prompt cold)
+            common = common_prefix_len(r, tokens) if s.cache_salt == salt else 0
             # Taking another key's session costs that conversation the history past the shared
             # prefix: a new agent session takes a warm system prompt and tools, but not a long
             # history that another live session will send again. The key's own session first;

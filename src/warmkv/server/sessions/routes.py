@@ -18,6 +18,7 @@ from ...manifest import Segment
 from ...prompt.constraint import Constraint
 from ...types import PrefixInput, StreamChunk, SuffixInput, TokenLogprob
 from ..errors import ApiError, not_implemented
+from ..http import cache_salt
 from ..state import ServerState, State
 from ..turn import ignored, wire
 from ..turn.chat_turn import TurnStep
@@ -105,6 +106,7 @@ async def ensure_prefix(sid: str, req: PrefixRequest, st: State, after: Backgrou
         add_bos=req.add_bos,
         parse_special=req.parse_special,
         expect_manifest=req.expect_manifest,
+        cache_salt=cache_salt.effective(),  # the header's, within the API key's: tiers are shared
     )
     status = await _call(st, sid, Session.ensure_prefix, inp)
     st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)

@@ -119,7 +119,9 @@ class ChatTurn:
         status = await self.gen.stream.resident()
         if self.pin_s is not None and status is not None:  # the memory tier holds the prompt's prefix now
             rt = self.st.runtime
-            pinned = await run_in_threadpool(rt.pin_prefix, status.manifest_digest, self.gen.prompt_ids, self.pin_s)
+            pinned = await run_in_threadpool(
+                rt.pin_prefix, status.manifest_digest, self.gen.prompt_ids, self.pin_s, self.gen.cache_salt
+            )
             self.headers["x-warmkv-pinned-tokens"] = str(pinned)  # a non-streamed body's headers have it
         if self._report is not None and status is not None:
             # a non-streamed body's response is made after its turn: it gets the reuse headers still

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from ...config import DecodeConfig
 from ...errors import ContextOverflow, InvalidInput, SessionFatal, Unsupported, WarmkvError
 from ...types import PrefixInput, PrefixStatus
+from ..http import cache_salt
 from ..state import ServerState
 from .streams import ChunkStream, start_turn
 
@@ -24,6 +25,7 @@ class Generation:
     prompt_ids: tuple[int, ...]
     t0: float
     max_tokens: int  # the budget the turn decodes under
+    cache_salt: str | None = None  # the salt its prompt was made resident under (http/cache_salt.py)
 
     @property
     def pending(self) -> bool:
@@ -77,11 +79,12 @@ async def generate(
     rt = st.runtime
     sampling = dict(sampling)
     mode = sampling.pop("reuse_mode", None)
+    salt = cache_salt.effective(sampling.pop("cache_salt", None))
     try:
         rt.reuse_mode(mode)
     except Unsupported as e:  # a 400 naming the field, saying why this runtime cannot move KV
         raise InvalidInput(f"reuse_mode: {e}", param="reuse_mode") from e
-    inp = replace(PrefixInput.coerce(prompt), reuse_mode=mode)
+    inp = replace(PrefixInput.coerce(prompt), reuse_mode=mode, cache_salt=salt)
     tokens = list(inp.tokens) if inp.tokens is not None else await run_in_threadpool(rt.tokenize, inp.text)
     num_ctx = rt.config.num_ctx if num_ctx is None else min(num_ctx, rt.config.num_ctx)
     if max_tokens is None:
@@ -93,7 +96,7 @@ async def generate(
     if max_tokens < 1 or len(tokens) + max_tokens > num_ctx:
         raise ContextOverflow("prompt", len(tokens), max(max_tokens, 1), num_ctx)
     cfg = DecodeConfig(max_tokens=max_tokens, **sampling)
-    session = await st.pool.acquire(tokens, key)
+    session = await st.pool.acquire(tokens, key, salt)
 
     def finished(stream: ChunkStream) -> None:
         final = stream.final
@@ -117,7 +120,7 @@ async def generate(
     stream.when_resident(lambda s: st.metrics.observe_prompt(s.reused_tokens, s.prefilled_tokens))
     if await stream.resident_within(wait):
         await stream.resident()  # its error raises here, before the response starts
-    return Generation(stream, tuple(tokens), t0, max_tokens)
+    return Generation(stream, tuple(tokens), t0, max_tokens, salt)
 
 
 def open_wait(st: ServerState) -> float:

@@ -51,6 +51,9 @@ def sampling_fields(req: Any, *, stop: str = "stop", defaults: Mapping[str, Any]
     mode = getattr(req, "reuse_mode", None)
     if mode is not None:  # not a DecodeConfig field: generate() takes it out for the prompt
         out["reuse_mode"] = mode
+    salt = getattr(req, "cache_salt", None)
+    if salt is not None:  # likewise (http/cache_salt.py)
+        out["cache_salt"] = salt
     return out
 
 

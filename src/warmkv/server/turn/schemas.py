@@ -57,6 +57,8 @@ class _Sampling(_Request):
     grammar: str | None = Field(default=None, min_length=1)  # extension: a Lark grammar
     speculative: int = Field(default=0, ge=0, le=32)  # extension: greedy drafts from the context per step
     reuse_mode: str | None = None  # extension: "exact" or "chunks" (None: the server's --reuse-mode)
+    # As vLLM's: prompts reuse cached prefixes only of requests with the same salt (http/cache_salt.py)
+    cache_salt: str | None = None
     # Accepted without effect: identify the caller, or steer hosted caches and tiers warmkv does not have.
     user: str | None = None
     metadata: dict[str, str] | None = None

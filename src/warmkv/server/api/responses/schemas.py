@@ -193,6 +193,7 @@ class ResponsesRequest(_Request):
     safety_identifier: str | None = None
     service_tier: Literal["auto", "default"] | None = None
     # warmkv extensions, as on the chat route.
+    cache_salt: str | None = None  # as vLLM's: reuse only prefixes of the same salt (http/cache_salt.py)
     top_k: int = Field(default=40, ge=0)
     min_p: float = Field(default=0.05, ge=0.0, le=1.0)
     seed: int | None = None

@@ -51,13 +51,13 @@ SOCKET_STORE = StoreLimits(max_bytes=64 << 20, max_age_s=24 * 3600.0)  # one soc
 def refusal(ws: WebSocket, settings: ServerSettings) -> ApiError | None:
     """Why a handshake is refused, or None. The HTTP middleware passes WebSocket scopes through, so
     the socket checks the API key itself; every handshake check belongs here."""
-    if settings.api_key is None:
+    if not settings.all_api_keys:
         return None
     bearer = ws.headers.get("authorization", "").encode()
     key = ws.headers.get("x-api-key", "").encode()
-    want = settings.api_key.encode()
-    if hmac.compare_digest(bearer, b"Bearer " + want) | hmac.compare_digest(key, want):
-        return None
+    for want in (k.encode() for k in settings.all_api_keys):
+        if hmac.compare_digest(bearer, b"Bearer " + want) | hmac.compare_digest(key, want):
+            return None
     return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
