@@ -55,6 +55,16 @@ def test_salts_seed_separate_chains() -> None:
         PrefixInput("x", cache_salt="s" * 257)
 
 
+def test_miss_diagnostics_never_compare_across_salts() -> None:
+    from warmkv.server.turn.message_log import Fingerprint, cache_miss_reason
+
+    prev = Fingerprint.of("m", "system A", [], [{"role": "user", "content": "hi"}], 400, "alice")
+    mine = Fingerprint.of("m", "system B", [], [{"role": "user", "content": "hi"}], 400, "alice")
+    theirs = Fingerprint.of("m", "system B", [], [{"role": "user", "content": "hi"}], 400, "bob")
+    assert cache_miss_reason(prev, mine, 0) == {"type": "system_changed", "cache_missed_input_tokens": 400}
+    assert cache_miss_reason(prev, theirs, 0) == {"type": "previous_message_not_found"}
+
+
 def test_second_salt_is_cold_on_every_tier(redis_server: RedisServer, tmp_path: Path) -> None:
     with load(tmp_path / "a", redis_server.url) as a:
         first, cold = turn(a, "alice")

@@ -67,8 +67,9 @@ def test_a_failed_replacement_degrades_the_pool_until_one_opens(rt: warmkv.Runti
 class _FakeSession:
     """What the pool reads of a session: its id and its published resident tokens."""
 
-    def __init__(self, sid: str, tokens: list[int]) -> None:
+    def __init__(self, sid: str, tokens: list[int], cache_salt: str | None = None) -> None:
         self.id, self.tokens, self.closed = sid, tokens, False
+        self.cache_salt = cache_salt  # the salt its resident KV was made under
 
     @property
     def resident(self) -> tuple[int, ...]:
@@ -104,5 +105,25 @@ def test_keyed_requests_keep_their_sessions() -> None:
         # Each key goes back to its own session, whatever else shares its prefix.
         assert await pool.acquire([*system, 7, *list(range(5000, 6600))], key="k2") is second
         assert await pool.acquire([*system, 1, 2, 3, 4, 5], key="k1") is third
+
+    asyncio.run(scenario())
+
+
+def test_requests_route_by_cache_salt() -> None:
+    """A prompt under one salt is not sent to a session for the prefix another salt made resident."""
+    from warmkv.server.sessions.admission import Admission
+    from warmkv.server.sessions.pool import SessionPool
+
+    system = list(range(1000))
+
+    async def scenario() -> None:
+        pool = SessionPool(None, 3, Admission(4), 5.0)  # type: ignore[arg-type]
+        warm_a = _FakeSession("a", [*system, 1], "alice")
+        short_b = _FakeSession("b", system[:10], "bob")
+        empty = _FakeSession("c", [])
+        pool._idle = [warm_a, short_b, empty]
+        assert await pool.acquire([*system, 2], salt="bob") is short_b  # its own 10 tokens, not alice's 1000
+        assert await pool.acquire([*system, 2], salt="carol") is empty  # nothing of anyone's is worth taking
+        assert await pool.acquire([*system, 2], salt="alice") is warm_a
 
     asyncio.run(scenario())

@@ -120,12 +120,13 @@ class SessionPool:
             owner = self._owner.get(s.id)
             mine = key is not None and owner == key
             # KV of another cache salt is worth nothing here (the engine prefills such a prompt cold)
-            common = common_prefix_len(r, tokens) if s.cache_salt == salt else 0
-            # Taking another key's session costs that conversation the history past the shared
-            # prefix: a new agent session takes a warm system prompt and tools, but not a long
+            same = s.cache_salt == salt
+            common = common_prefix_len(r, tokens) if same else 0
+            # Taking another key's (or salt's) session costs that conversation the history past the
+            # shared prefix: a new agent session takes a warm system prompt and tools, but not a long
             # history that another live session will send again. The key's own session first;
             # then the most tokens gained; among equals the least recently used, to spread work.
-            lost = len(r) - common if key is not None and owner not in (None, key) else 0
+            lost = len(r) - common if not same or (key is not None and owner not in (None, key)) else 0
             return (mine, common - lost, -self._last_used.get(s.id, 0.0))
 
         best = max(self._idle, key=score)

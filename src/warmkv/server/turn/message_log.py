@@ -30,15 +30,19 @@ class Fingerprint:
     tools: str
     messages: tuple[str, ...]
     prompt_tokens: int
+    cache_salt: str | None = None  # a request under another salt cannot ask about this one
 
     @classmethod
-    def of(cls, model: str, system: Any, tools: Any, messages: list[Any], prompt_tokens: int) -> Fingerprint:
-        return cls(model, _digest(system), _digest(tools), tuple(_digest(m) for m in messages), prompt_tokens)
+    def of(
+        cls, model: str, system: Any, tools: Any, messages: list[Any], prompt_tokens: int, salt: str | None = None
+    ) -> Fingerprint:
+        digests = tuple(_digest(m) for m in messages)
+        return cls(model, _digest(system), _digest(tools), digests, prompt_tokens, salt)
 
 
 def cache_miss_reason(prev: Fingerprint | None, now: Fingerprint, cached: int) -> dict[str, Any] | None:
     """Why this request reused less than the previous request's prompt; None when it reused all of it."""
-    if prev is None:
+    if prev is None or prev.cache_salt != now.cache_salt:  # another salt's request is not this client's
         return {"type": "previous_message_not_found"}
     missed = prev.prompt_tokens - cached
     if missed <= 0:

@@ -238,7 +238,7 @@ def _diagnose(st: ServerState, req: MessagesRequest, mid: str, turn: ChatTurn) -
     """Record this request's fingerprint; compare it with the previous one when the client asks."""
     dump = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    fp = Fingerprint.of(req.model, _text(req.system), tools, dump, turn.gen.prompt_tokens)
+    fp = Fingerprint.of(req.model, _text(req.system), tools, dump, turn.gen.prompt_tokens, turn.gen.cache_salt)
     st.messages_log.record(mid, fp)
     if req.diagnostics is None:
         return None
