@@ -143,6 +143,16 @@ def test_api_keys_and_salts_are_isolated_on_the_server(tmp_path: Path) -> None:
         assert cold.status_code == warm.status_code == 200, cold.text
         assert cold.json()["usage"]["cache_read_input_tokens"] == 0
         assert warm.json()["usage"]["cache_read_input_tokens"] > 64
+        # the Responses API takes the body field
+        resp = {"model": "any", "max_output_tokens": 16, "temperature": 0, "cache_salt": "responses-only",
+                "instructions": PROMPT[len("<|im_start|>system\n") : -len("<|im_end|>\n")],
+                "input": "When is invoice 4 due?"}  # fmt: skip
+        auth = {"Authorization": f"Bearer {KEY_ONE}"}
+        cold = httpx.post(f"{base}/v1/responses", json=resp, headers=auth, timeout=120)
+        warm = httpx.post(f"{base}/v1/responses", json=resp, headers=auth, timeout=120)
+        assert _cached(cold) == 0 and _cached(warm) > 64
+        bad = httpx.post(f"{base}/v1/responses", json={**resp, "cache_salt": ""}, headers=auth, timeout=120)
+        assert bad.status_code == 400 and "cache_salt" in bad.text, bad.text
         # a salt that is no salt: a 400 naming the field, and nothing runs
         for bad in ("", "s" * 257):
             r = _chat(base, KEY_ONE, salt=bad)
