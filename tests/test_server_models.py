@@ -170,11 +170,13 @@ def test_models_alternate_under_models_max_one_and_stay_warm_from_disk(
                 cold_msgs = [{**msgs[0], "content": f"{round_}" + msgs[0]["content"]}, *msgs[1:]]
                 _, cold_ttft, cold_prompt, cold_cached = _turn(client, model, cold_msgs)
                 assert cold_cached <= 8 and abs(cold_prompt - prompt) <= 2  # the template's head may match
-                figures.append((model, round_, load_s, ttft, cold_ttft, cached, prompt))
+                figures.append((model, round_, load_s, ttft, cold_ttft, cached, prompt, (load_s + ttft) / cold_ttft))
                 assert ttft <= 0.2 * cold_ttft, figures
             last_prompt[model] = prompt
             msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"And page_{9 + round_}?"}]
-    print("\nmodel, round, load s, warm TTFT s, cold TTFT s, cached, prompt:", *figures, sep="\n")
+    # The last figure: the swap back's turn, reload included, against the cold turn (a benchmark,
+    # scripts/serving/swap_back.py, records it on a quiet machine: docs/benchmarks.md).
+    print("\nmodel, round, load s, warm TTFT s, cold TTFT s, cached, prompt, (load + warm) / cold:", *figures, sep="\n")
     health = httpx.get(f"{base}/health", timeout=10).json()
     assert {m["id"]: m["loads"] for m in health["models"]}[DEFAULT] >= 2
 
