@@ -109,12 +109,13 @@ def test_drain_finishes_streams_parks_and_writes_kv(tmp_path: Path) -> None:
     finally:
         rt.close()
 
-    # A new process on the same store: the conversation's prefix is warm from disk, and the named
-    # session comes back from its snapshot.
+    # A new process on the same store: the conversation's prefix is warm from disk for the same key
+    # (each API key's prompts are filed under its own cache salt), and the named session comes back
+    # from its snapshot.
     rt = _runtime(store)
     try:
-        with live_server(rt, pool_size=2) as url:
-            usage = httpx.post(f"{url}/v1/chat/completions", json=CHAT, timeout=60).json()["usage"]
+        with live_server(rt, pool_size=2, api_key=KEY) as url:
+            usage = httpx.post(f"{url}/v1/chat/completions", json=CHAT, headers=AUTH, timeout=60).json()["usage"]
             assert usage["prompt_tokens_details"]["cached_tokens"] >= 128, usage
         restored = rt.restore(f"session-{sid}")
         assert len(restored.resident) == summary["snapshot_tokens"]
