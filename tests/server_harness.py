@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import uvicorn
@@ -53,3 +54,27 @@ def live_app(app: object, port: int) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def greedy_turn(client: Any, model: str, messages: list[dict[str, str]]) -> tuple[str, float, int, int]:
+    """(reply, seconds to the first token, prompt tokens, cached tokens) of one streamed greedy chat
+    turn of at most 8 tokens, through the official `openai` client."""
+    t0 = time.perf_counter()
+    ttft, text, usage = None, "", None
+    stream = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft or time.perf_counter() - t0
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert usage is not None
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    return text, ttft or time.perf_counter() - t0, usage.prompt_tokens, cached or 0

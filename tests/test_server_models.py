@@ -17,7 +17,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from server_harness import free_port
+from server_harness import free_port, greedy_turn
 from warmkv.models import default_model_path
 
 pytestmark = pytest.mark.skipif(
@@ -111,29 +111,6 @@ def _status(base: str) -> dict[str, str]:
     return {m["id"]: m["status"]["value"] for m in models}
 
 
-def _turn(client: OpenAI, model: str, messages: list[dict[str, str]]) -> tuple[str, float, int, int]:
-    """(reply, seconds to the first token, prompt tokens, cached tokens) of one streamed greedy turn."""
-    t0 = time.perf_counter()
-    ttft, text, usage = None, "", None
-    stream = client.chat.completions.create(
-        model=model,
-        messages=messages,
-        max_tokens=8,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            ttft = ttft or time.perf_counter() - t0
-            text += chunk.choices[0].delta.content
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert usage is not None
-    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    return text, ttft or time.perf_counter() - t0, usage.prompt_tokens, cached or 0
-
-
 def _conversation(tag: str) -> list[dict[str, str]]:
     return [
         {"role": "system", "content": f"You are a coding agent ({tag}). The workspace:\n{WORKSPACE}"},
@@ -163,12 +140,12 @@ def test_models_alternate_under_models_max_one_and_stay_warm_from_disk(
                     GEMMA: "loaded" if model == GEMMA else "unloaded",
                     "broken": "unloaded",
                 }
-            reply, ttft, prompt, cached = _turn(client, model, msgs)
+            reply, ttft, prompt, cached = greedy_turn(client, model, msgs)
             if round_ > 0:
                 assert cached >= 0.9 * last_prompt[model], (model, round_, cached, last_prompt[model])
                 # the same prompt, cold: a first byte no earlier prompt had, so nothing matches
                 cold_msgs = [{**msgs[0], "content": f"{round_}" + msgs[0]["content"]}, *msgs[1:]]
-                _, cold_ttft, cold_prompt, cold_cached = _turn(client, model, cold_msgs)
+                _, cold_ttft, cold_prompt, cold_cached = greedy_turn(client, model, cold_msgs)
                 assert cold_cached <= 8 and abs(cold_prompt - prompt) <= 2  # the template's head may match
                 figures.append((model, round_, load_s, ttft, cold_ttft, cached, prompt, (load_s + ttft) / cold_ttft))
                 assert ttft <= 0.2 * cold_ttft, figures

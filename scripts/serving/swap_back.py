@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +25,9 @@ from openai import OpenAI
 from warmkv.bench.live.server_proc import serve
 from warmkv.models import default_model_path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from server_harness import greedy_turn
+
 DEFAULT = default_model_path().stem
 GEMMA = "gemma3-270m"
 WORKSPACE = "\n".join(
@@ -31,28 +35,6 @@ WORKSPACE = "\n".join(
     f"context={{'user': user, 'session': session, 'items': load_items_{i}(user)}})"
     for i in range(60)
 )
-
-
-def _turn(client: OpenAI, model: str, messages: list[dict[str, str]]) -> tuple[str, float, int, int]:
-    t0 = time.perf_counter()
-    ttft, text, usage = None, "", None
-    stream = client.chat.completions.create(
-        model=model,
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=8,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            ttft = ttft or time.perf_counter() - t0
-            text += chunk.choices[0].delta.content
-        if chunk.usage is not None:
-            usage = chunk.usage
-    assert usage is not None
-    details = usage.prompt_tokens_details
-    return text, ttft or time.perf_counter() - t0, usage.prompt_tokens, (details.cached_tokens if details else 0) or 0
 
 
 def main() -> None:
@@ -80,12 +62,12 @@ def main() -> None:
                     r = httpx.post(f"{server.base}/models/load", json={"model": model}, timeout=600)
                     r.raise_for_status()
                     reload_s = time.perf_counter() - t0
-                reply, ttft, prompt, cached = _turn(client, model, msgs)
+                reply, ttft, prompt, cached = greedy_turn(client, model, msgs)
                 if round_ > 0:
                     # every line of the workspace other than any earlier prompt's: nothing to reuse
                     other = msgs[0]["content"].replace("src/", f"lib{round_}/")
                     cold = [{**msgs[0], "content": other}, *msgs[1:]]
-                    _, cold_ttft, _, cold_cached = _turn(client, model, cold)
+                    _, cold_ttft, _, cold_cached = greedy_turn(client, model, cold)
                     ratio = (reload_s + ttft) / cold_ttft
                     rows.append((model, round_, reload_s, ttft, cold_ttft, cached, prompt, cold_cached, ratio))
                     print(
