@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -118,8 +119,10 @@ def _build_name(flags: tuple[str, ...] = FLAGS) -> str:
     return f"warmkv_decode_{h.hexdigest()[:12]}"
 
 
+@functools.cache
 def build_id() -> str:
-    """The default build's name: it changes with the sources, the flags, the CPU and torch."""
+    """The default build's name: it changes with the sources, the flags, the CPU and torch (read
+    once per process: every native load keys its cached parts by it)."""
     return _build_name()
 
 
