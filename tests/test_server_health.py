@@ -71,6 +71,8 @@ def test_health_does_not_wait_for_a_prefill(backend: str) -> None:
         prompts = [_long_prompt(rt, i) for i in range(4)]
         stop = threading.Event()
         decoding = threading.Semaphore(0)
+        chunks = [0] * STREAMS  # content chunks each stream has received
+        ended: list[tuple[int, int, str]] = []  # streams that ended other than at their cap
 
         def stream(i: int) -> None:
             # Each stream starts again when it ends, its cap staggered so that they never end together:
@@ -81,12 +83,20 @@ def test_health_does_not_wait_for_a_prefill(backend: str) -> None:
             with httpx.Client(base_url=base, timeout=600) as c:
                 while not stop.is_set():
                     with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                        last, capped = "", False
                         for line in r.iter_lines():
-                            if first and '"content":"' in line.replace(" ", ""):
-                                first = False
-                                decoding.release()
+                            compact = line.replace(" ", "")
+                            capped |= '"finish_reason":"length"' in compact
+                            if '"content":"' in compact and '"content":""' not in compact:  # a token, not the role
+                                chunks[i] += 1
+                                if first:
+                                    first = False
+                                    decoding.release()
                             if stop.is_set():
                                 return  # leaving ends the stream
+                            last = line if line and "[DONE]" not in line else last
+                        if r.status_code != 200 or not capped:
+                            ended.append((i, r.status_code, last[-300:]))
 
         def prefills() -> None:
             with httpx.Client(base_url=base, timeout=600) as c:
@@ -107,16 +117,19 @@ def test_health_does_not_wait_for_a_prefill(backend: str) -> None:
                     assert time.monotonic() < deadline, "the long prompt never reached the scheduler"
                     time.sleep(0.01)
                 t0, steps0, prefilled0 = time.perf_counter(), h["steps"], h["prefilled_tokens"]
+                chunks0 = list(chunks)
                 for _ in range(PROBES):
                     t = time.perf_counter()
                     assert c.get("/health").status_code == 200
                     latencies.append(time.perf_counter() - t)
                 window = time.perf_counter() - t0
                 h = c.get("/health").json()["scheduler"]
-            # The load lasted throughout: the streams still decode (one may be starting again), a prompt
-            # still prefills or did meanwhile.
-            assert h["running_streams"] >= STREAMS - 1
-            assert h["waiting_turns"] >= 1 or h["prefilled_tokens"] > prefilled0
+                got = [b - a for a, b in zip(chunks0, chunks, strict=True)]
+            # The load lasted throughout: the streams decoded during the probes (one may have been
+            # starting again), none ended before its cap, and a prompt still prefills or did meanwhile.
+            assert not ended, ended
+            assert sum(n > 0 for n in got) >= STREAMS - 1, (got, h)
+            assert h["waiting_turns"] >= 1 or h["prefilled_tokens"] > prefilled0, h
         finally:
             stop.set()
             for s in rt.sessions:
