@@ -1,14 +1,18 @@
 """A safetensors file mapped into memory with its pages populated at once: tensors are views of it.
 
 safetensors' own reader maps the file too, but lets its pages fault in one by one on first touch:
-copying a model's 66 MB of packed matrices out of it took 0.26 s, most of a reload, against
-~15 ms for the same copy once MAP_POPULATE has mapped every page in one call. The format is a
+copying a model's 66 MB of packed matrices out of it took 0.26 s, most of a reload. The mapping
+is private and writable (a tensor written in place copies its page; the file never changes), so
+MAP_POPULATE would fault every page in for writing, copying the file: 0.73 s for a 1.1 GB file.
+MADV_POPULATE_READ (Linux 5.14) maps the page cache's pages read-only in one call instead: 0.02 s
+for the same file, then its packed matrices copy out at ~6 GB/s. The format is a
 little-endian u64 header length, a JSON header (dtype, shape, data_offsets per tensor, and
 __metadata__), then the bytes; every offset is checked against the file before a view is made.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import struct
@@ -18,6 +22,7 @@ import torch
 
 from ....errors import InvalidModelFile
 
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Python 3.11's mmap does not name it
 DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -37,8 +42,9 @@ def map_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]
     lives as long as any of them does."""
     with open(path, "rb") as f:
         size = path.stat().st_size
-        flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    with contextlib.suppress(OSError):  # an older kernel: the pages fault in as they are read
+        mm.madvise(MADV_POPULATE_READ)
     if size < 8:
         raise InvalidModelFile(f"{path}: {size} bytes, too short for a safetensors header")
     (n,) = struct.unpack_from("<Q", mm, 0)
