@@ -97,9 +97,14 @@ def test_a_second_load_reads_the_cache_and_computes_the_same(
 
 def test_other_build_choices_are_other_files(tmp_path: Path, primed: Path, never_read: list[Path]) -> None:
     shutil.copytree(primed, tmp_path / "c")
+    model_dir = next((tmp_path / "c").rglob("header.json")).parent
+    stale = model_dir / "parts-00000000-00000000.safetensors"  # an older version's build
+    stale.write_bytes(b"\0" * 64)
     with _load(str(tmp_path / "c"), compute_dtype="float32") as b:  # its own parts, the header shared
         want = _logits(b)
+    # the other choice's build stays, the older version's went when this one was written
     assert len([n for n in _files(tmp_path) if n.startswith("parts-")]) == 2 and len(never_read) == 1
+    assert not stale.exists()
     with _load(str(tmp_path / "c"), compute_dtype="float32") as b:
         np.testing.assert_array_equal(_logits(b), want)
     assert len(never_read) == 1

@@ -4,7 +4,7 @@ llamacpp/backend.py).
 
     <root>/digests.json                        path -> (device, inode, size, mtime) -> sha256
     <root>/<sha256>/header.json                native: hyperparameters, tokenizer, template, metadata
-    <root>/<sha256>/parts-<build>.safetensors  native: the engine's matrices for one set of build choices
+    <root>/<sha256>/parts-<code>-<choices>.safetensors  native: the engine's matrices, one build
     <root>/<sha256>/llamacpp.json              llama.cpp: the vocabulary's digest
 
 A load of the default model (94 MB) spent ~3 s reading ~250K metadata fields, rebuilding the

@@ -114,8 +114,9 @@ def write_header(cache: LoadCache, digest: str, ckpt: Checkpoint) -> None:
 
 
 def build_key(**choices: object) -> str:
-    text = json.dumps({"code": code_digest(), **choices}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """<code>-<choices>: the code's part names the files an upgrade made unreachable (write_parts)."""
+    text = json.dumps(choices, sort_keys=True, default=str)
+    return f"{code_digest()[:8]}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 
 def read_parts(cache: LoadCache, digest: str, build: str) -> Parts | None:
@@ -137,4 +138,9 @@ def write_parts(cache: LoadCache, digest: str, build: str, parts: Parts) -> None
     meta = {"spec": json.dumps(spec)}
     path = cache.path(digest, f"parts-{build}.safetensors")
     cache.write(path, lambda tmp: safetensors.torch.save_file(tensors, tmp, metadata=meta), safetensors.SafetensorError)
+    # Another version's builds are never read again (each upgrade left ~127 MB per model of the
+    # default's size): they go, the other choices of this version stay.
+    for old in path.parent.glob("parts-*.safetensors"):
+        if not old.name.startswith(f"parts-{code_digest()[:8]}-"):
+            old.unlink(missing_ok=True)
     cache.evict(keep=digest)
