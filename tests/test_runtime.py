@@ -149,9 +149,9 @@ def test_chat_rejects_bad_messages(rt: warmkv.Runtime) -> None:
     assert rt.complete("Hello", max_tokens=2, temperature=0.0).usage.completion_tokens >= 1
 
 
-def test_lifecycle_cold_warm_active_unloaded() -> None:
+def test_lifecycle_active_at_load_then_unloaded() -> None:
     r = warmkv.Runtime.load(backend="llamacpp", num_ctx=64, n_seq_max=1)
-    assert r.state is ModelState.WARM
+    assert r.state is ModelState.ACTIVE  # the context made at load: the first request does not wait for it
     s = r.session()
     assert r.state is ModelState.ACTIVE
     r.close()
