@@ -99,6 +99,9 @@ class ScriptedBackend:
         pool = self.pool_tokens or self._slots.total * self.config.num_ctx
         return KVMemory(pool * 4, 4, self.config.num_ctx, self._slots.total, pool, True, held_tokens=self.held_tokens())
 
+    def weight_bytes(self) -> int:
+        return 0  # no weights: a script
+
     def held_tokens(self) -> int:
         return sum(len(t) for t in self._kv.values())
 

@@ -23,7 +23,8 @@ class _Info:
 
 @dataclass
 class _KV:
-    bytes: int
+    bytes: int  # the allocation
+    resident: int  # what of it is in memory
 
 
 @dataclass
@@ -36,6 +37,7 @@ class _Runtime:
     name: str
     info: _Info
     stats: _Stats
+    weight_bytes: int
 
 
 @dataclass
@@ -59,7 +61,8 @@ class _Fakes:
             if name in self.fail:
                 raise ValueError("Failed to load model from file")
             self.loads.append(name)
-            return _Runtime(name, _Info(size, {"general.basename": name.upper()}), _Stats(_KV(kv)))
+            kv_memory = _KV(bytes=10 * kv, resident=kv)  # a pool committed as it is written
+            return _Runtime(name, _Info(size, {"general.basename": name.upper()}), _Stats(kv_memory), size)
 
         return load
 
@@ -140,7 +143,8 @@ def test_a_memory_budget_evicts_until_the_new_model_fits(tmp_path: Path) -> None
         for s in (a, b):
             await t.acquire(s)
             t.release(s)
-        assert [s.status for s in (a, b)] == [ModelStatus.LOADED] * 2  # 500 + 400 in memory
+        # 500 + 400 in memory: the KV pools' allocations (1,000 each) are not, and do not count
+        assert [s.status for s in (a, b)] == [ModelStatus.LOADED] * 2
         await t.acquire(c)  # 500 more: a (the LRU) goes, 400 + 500 fits
         assert f.unloads == ["a"] and b.status is ModelStatus.LOADED
 

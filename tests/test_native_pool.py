@@ -29,9 +29,11 @@ ram = _available_ram()
 with rt.session() as s:
     s.ensure_prefix("def add(a, b):\\n    return a + b\\n" * 40)
     out = "".join(c.text for c in s.decode(warmkv.DecodeConfig(max_tokens=8, temperature=0.0)))
+    held = len(s.token_ids())
 m = rt.kv_memory()
 print(json.dumps({"rss": rss(), "ram": ram, "share": POOL_SHARE["cpu"], "bytes": m.bytes, "pool": m.pool_tokens,
-                  "per_seq": m.tokens_per_seq, "seqs": m.sequences, "per_token": m.bytes_per_token, "out": out}))
+                  "per_seq": m.tokens_per_seq, "seqs": m.sequences, "per_token": m.bytes_per_token, "out": out,
+                  "resident": m.resident, "held": held, "weights": rt.weight_bytes, "file": rt.info.size_bytes}))
 """
 
 
@@ -45,6 +47,9 @@ def test_a_32k_context_server_starts_small() -> None:
     # the budget was measured before this process's pages were counted: allow for the model
     assert r["bytes"] <= r["share"] * (r["ram"] + r["rss"]) + 16 * r["per_token"], r
     assert r["rss"] < 2 * 2**30, f"resident {r['rss'] >> 20} MiB after the first turn"
+    # what --models-memory-mb counts: the blocks written, not the pool; the weights as loaded
+    assert r["held"] * r["per_token"] <= r["resident"] < r["bytes"] / 100, r
+    assert 0.5 * r["file"] < r["weights"] < r["rss"], r
 
 
 def test_an_explicit_budget_is_the_pool() -> None:

@@ -71,6 +71,14 @@ class KVMemory:
     allocated: bool  # False until the first session opens
     detail: str | None = None  # how a sliding-window model's layers differ from the rest
     held_tokens: int = 0  # tokens whose KV is held now
+    committed: int | None = None  # bytes of the allocation in memory now; None: all once allocated
+
+    @property
+    def resident(self) -> int:
+        """Bytes of KV in memory now: a pool committed as it is first written counts what was."""
+        if not self.allocated:
+            return 0
+        return self.bytes if self.committed is None else min(self.bytes, self.committed)
 
     def to_dict(self) -> dict[str, int | bool | str]:
         return {
@@ -81,6 +89,7 @@ class KVMemory:
             "pool_tokens": self.pool_tokens,
             "held_tokens": self.held_tokens,
             "allocated": self.allocated,
+            "resident_bytes": self.resident,
         } | ({"detail": self.detail} if self.detail else {})
 
     def describe(self) -> str:
@@ -301,6 +310,10 @@ class Backend(Protocol):
 
     def kv_memory(self) -> KVMemory:
         """The KV cache's size: bytes, and tokens x sequences (before the first session too)."""
+        ...
+
+    def weight_bytes(self) -> int:
+        """Bytes the loaded weights take in memory (a mapped file's pages count: they are read)."""
         ...
 
     def acquire_seq(self) -> int:

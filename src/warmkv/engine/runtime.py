@@ -95,6 +95,7 @@ class Runtime:
             backend.close()
             raise
         self.parked = 0  # idle sessions whose KV moved to the tiers because the pool ran short
+        self.weight_bytes = backend.weight_bytes()  # the weights in memory, fixed once loaded
         backend.set_reclaimer(self._reclaim)
         self._manifests = {
             bos: ContextManifest.build(

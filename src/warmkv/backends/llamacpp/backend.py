@@ -152,6 +152,9 @@ class LlamaCppBackend:
     def kv_memory(self) -> KVMemory:
         return kv_memory(self)
 
+    def weight_bytes(self) -> int:
+        return int(lc.llama_model_size(self._model)) if self._model is not None else 0
+
     # -- context and sequences ----------------------------------------------
 
     def _n_ctx(self) -> int:

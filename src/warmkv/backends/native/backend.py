@@ -150,7 +150,11 @@ class NativeBackend:
             pool_tokens=tokens,
             allocated=cache is not None,
             held_tokens=held,
+            committed=0 if cache is None else cache.written_blocks * layout.block_size * per_token,
         )
+
+    def weight_bytes(self) -> int:
+        return self._model.parts.nbytes()
 
     def acquire_seq(self) -> int:
         self._activate()

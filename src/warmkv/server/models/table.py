@@ -313,11 +313,12 @@ def _file_bytes(path: str) -> int:
 
 
 def _footprint(slot: ModelSlot) -> int:
-    """A loaded model's memory: its weights (the file's size) and its KV allocation."""
+    """A loaded model's memory: its weights and the KV pages in memory now (a native pool is committed
+    as sequences grow into it, so its whole allocation would count memory never used)."""
     st = slot.state
     if st is None:  # loading, or being unloaded: its file is what it holds, at least
         return _file_bytes(slot.spec.path)
-    return st.runtime.info.size_bytes + st.runtime.stats.kv_memory.bytes
+    return st.runtime.weight_bytes + st.runtime.stats.kv_memory.resident
 
 
 def _ollama_key(name: str) -> str:

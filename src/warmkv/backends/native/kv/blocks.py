@@ -22,6 +22,9 @@ class BlockPool:
         # Free blocks: a set, plus a min-heap with lazy deletion for "lowest free id".
         self.free = set(range(num_blocks))
         self._heap = list(range(num_blocks))
+        # Blocks ever handed out: the pool's pages are committed as first written, and stay.
+        self._written = bytearray(num_blocks)
+        self.written_blocks = 0
 
     def alloc(self, after: int | None) -> int:
         """A free block, preferably `after + 1`: contiguous tables let attention read a view, not a gather."""
@@ -35,6 +38,9 @@ class BlockPool:
             b = heapq.heappop(self._heap)
         self.free.discard(b)
         self.ref[b] = 1
+        if not self._written[b]:
+            self._written[b] = 1
+            self.written_blocks += 1
         return b
 
     def _longest_free_run(self) -> int:

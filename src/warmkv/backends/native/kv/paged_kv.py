@@ -66,6 +66,11 @@ class PagedKVCache:
     def free_blocks(self) -> int:
         return len(self._pool.free)
 
+    @property
+    def written_blocks(self) -> int:
+        """Blocks ever handed out: their pages are committed (the pool's others are not yet)."""
+        return self._pool.written_blocks
+
     def length(self, seq: int) -> int:
         return self._len.get(seq, 0)
 

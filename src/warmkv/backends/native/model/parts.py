@@ -45,9 +45,13 @@ class Parts:
         layers = tuple(replace(layer, **{n: place(getattr(layer, n)) for n in _LAYER_LINEARS}) for layer in self.layers)
         return replace(self, lm_head=place(self.lm_head), layers=layers)
 
-    def tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-        """Named tensors (each its own contiguous copy where it is a view) and the spec that says what
-        they make, for `from_tensors`."""
+    def nbytes(self) -> int:
+        """Bytes of every tensor the parts hold (a tied head's table once)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors(copy=False)[0].values())
+
+    def tensors(self, copy: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+        """Named tensors (each its own contiguous copy where it is a view, unless not `copy`) and the
+        spec that says what they make, for `from_tensors`."""
         out: dict[str, torch.Tensor] = {}
         aliases: dict[str, str] = {}
         spec: dict[str, object] = {"layers": len(self.layers), "post_norms": len(self.post_norms), "aliases": aliases}
@@ -62,7 +66,7 @@ class Parts:
                 return
             seen[key] = name
             whole = t.untyped_storage().nbytes() == t.numel() * t.element_size() and t.storage_offset() == 0
-            out[name] = t if whole and t.is_contiguous() else t.contiguous().clone()  # a view: its own copy
+            out[name] = t if not copy or (whole and t.is_contiguous()) else t.contiguous().clone()  # a view: a copy
 
         def linear(name: str, x: Linear) -> None:
             for f in _LINEAR_TENSORS:
