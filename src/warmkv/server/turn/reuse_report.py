@@ -19,7 +19,6 @@ a value that changes in the system prompt, a block that moves, a re-rendered tur
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -32,41 +31,47 @@ from .generation import Generation
 
 log = logging.getLogger("warmkv.server")
 
-MessageEnds = Callable[[], list[int] | None]  # char offsets where each rendered message ends, if known
+MessageAt = Callable[[int], int | None]  # the message a prompt offset falls in, if it can be told
 
 
 def message_ends(
     render: Callable[..., str], messages: Sequence[Mapping[str, Any]], prompt: str, **kw: Any
-) -> MessageEnds:
-    """A lazy map from prompt offsets to messages: render ever longer prefixes of the conversation.
+) -> MessageAt:
+    """A lazy map from prompt offsets to messages, by bisection over renders of the conversation's
+    first k messages: O(log n) renders (rendering every prefix was O(n) renders, O(n^2) text, for
+    each miss on a long history). An offset past every message's end is the last message's.
 
-    None when the template does not render prefixes as prefixes of the whole (then no message is named).
-    """
+    None when a render is not a prefix of the whole, or the template refuses a partial conversation
+    (then no message is named)."""
 
-    def ends() -> list[int] | None:
-        out = []
-        for k in range(1, len(messages) + 1):
-            try:
-                text = render(list(messages[:k]), add_generation_prompt=False, **kw)
-            except WarmkvError:
-                return None  # a template that refuses a partial conversation
-            if not prompt.startswith(text):
+    def end(k: int) -> int | None:
+        try:
+            text = render(list(messages[:k]), add_generation_prompt=False, **kw)
+        except WarmkvError:
+            return None
+        return len(text) if prompt.startswith(text) else None
+
+    def at(char: int) -> int | None:
+        lo, hi = 1, len(messages)  # the fewest messages whose render ends past char
+        if hi == 0:
+            return None
+        while lo < hi:
+            mid = (lo + hi) // 2
+            e = end(mid)
+            if e is None:
                 return None
-            out.append(len(text))
-        return out
+            lo, hi = (lo, mid) if e > char else (mid + 1, hi)
+        return lo - 1
 
-    return ends
+    return at
 
 
 def _q(text: str) -> str:
     return json.dumps(text, ensure_ascii=True)  # a header-safe quoted string
 
 
-def _message_at(d: Divergence, ends: MessageEnds | None) -> int | None:
-    found = ends() if ends is not None else None
-    if not found:
-        return None
-    return min(bisect.bisect_right(found, d.char), len(found) - 1)
+def _message_at(d: Divergence, at: MessageAt | None) -> int | None:
+    return at(d.char) if at is not None else None
 
 
 def divergence_header(
@@ -90,7 +95,7 @@ def report(
     status: PrefixStatus,
     prompt_tokens: int,
     roles: Sequence[str] = (),
-    ends: MessageEnds | None = None,
+    ends: MessageAt | None = None,
     cause: str | None = None,
 ) -> dict[str, str]:
     """The reuse headers of one request; counts it in /metrics and logs it when it missed."""
