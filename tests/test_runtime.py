@@ -160,3 +160,30 @@ def test_lifecycle_active_at_load_then_unloaded() -> None:
         r.session()
     with pytest.raises(warmkv.SessionClosed):
         s.ensure_prefix("hello")
+
+
+def test_tokens_are_counted_while_a_forward_holds_the_model(rt: warmkv.Runtime) -> None:
+    """Counting a request's tokens takes the vocabulary's lock, not the model's: it never waits for a
+    forward (held here by another thread), and still sees the turns the model generated."""
+    import threading
+
+    holding, done = threading.Event(), threading.Event()
+
+    def forward() -> None:
+        with rt.lock:
+            holding.set()
+            done.wait(30)
+
+    t = threading.Thread(target=forward)
+    t.start()
+    try:
+        assert holding.wait(30)
+        got: list[int] = []
+        counter = threading.Thread(target=lambda: got.append(rt.count_tokens("The capital of France is Paris.")))
+        counter.start()
+        counter.join(10)
+        assert got and got[0] > 3, "token counting waited for the model lock"
+        assert rt.detokenize(rt.tokenize("Paris", add_bos=False)) == "Paris"
+    finally:
+        done.set()
+        t.join(30)

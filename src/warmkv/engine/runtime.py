@@ -25,6 +25,11 @@ Lock order (the one place it is written; other modules refer here):
    event loop never takes the model lock: /health, /metrics and the pool's router read
    those, and sessions are opened and closed in worker threads.
 
+6. The prompter's vocabulary lock (`Prompter.vocab_lock`: tokenization and its caches) is
+   taken alone or after the model lock, and takes nothing after it: counting or tokenizing a
+   request never waits for a forward, and close takes it, after the model lock, to free the
+   vocabulary.
+
 The decode Scheduler takes the model lock, and its own condition only outside it.
 Lock-free helpers: `Session.cancel`, `Session.resident`; `Session.token_ids` takes
 the model lock only. `Session.hold`/`let_go` (the turn a session runs) take only their own
@@ -380,7 +385,8 @@ class Runtime:
             if self.tiers is not None:
                 self.tiers.spill_all()  # copies the memory tier's KV while the backend is alive
                 tiers, self.tiers = self.tiers, None
-            self.backend.close()
+            with self._prompter.vocab_lock:  # no tokenization is under way in the vocabulary freed
+                self.backend.close()
             self.publish_stats()
         if tiers is not None:
             tiers.close()  # writes to disk without the model lock

@@ -12,6 +12,7 @@ loaded check; it imports nothing of the engine.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -60,6 +61,9 @@ class Prompter:
     ) -> None:
         self.backend = backend
         self._lock = lock
+        # Tokenization and its caches: after the model lock or alone (engine/runtime.py's lock order),
+        # so that counting a request's tokens never waits for a forward.
+        self.vocab_lock = threading.RLock()
         self._check_loaded = check_loaded
         self.default_add_bos = add_bos
         self._turns: TurnMemory | None = None  # generated turns' tokens, built on the first one remembered
@@ -138,13 +142,17 @@ class Prompter:
 
     def tokenize(self, text: str | bytes, *, add_bos: bool | None = None, parse_special: bool = True) -> list[int]:
         value = as_text(text, "text")
-        with self._lock:
+        with self.vocab_lock:
             self._check_loaded()
             bos = self.default_add_bos if add_bos is None else add_bos
             return self.prompt_tokens(value, add_bos=bos, parse_special=parse_special)
 
     def prompt_tokens(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
-        """text's tokens, generated turns taking the model's own tokens (call with the model lock held)."""
+        """text's tokens, generated turns taking the model's own tokens."""
+        with self.vocab_lock:
+            return self._prompt_tokens(text, add_bos=add_bos, parse_special=parse_special)
+
+    def _prompt_tokens(self, text: str, *, add_bos: bool, parse_special: bool) -> list[int]:
         memory = self._turns
         if parse_special and memory is not None and len(memory):
             return memory.tokenize(
@@ -166,7 +174,7 @@ class Prompter:
         for t in tokens:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
                 raise InvalidInput(f"token id {t!r} out of range [0, {n})")
-        with self._lock:
+        with self.vocab_lock:
             self._check_loaded()
             return b"".join(self.backend.token_bytes(t) for t in tokens).decode("utf-8", "replace")
 
@@ -178,7 +186,7 @@ class Prompter:
         prompt: the tokens it was generated after; generated: its tokens. Returns the turn's raw text
         (None when it cannot be kept, e.g. it ended inside a UTF-8 character).
         """
-        with self._lock:
+        with self.vocab_lock:
             self._check_loaded()
             if self._turns is None:
                 b = self.backend
