@@ -1,1 +1,1 @@
-"""State the server keeps for the Responses API: stored responses and their chains."""
+"""State the server keeps for the Responses API: stored responses, their chains, and conversations."""

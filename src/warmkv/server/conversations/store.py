@@ -1,9 +1,11 @@
-"""Stored responses in SQLite: a byte cap and an age limit, oldest evicted first.
+"""Stored responses and conversations in one SQLite file: one byte cap and one age limit, oldest
+evicted first, whichever kind it is.
 
 A record is written in one transaction with the evictions it causes, so a reader sees a
 whole record or none (SQLite's atomic commit; a crash mid-write rolls back on the next open).
 Without a path the store lives in memory and ends with the process. Thread-safe: routes
 call it from the event loop and worker threads; one connection, one lock (a leaf).
+Conversations (conversation_store.py) share the connection, the lock and the eviction.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from ...errors import InvalidConfig
+from . import conversation_store
 from .record import StoredResponse
 
 SCHEMA = """
@@ -71,7 +76,31 @@ class ResponseStore:
         with self._lock:
             if self.path is not None:
                 self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(SCHEMA)
+            self._db.executescript(SCHEMA + conversation_store.SCHEMA)
+        self.conversations = conversation_store.ConversationStore(self)
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """The connection inside one write transaction (the lock held): committed at the end, rolled back
+        on any error, so a failed write leaves the store as it was."""
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    @contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            yield self._db
+
+    def oldest_kept(self) -> float:
+        """Records written before this time are past the age limit."""
+        return time.time() - self.limits.max_age_s
 
     def put(self, record: StoredResponse) -> int:
         """Keep record (replacing one with its id); returns how many older records were evicted for it."""
@@ -79,29 +108,32 @@ class ResponseStore:
         size = len(doc.encode()) + len(tokens)
         if size > self.limits.max_bytes:
             return 0  # larger than the whole store: not kept (a later lookup is the API's not-found)
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                db.execute(
-                    "INSERT OR REPLACE INTO responses (id, created, bytes, doc, tokens) VALUES (?, ?, ?, ?, ?)",
-                    (record.id, time.time(), size, doc, tokens),
-                )
-                evicted = self._evict()
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-        return evicted
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO responses (id, created, bytes, doc, tokens) VALUES (?, ?, ?, ?, ?)",
+                (record.id, time.time(), size, doc, tokens),
+            )
+            return self.evict(db)
 
-    def _evict(self) -> int:
-        """Drop expired records, then the oldest until the rest fit (inside put's transaction)."""
-        db = self._db
-        n = db.execute("DELETE FROM responses WHERE created < ?", (time.time() - self.limits.max_age_s,)).rowcount
-        total = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM responses").fetchone()[0]
+    def evict(self, db: sqlite3.Connection) -> int:
+        """Drop expired responses and conversations, then the oldest of either until the rest fit (inside
+        a write's transaction); how many."""
+        oldest = self.oldest_kept()
+        n = db.execute("DELETE FROM responses WHERE created < ?", (oldest,)).rowcount
+        n += conversation_store.expire(db, oldest)
+        total = db.execute(
+            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM responses)"
+            " + (SELECT COALESCE(SUM(bytes), 0) FROM conversations)"
+        ).fetchone()[0]
         while total > self.limits.max_bytes:
-            rid, size = db.execute("SELECT id, bytes FROM responses ORDER BY created, rowid LIMIT 1").fetchone()
-            db.execute("DELETE FROM responses WHERE id = ?", (rid,))
+            kind, rid, size = db.execute(
+                "SELECT 'r', id, bytes, created FROM responses UNION ALL "
+                "SELECT 'c', id, bytes, written FROM conversations ORDER BY 4 LIMIT 1"
+            ).fetchone()[:3]
+            if kind == "r":
+                db.execute("DELETE FROM responses WHERE id = ?", (rid,))
+            else:
+                conversation_store.drop(db, rid)
             total -= size
             n += 1
         return n
@@ -110,8 +142,7 @@ class ResponseStore:
         """The record, or None when it is unknown, deleted, evicted or older than the age limit."""
         with self._lock:
             row = self._db.execute(
-                "SELECT doc, tokens FROM responses WHERE id = ? AND created >= ?",
-                (rid, time.time() - self.limits.max_age_s),
+                "SELECT doc, tokens FROM responses WHERE id = ? AND created >= ?", (rid, self.oldest_kept())
             ).fetchone()
         return None if row is None else StoredResponse.decode(rid, row[0], row[1])
 
