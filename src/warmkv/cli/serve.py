@@ -112,11 +112,18 @@ def serve(
         typer.Option("--node-id", help="this node's name in x-warmkv-node, behind a proxy (default: host:port)"),
     ] = None,
     responses_mb: Annotated[
-        int, typer.Option("--responses-mb", min=1, help="stored responses (store=true): cap in MiB, oldest go first")
+        int,
+        typer.Option(
+            "--responses-mb", min=1, help="stored responses and conversations: one cap in MiB, oldest go first"
+        ),
     ] = 256,
     responses_max_age: Annotated[
         float,
-        typer.Option("--responses-max-age", min=1, help="seconds a stored response is kept (default 30 days)"),
+        typer.Option(
+            "--responses-max-age",
+            min=1,
+            help="seconds a stored response, or a conversation since its last change, is kept (default 30 days)",
+        ),
     ] = 30 * 86400.0,
     stream_keepalive: Annotated[
         float,

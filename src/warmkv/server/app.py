@@ -24,6 +24,7 @@ from .api.llamacpp import routes as infill_routes
 from .api.llamacpp import utility as utility_routes
 from .api.ollama import routes as ollama_routes
 from .api.openai import routes as openai_routes
+from .api.responses import conversation_routes
 from .api.responses import routes as responses_routes
 from .api.responses import stored_routes as stored_responses_routes
 from .api.responses import ws_routes as responses_ws
@@ -128,6 +129,7 @@ def create_app(
     app.include_router(openai_routes.router)
     app.include_router(responses_routes.router)
     app.include_router(stored_responses_routes.router)
+    app.include_router(conversation_routes.router)
     app.include_router(responses_ws.router)
     app.include_router(anthropic_routes.router)
     app.include_router(utility_routes.router)

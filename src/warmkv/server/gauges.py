@@ -28,6 +28,12 @@ def register_gauges(hub: Hub) -> None:
     m.gauge("warmkv_queue_depth", "Requests waiting for a session", lambda: hub.admission.waiting)
     m.gauge("warmkv_stored_responses", "Responses kept with store=true", lambda: hub.responses.stats()[0])
     m.gauge("warmkv_stored_response_bytes", "Bytes of stored responses", lambda: hub.responses.stats()[1])
+    m.gauge("warmkv_conversations", "Conversations kept", lambda: hub.responses.conversations.stats()[0])
+    m.gauge(
+        "warmkv_conversation_bytes",
+        "Bytes of conversations and their items",
+        lambda: hub.responses.conversations.stats()[1],
+    )
     m.gauge(
         "warmkv_active_streams",
         "Turns on the scheduler (waiting or running)",

@@ -83,8 +83,8 @@ class ServerSettings:
     # Replies' think blocks: auto (parsed out when the template thinks), deepseek (always) or none.
     reasoning_format: str = "auto"
     node_id: str | None = None  # this node's name in x-warmkv-node; None: host:port
-    # Stored responses (store=true, previous_response_id): a SQLite file (None: in memory, gone at exit),
-    # capped at responses_mb, each kept responses_max_age_s after it was written.
+    # Stored responses (store=true, previous_response_id) and conversations: a SQLite file (None: in memory,
+    # gone at exit), capped at responses_mb together, each kept responses_max_age_s after it was last written.
     responses_path: str | None = None
     responses_mb: int = 256
     responses_max_age_s: float = 30 * 86400.0

@@ -30,6 +30,8 @@ class StoredResponse:
     body: dict[str, Any]  # the response object as the API returned it
     prompt_ids: tuple[int, ...]
     last_message: dict[str, Any] | None
+    owner: str | None = None  # who may read or continue it: a digest of the API key (http/cache_salt.owner)
+    conversation: str | None = None  # made in this conversation: the history before its input is there
 
     def encode(self) -> tuple[str, bytes]:
         """(the JSON part, the tokens as int32 bytes) for the store's row."""
@@ -43,6 +45,8 @@ class StoredResponse:
             "output": self.output,
             "body": self.body,
             "last_message": self.last_message,
+            "owner": self.owner,
+            "conversation": self.conversation,
         }
         return json.dumps(doc, ensure_ascii=False, separators=(",", ":")), array("i", self.prompt_ids).tobytes()
 
@@ -63,4 +67,6 @@ class StoredResponse:
             body=d["body"],
             prompt_ids=tuple(ids),
             last_message=d["last_message"],
+            owner=d.get("owner"),
+            conversation=d.get("conversation"),
         )

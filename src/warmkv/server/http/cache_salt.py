@@ -13,7 +13,8 @@ timing. Where the salt comes from, in this order:
 When API keys are configured, the key a request authenticated with is a salt of its own, and a
 salt the request names is taken within it: two keys never share a prefix, even when they name
 the same salt. Guard (guard.py) records the key and the header for the request's context;
-generate() asks for the effective salt.
+generate() asks for the effective salt. The same key owns what a request stores (responses,
+conversations): owner() names it.
 """
 
 from __future__ import annotations
@@ -61,3 +62,10 @@ def effective(body: str | None = None) -> str | None:
     if named is not None:
         h.update(b"\0" + named.encode())
     return f"key:{h.hexdigest()}"
+
+
+def owner() -> str | None:
+    """Who owns what the request stores (stored responses, conversations): a digest of the API key it
+    authenticated with, so that no other key reads it; None when keys are off (one owner for all)."""
+    key = _key.get()
+    return None if key is None else hashlib.sha256(b"warmkv-owner\0" + key.encode()).hexdigest()[:32]

@@ -57,21 +57,23 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     """The request's input as stored items, each with an id (the API lists them by id)."""
     if isinstance(req.input, str):
         return [{"type": "message", "id": f"msg_{secrets.token_hex(16)}", "role": "user", "content": req.input}]
-    out = []
-    for item in req.input:
-        d = item.model_dump(exclude_none=True, by_alias=True)
-        d.setdefault("id", f"{'msg' if d.get('type', 'message') == 'message' else 'item'}_{secrets.token_hex(16)}")
-        out.append(d)
-    return out
+    return [item_dict(item) for item in req.input]
 
 
-def previous(store: Lookup, req: ResponsesRequest, st: ServerState) -> StoredResponse | None:
-    """The response the request continues, checked: known, and made by the model serving this one."""
+def item_dict(item: Any) -> dict[str, Any]:
+    """A validated input item as kept: its fields, and an id (the one it was sent with, else a new one)."""
+    d = item.model_dump(exclude_none=True, by_alias=True)
+    d.setdefault("id", f"{'msg' if d.get('type', 'message') == 'message' else 'item'}_{secrets.token_hex(16)}")
+    return d
+
+
+def previous(store: Lookup, req: ResponsesRequest, st: ServerState, owner: str | None) -> StoredResponse | None:
+    """The response the request continues, checked: known, owner's, and made by the model serving this one."""
     rid = req.previous_response_id
     if rid is None:
         return None
     prev = store.get(rid)
-    if prev is None:
+    if prev is None or prev.owner != owner:
         raise not_found(rid)
     if prev.model != st.model_id:
         raise ApiError(
@@ -114,6 +116,8 @@ def chain_items(store: Lookup, prev: StoredResponse) -> list[dict[str, Any]]:
         if link is None:  # evicted or deleted: the chain cannot be rebuilt
             raise not_found(prev.id)
         links.append(link)
+    if links[-1].conversation is not None:  # the history before it is its conversation's, not the chain's
+        raise not_found(prev.id)
     return [i for r in reversed(links) for i in (*r.input_items, *r.output)]
 
 
@@ -132,10 +136,13 @@ def keeper(
     key: str | None,
     context: str,
     items: list[dict[str, Any]],
-) -> Callable[[ChatTurn, dict[str, Any]], None]:
-    """What stores a finished response (its turn, and its body as the API returned it)."""
+    owner: str | None,
+    conversation: str | None = None,
+) -> Callable[[ChatTurn, dict[str, Any]], bool]:
+    """What stores a finished response (its turn, and its body as the API returned it); False when the
+    write failed."""
 
-    def keep(turn: ChatTurn, body: dict[str, Any]) -> None:
+    def keep(turn: ChatTurn, body: dict[str, Any]) -> bool:
         record = StoredResponse(
             id=body["id"],
             model=st.model_id,
@@ -148,10 +155,14 @@ def keeper(
             body=body,
             prompt_ids=turn.gen.prompt_ids,
             last_message=turn.last_message,
+            owner=owner,
+            conversation=conversation,
         )
         try:
             store.put(record)
         except sqlite3.Error as e:  # the reply stands; only its continuation is lost (the API's not-found)
             log.warning("response %s was not stored: %s", record.id, e)
+            return False
+        return True
 
     return keep

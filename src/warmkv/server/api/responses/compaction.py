@@ -19,6 +19,7 @@ from typing import Any
 from ....errors import WarmkvError
 from ...conversations.store import Lookup, ResponseStore
 from ...errors import ApiError
+from ...http import cache_salt
 from ...state import ServerState
 from ...turn import wire
 from ...turn.chat_turn import ChatTurn
@@ -80,7 +81,7 @@ async def compact(start: Start, st: ServerState, req: ResponsesRequest, key: str
         p["text"] for i in body["output"] if i["type"] == "message" for p in i["content"] if "text" in p
     ).strip()
     item = {"type": "compaction", "id": new_id("cmp"), "encrypted_content": encode(summary)}
-    prev = chain.previous(stores, req, st)
+    prev = chain.previous(stores, req, st, cache_salt.owner())
     history = chain.chain_items(stores, prev) if prev is not None else []
     items = [*history, *chain.input_items(req.model_copy(update={"input": before}))]
     kept = [i for i in items if i.get("type", "message") == "message" and i.get("role") != "assistant"]

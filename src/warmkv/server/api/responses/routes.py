@@ -23,18 +23,20 @@ from ....errors import InvalidInput
 from ....prompt.constraint import Constraint
 from ....tools import ToolSpec, make_tool, openai_choice
 from ....tools.spec import check_unique
+from ...conversations.conversation_store import ConversationStore
 from ...conversations.record import StoredResponse
 from ...conversations.store import Lookup, ResponseStore
 from ...errors import ApiError
 from ...fleet import routing
+from ...http import cache_salt
 from ...state import ServerState, State
 from ...turn import constraints, ignored, wire
 from ...turn.chat_turn import ChatInput, ChatTurn, rendered, start_chat
-from ...turn.incremental import ChainedPrompt
 from ...turn.sampling import sampling_fields
 from ...turn.streams import sse
 from ...turn.wire import Turn
-from . import chain, compaction
+from . import chain, compaction, conversation
+from .history import history
 from .items import NAMESPACE_SEP, _messages
 from .schemas import (
     FunctionChoice,
@@ -114,14 +116,19 @@ def _check(req: ResponsesRequest) -> None:
 
 
 async def start_response(
-    st: ServerState, req: ResponsesRequest, key: str | None, stores: Lookup, keep_in: ResponseStore | None
+    st: ServerState,
+    req: ResponsesRequest,
+    key: str | None,
+    stores: Lookup,
+    keep_in: ResponseStore | None,
+    conversations: ConversationStore | None = None,
 ) -> tuple[ChatTurn, Shape]:
-    """Check the request, continue the response it names (from stores), start its turn; the finished
-    response goes into keep_in (None: kept nowhere)."""
+    """Check the request, continue the response it names (from stores) or its conversation (from
+    conversations; None: refused), start its turn; the finished response goes into keep_in (None: kept
+    nowhere) and its items into its conversation."""
     st.check_model(req.model)
     _check(req)
-    prev = chain.previous(stores, req, st)
-    key = key if key is not None or prev is None else prev.key
+    owner = cache_salt.owner()
     offered = _offered(req)
     tools = offered.specs
     raw_choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionChoice) else req.tool_choice
@@ -129,21 +136,13 @@ async def start_response(
     effort = req.reasoning.effort if req.reasoning is not None else None
     template_kwargs = {"enable_thinking": False} if effort == "none" else None
     context = chain.context_of(req, template_kwargs)
-    reasoning = st.reasoning if st.thinks else None
-    chained = None
-    render: dict[str, str] = {}
-    if prev is None:
-        messages = _messages(req, reasoning)
-    else:
-        made = await chain.incremental(st, prev, req, tools, template_kwargs, context)
-        if isinstance(made, ChainedPrompt):
-            chained, messages = made, []
-            render["x-warmkv-render"] = f"incremental; new_tokens={made.new_tokens}"
-        else:
-            messages = chain.full_messages(stores, prev, req, reasoning)
-            render["x-warmkv-render"] = f"full; reason={made.reason}"
+    made = await history(st, req, stores, conversations, owner, tools, template_kwargs)
+    key = key if key is not None else made.key
+    items = chain.input_items(req)
+    if made.conv is not None:
+        conversation.check_new(made.conv, items)
     inp = ChatInput(
-        messages=messages,
+        messages=made.messages,
         tools=tools,
         choice=openai_choice(raw_choice, tools),
         parallel=req.parallel_tool_calls is not False,
@@ -152,17 +151,25 @@ async def start_response(
         messages_param="input",
         session_key=key,
         template_kwargs=template_kwargs,
-        chained=chained,
+        chained=made.chained,
     )
     ignored_headers = _responses_ignored(req, offered, st.thinks)
     turn = await start_chat(st, inp)
     ignored.merge(turn.headers, ignored_headers)
-    turn.headers.update(render)
+    turn.headers.update(made.headers)
     sign = st.reasoning.sign if "reasoning.encrypted_content" in (req.include or []) else None
     shape = Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered.split, sign)
-    if keep_in is not None:
-        keep = chain.keeper(keep_in, st, req, key, context, chain.input_items(req))
-        shape.keep = lambda body: keep(turn, body)
+    conv = made.conv
+    keep = None if keep_in is None else chain.keeper(keep_in, st, req, key, context, items, owner, req.conversation_id)
+    append = None if conv is None or conversations is None else conversation.appender(conversations, conv, items)
+    if keep is not None or append is not None:
+
+        def done(body: dict[str, Any]) -> None:
+            kept = keep is not None and keep(turn, body)
+            if append is not None:
+                append(body, kept)
+
+        shape.keep = done
     return turn, shape
 
 
@@ -202,6 +209,7 @@ async def prewarmed(st: ServerState, req: ResponsesRequest, key: str | None, kee
         body=body,
         prompt_ids=tuple(tokens),
         last_message=last,
+        owner=cache_salt.owner(),
     )
     await run_in_threadpool(keep_in.put, record)
     return body
@@ -218,7 +226,8 @@ async def create_response(req: ResponsesRequest, request: Request, st: State) ->
         if req.stream:
             return Response(b"".join(sse(e) for e in compaction.events(done)), media_type="text/event-stream")
         return JSONResponse(done.body)
-    turn, shape = await start_response(st, req, key, store, store if req.store is not False else None)
+    keep_in = store if req.store is not False else None
+    turn, shape = await start_response(st, req, key, store, keep_in, store.conversations)
     if req.stream:
         return wire.stream(st, Turn.chat(turn), ResponsesEncoder(shape), turn.headers)
     body = await wire.collect(st, Turn.chat(turn), ResponsesEncoder(shape), ResponsesCollector(shape))
@@ -251,21 +260,15 @@ async def count_input_tokens(body: InputTokensRequest, request: Request, st: Sta
     st.check_model(req.model)
     _check(req)
     store = request.app.state.warmkv.responses
-    prev = chain.previous(store, req, st)
     offered = _offered(req)
     effort = req.reasoning.effort if req.reasoning is not None else None
     template_kwargs = {"enable_thinking": False} if effort == "none" else None
-    reasoning = st.reasoning if st.thinks else None
-    if prev is not None:
-        made = await chain.incremental(
-            st, prev, req, offered.specs, template_kwargs, chain.context_of(req, template_kwargs)
-        )
-        if isinstance(made, ChainedPrompt):
-            return {"object": "response.input_tokens", "input_tokens": len(made.tokens)}
-        messages = chain.full_messages(store, prev, req, reasoning)
-    else:
-        messages = _messages(req, reasoning)
-    inp = ChatInput(messages=messages, tools=offered.specs, messages_param="input", template_kwargs=template_kwargs)
+    made = await history(st, req, store, store.conversations, cache_salt.owner(), offered.specs, template_kwargs)
+    if made.chained is not None:
+        return {"object": "response.input_tokens", "input_tokens": len(made.chained.tokens)}
+    inp = ChatInput(
+        messages=made.messages, tools=offered.specs, messages_param="input", template_kwargs=template_kwargs
+    )
     text, _ = await run_in_threadpool(rendered, st, inp)
     tokens = await run_in_threadpool(st.runtime.tokenize, text)
     return {"object": "response.input_tokens", "input_tokens": len(tokens)}

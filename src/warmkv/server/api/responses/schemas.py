@@ -167,6 +167,10 @@ class TextConfig(_Request):
     format: TextFormat | None = None
 
 
+class ConversationRef(_Request):
+    id: str = Field(min_length=1, max_length=256)
+
+
 class ResponsesRequest(_Request):
     model: str = Field(min_length=1, max_length=256)
     input: str | list[InputItem]
@@ -183,6 +187,8 @@ class ResponsesRequest(_Request):
     # Only "reasoning.encrypted_content": reasoning items then carry this server's signature; others are refused.
     include: list[Literal["reasoning.encrypted_content"]] | None = None
     previous_response_id: str | None = Field(default=None, min_length=1, max_length=256)
+    # The turn continues the conversation's items and its items are appended to it (conversation.py).
+    conversation: Annotated[str, Field(min_length=1, max_length=256)] | ConversationRef | None = None
     store: bool | None = None  # None or true: the response is kept (GET /v1/responses/{id}, chaining)
     truncation: Literal["disabled", "auto"] | None = None  # "auto" is refused: warmkv never drops context
     # Accepted without effect.
@@ -198,9 +204,36 @@ class ResponsesRequest(_Request):
     min_p: float = Field(default=0.05, ge=0.0, le=1.0)
     seed: int | None = None
 
+    @property
+    def conversation_id(self) -> str | None:
+        c = self.conversation
+        return c if isinstance(c, str) or c is None else c.id
+
 
 class InputTokensRequest(ResponsesRequest):
     """POST /v1/responses/input_tokens: a request to count, not to run (model defaults to the served one)."""
 
     model: str | None = Field(default=None, min_length=1, max_length=256)  # type: ignore[assignment]
     input: str | list[InputItem] = ""
+
+
+MAX_NEW_ITEMS = 20  # the API's limit on items added at once
+
+
+class ConversationCreate(_Request):
+    """POST /v1/conversations."""
+
+    items: list[InputItem] | None = Field(default=None, max_length=MAX_NEW_ITEMS)
+    metadata: dict[str, Any] | None = None  # checked by conversation.check_metadata (16 pairs, 64/512 chars)
+
+
+class ConversationUpdate(_Request):
+    """POST /v1/conversations/{id}."""
+
+    metadata: dict[str, Any] | None
+
+
+class ItemsCreate(_Request):
+    """POST /v1/conversations/{id}/items."""
+
+    items: list[InputItem] = Field(min_length=1, max_length=MAX_NEW_ITEMS)

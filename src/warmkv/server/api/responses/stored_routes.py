@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 from ...conversations.record import StoredResponse
 from ...conversations.store import ResponseStore
 from ...errors import ApiError
+from ...http import cache_salt
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -25,8 +26,9 @@ def _missing(rid: str) -> ApiError:
 
 
 async def _get(request: Request, rid: str) -> StoredResponse:
+    """The record, when it is there and the request's key owns it (another key's is not found)."""
     record = await run_in_threadpool(_store(request).get, rid)
-    if record is None:
+    if record is None or record.owner != cache_salt.owner():
         raise _missing(rid)
     return record
 
@@ -40,6 +42,7 @@ async def get_response(response_id: str, request: Request) -> Any:
 @router.delete("/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Any:
     """Forget a stored response: its items, its tokens; continuing it is then the API's not-found."""
+    await _get(request, response_id)
     if not await run_in_threadpool(_store(request).delete, response_id):
         raise _missing(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}

@@ -57,6 +57,7 @@ class Shape:
             "top_p": r.top_p,
             "max_output_tokens": r.max_output_tokens,
             "previous_response_id": r.previous_response_id,
+            "conversation": None if r.conversation_id is None else {"id": r.conversation_id},
             "store": r.store is not False,
             "truncation": "disabled",
             "text": {"format": {"type": "text"}},

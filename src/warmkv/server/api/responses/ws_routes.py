@@ -29,6 +29,7 @@ from ....errors import WarmkvError
 from ...conversations.store import Layered, ResponseStore, StoreLimits
 from ...errors import ApiError, from_warmkv
 from ...fleet import routing
+from ...http import cache_salt
 from ...settings import ServerSettings
 from ...state import Hub
 from ...turn import wire
@@ -48,16 +49,21 @@ KEEPALIVE = json.dumps({"type": "keepalive"})  # an event type clients ignore
 SOCKET_STORE = StoreLimits(max_bytes=64 << 20, max_age_s=24 * 3600.0)  # one socket's store=false responses
 
 
+def tenant(ws: WebSocket, settings: ServerSettings) -> str | None:
+    """The API key the handshake carries, when it is one of the server's; None otherwise."""
+    bearer = ws.headers.get("authorization", "").encode()
+    key = ws.headers.get("x-api-key", "").encode()
+    for want in settings.all_api_keys:
+        if hmac.compare_digest(bearer, b"Bearer " + want.encode()) | hmac.compare_digest(key, want.encode()):
+            return want
+    return None
+
+
 def refusal(ws: WebSocket, settings: ServerSettings) -> ApiError | None:
     """Why a handshake is refused, or None. The HTTP middleware passes WebSocket scopes through, so
     the socket checks the API key itself; every handshake check belongs here."""
-    if not settings.all_api_keys:
+    if not settings.all_api_keys or tenant(ws, settings) is not None:
         return None
-    bearer = ws.headers.get("authorization", "").encode()
-    key = ws.headers.get("x-api-key", "").encode()
-    for want in (k.encode() for k in settings.all_api_keys):
-        if hmac.compare_digest(bearer, b"Bearer " + want) | hmac.compare_digest(key, want):
-            return None
     return ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
 
@@ -108,6 +114,8 @@ async def responses_socket(ws: WebSocket) -> None:
         return
     await ws.accept()
     own = ResponseStore(None, SOCKET_STORE)
+    # as the HTTP middleware does for a request: the key owns what the socket stores, and salts its KV
+    salt = cache_salt.enter(tenant(ws, hub.settings), None)
     try:
         while True:
             message = await ws.receive()
@@ -127,6 +135,7 @@ async def responses_socket(ws: WebSocket) -> None:
     except (WebSocketDisconnect, RuntimeError, OSError):  # the client left mid-turn: the turn was cancelled
         return
     finally:
+        cache_salt.leave(salt)
         own.close()
 
 
@@ -172,15 +181,15 @@ async def _serve(ws: WebSocket, hub: Hub, own: ResponseStore, text: str) -> None
             for event in compaction.events(done):
                 await ws.send_text(json.dumps(event, ensure_ascii=False))
             return
-        if not generate and req.previous_response_id is None:
+        if not generate and req.previous_response_id is None and req.conversation is None:
             body = await prewarmed(st, req, key, keep_in)
             opening = {**body, "status": "in_progress", "usage": None}
             await ws.send_text(json.dumps({"type": "response.created", "sequence_number": 0, "response": opening}))
             await ws.send_text(json.dumps({"type": "response.completed", "sequence_number": 1, "response": body}))
             return
-        if not generate:  # continuing a response: prefill the new items (and one token nobody sees)
+        if not generate:  # continuing a response or conversation: prefill the new items (and one token nobody sees)
             req = req.model_copy(update={"max_output_tokens": 1})
-        started = start_response(st, req, key, Layered(own, hub.responses), keep_in)
+        started = start_response(st, req, key, Layered(own, hub.responses), keep_in, hub.responses.conversations)
         turn, shape = await _kept_alive(ws, started, _cancel_started)
         encoder = ResponsesEncoder(shape)
         if generate:
