@@ -1,5 +1,6 @@
-"""Conversations through the official openai client: the /v1/conversations routes, turns on a
-conversation that stay warm, and the errors in the API's shapes."""
+"""Conversations and forked chains through the official openai client: the /v1/conversations routes,
+turns on a conversation that stay warm, two branches of one stored response that both stay warm and
+answer as a full render of their own history would, and the errors in the API's shapes."""
 
 from __future__ import annotations
 
@@ -176,4 +177,47 @@ def test_conversation_turns_stay_warm(rt: warmkv.Runtime, tmp_path: Path) -> Non
         kept, full = store.get(nxt.id), store.get(whole.id)
         assert kept is not None and full is not None and kept.prompt_ids == full.prompt_ids
         assert whole.output_text == nxt.output_text
+        store.close()
+
+
+def test_a_forked_chain_keeps_both_branches_warm(rt: warmkv.Runtime, tmp_path: Path) -> None:
+    db = tmp_path / "r.sqlite3"
+    with live_server(rt, pool_size=3, responses_path=str(db)) as base:
+        client = _client(base)
+        model = client.models.list().data[0].id
+        sessions = rt.stats.sessions
+        root, _ = _turn(client, model, "Name a colour, then say why people like it.")
+        a1, ha1 = _turn(
+            client, model, "Now name three red fruits and where each of them grows.", previous_response_id=root.id
+        )
+        assert _prefilled(ha1) <= _new_tokens(ha1) + 4
+        # The same response continued again: a branch. Its turn forks the session holding the chain.
+        b1, hb1 = _turn(client, model, "Instead name two animals that live in cold seas.", previous_response_id=root.id)
+        assert _prefilled(hb1) <= _new_tokens(hb1) + 4, dict(hb1)
+        assert b1.usage.input_tokens_details.cached_tokens >= root.usage.input_tokens
+        # Both branches are still resident: each goes on prefilling only its new tokens.
+        a2, ha2 = _turn(client, model, "Which of those fruits is sweetest?", previous_response_id=a1.id)
+        assert _prefilled(ha2) <= _new_tokens(ha2) + 4, dict(ha2)
+        b2, hb2 = _turn(client, model, "Which of those animals is largest?", previous_response_id=b1.id)
+        assert _prefilled(hb2) <= _new_tokens(hb2) + 4, dict(hb2)
+        assert rt.stats.sessions == sessions  # the fork took an idle session's sequence; nothing leaked
+        # Each branch answers as a cold full render of its own history does.
+        store = ResponseStore(db)
+        for n, last in enumerate((a2, b2)):
+            link, items = store.get(last.id), []
+            chained = link
+            while link is not None:
+                items = [*link.input_items, *link.output, *items]
+                link = store.get(link.previous_response_id) if link.previous_response_id else None
+            assert chained is not None
+            cold = client.responses.create(
+                model=model,
+                input=items[: len(items) - len(chained.output)],
+                extra_body={"cache_salt": f"cold-{n}"},
+                **KW,
+            )
+            again = store.get(cold.id)
+            assert again is not None and again.prompt_ids == chained.prompt_ids
+            assert cold.usage.input_tokens_details.cached_tokens == 0
+            assert cold.output_text == last.output_text, (cold.output_text, last.output_text)
         store.close()

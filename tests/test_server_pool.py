@@ -127,3 +127,59 @@ def test_requests_route_by_cache_salt() -> None:
         assert await pool.acquire([*system, 2], salt="alice") is warm_a
 
     asyncio.run(scenario())
+
+
+class _ForkableSession(_FakeSession):
+    """A fake session that forks (a copy of its tokens) and closes, as Session.fork and close do."""
+
+    def __init__(self, sid: str, tokens: list[int], fails: bool = False) -> None:
+        super().__init__(sid, tokens)
+        self.fails, self.evictable = fails, False
+
+    def fork(self) -> _ForkableSession:
+        if self.fails:
+            raise SessionLimit(3, 3)
+        return _ForkableSession(f"{self.id}-fork", list(self.tokens))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_branch_forks_the_session_that_holds_its_response() -> None:
+    """A second continuation of one stored response forks its holder into the idle session that holds
+    least on its own, where the other branch's tail outweighs it; otherwise it takes the holder."""
+    from warmkv.server.sessions.admission import Admission
+    from warmkv.server.sessions.pool import FORK_MIN_TOKENS, SessionPool
+
+    system = list(range(1000))
+    branch_a = [*system, *range(2000, 2040)]  # the response, then branch A's turn
+    prompt_b = [*system, *range(3000, 3010)]  # the response, then branch B's input
+
+    async def scenario() -> None:
+        pool = SessionPool(None, 3, Admission(4), 5.0)  # type: ignore[arg-type]
+        holder = _ForkableSession("h", list(branch_a))
+        empty = _ForkableSession("e", [])
+        other = _ForkableSession("o", list(range(5000, 7000)))  # another conversation: worth keeping
+        pool._idle = [holder, empty, other]
+        child = await pool.acquire(prompt_b, branch=True)
+        assert child.id == "h-fork" and child.evictable and child.tokens == branch_a
+        assert empty.closed and not other.closed and holder in pool._idle and empty not in pool._idle
+        # Not a branch: the holder is taken as it is.
+        assert await pool.acquire(prompt_b) is holder
+        pool.release(holder)
+        # A tail shorter than a fork is worth: the holder as it is.
+        holder.tokens = [*system, *range(2000, 2000 + FORK_MIN_TOKENS - 1)]
+        assert await pool.acquire(prompt_b, branch=True) is holder
+        pool.release(holder)
+        # The only other idle session holds more on its own than the branch would lose: no fork.
+        holder.tokens = list(branch_a)
+        pool._idle = [holder, other]
+        assert await pool.acquire(prompt_b, branch=True) is holder and not other.closed
+        # A fork that fails (its sequence taken meanwhile): the holder serves, the pool says it is short.
+        failing = _ForkableSession("f", list(branch_a), fails=True)
+        spare = _ForkableSession("s", [])
+        pool._idle = [failing, spare]
+        assert await pool.acquire(prompt_b, branch=True) is failing
+        assert spare.closed and pool.missing == 1 and "forking a branch failed" in (pool.degraded or "")
+
+    asyncio.run(scenario())

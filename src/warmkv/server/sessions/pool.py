@@ -17,6 +17,12 @@ fresh one. When opening the fresh one fails (no free sequence, model unloaded) t
 pool is *degraded*: it runs with fewer sessions, says why (`degraded`, /health),
 and tries again on the next request; with no session left, requests get a 503 at
 once instead of waiting for one that will never come.
+
+A branch (a second request continuing a stored response that another turn already continued)
+forks: taking the session that holds the response would cut the other branch's turn out of its
+KV, so where that turn holds more than an idle session holds alone, the idle one is closed and
+the holder forked into its sequence (Session.fork: the KV blocks are shared, nothing is
+prefilled again). The holder keeps the first branch, the fork serves this one.
 """
 
 from __future__ import annotations
@@ -27,11 +33,16 @@ import time
 
 from ...engine.runtime import Runtime
 from ...engine.session import Session
+from ...errors import WarmkvError
 from ...prompt.tokens import common_prefix_len
 from ..errors import ApiError
 from .admission import Admission
 
 log = logging.getLogger("warmkv.server")
+
+# A branch forks only when it would cut at least this much of another turn out of the holder: a
+# chained turn's own tail (a reply's last tokens, rendered again) differs by a few tokens.
+FORK_MIN_TOKENS = 16
 
 
 class SessionPool:
@@ -86,12 +97,19 @@ class SessionPool:
     def idle_sessions(self) -> tuple[Session, ...]:
         return tuple(self._idle)
 
-    async def acquire(self, tokens: list[int], key: str | None = None, salt: str | None = None) -> Session:
+    async def acquire(
+        self, tokens: list[int], key: str | None = None, salt: str | None = None, branch: bool = False
+    ) -> Session:
         """The idle session sharing the longest prefix with tokens under the same cache salt (key's own
-        first, others' last); waits (bounded) when none is idle."""
+        first, others' last); waits (bounded) when none is idle. branch: the prompt continues a stored
+        response another turn may have continued too: fork the holder rather than cut that turn out."""
         self._refill()
         if self._idle:
-            return self._best(tokens, key, salt)
+            best = self._best(tokens, key, salt)
+            victim = self._victim(best, tokens, key, salt) if branch else None
+            if victim is None:
+                return best
+            return await self._fork(best, victim, key)
         if self._missing == self.size and not self._opening:
             raise self._unavailable()
         with self._admission.wait():
@@ -134,14 +152,61 @@ class SessionPool:
         self._own(best, key)
         return best
 
-    def _own(self, session: Session, key: str | None) -> None:
-        """A keyed request's session now holds that key's conversation (and no other key's)."""
+    def _own(self, session: Session, key: str | None, only: bool = True) -> None:
+        """A keyed request's session now holds that key's conversation (and no other key's); only: and the
+        key's other sessions no longer do (a fork leaves both branches the key's)."""
         if key is None:
             return
         for sid, owner in list(self._owner.items()):
-            if owner == key and sid != session.id:
+            if only and owner == key and sid != session.id:
                 del self._owner[sid]
         self._owner[session.id] = key
+
+    def _victim(self, holder: Session, tokens: list[int], key: str | None, salt: str | None) -> Session | None:
+        """The idle session to close for a fork of holder, or None when taking holder as it is costs less:
+        the tokens holder holds past the prompt (another branch's turn) against what the victim holds that
+        holder does not. Sessions other keys hold are never closed for it."""
+        r = holder.resident
+        cut = len(r) - common_prefix_len(r, tokens)
+        if cut < FORK_MIN_TOKENS or holder.cache_salt != salt:
+            return None
+
+        def alone(s: Session) -> int:
+            return len(s.resident) - common_prefix_len(s.resident, r)
+
+        free = [s for s in self._idle if self._owner.get(s.id) in (None, key)]
+        if not free:
+            return None
+        victim = min(free, key=lambda s: (alone(s), self._last_used.get(s.id, 0.0)))
+        return victim if alone(victim) < cut else None
+
+    async def _fork(self, holder: Session, victim: Session, key: str | None) -> Session:
+        """holder forked into victim's sequence; holder goes back idle. When the fork fails (the sequence
+        taken meanwhile, holder's KV lost) holder serves the request as it is and the pool is short of
+        one session until the next request opens it again."""
+        self._idle.remove(victim)
+        self._last_used.pop(victim.id, None)
+        self._owner.pop(victim.id, None)
+
+        def fork() -> Session:  # both wait for the model lock: not on the loop
+            victim.close()
+            child = holder.fork()
+            child.evictable = True
+            return child
+
+        fut = asyncio.get_running_loop().run_in_executor(None, fork)
+        try:
+            child = await asyncio.shield(fut)
+        except WarmkvError as e:
+            self._forked(fut, holder)
+            log.warning("forking a branch failed (%r): its turn takes the holder as it is", e)
+            return holder
+        except BaseException:  # the request left meanwhile: holder and the fork go back when it is made
+            fut.add_done_callback(lambda f: self._forked(f, holder, back=True))
+            raise
+        self.release(holder)
+        self._own(child, key, only=False)
+        return child
 
     def release(self, session: Session) -> None:
         """Give a session back; a waiting request gets it first. A closed one is replaced."""
@@ -193,6 +258,19 @@ class SessionPool:
         if self._missing == 0:
             self._reason = None
         self.release(fut.result())
+
+    def _forked(self, fut: asyncio.Future[Session], holder: Session, back: bool = False) -> None:
+        """A fork nobody waits for (or that failed): the fork joins the pool, or the pool is short of the
+        session closed for it until the next request opens one; back: holder goes back idle too."""
+        if back:
+            self.release(holder)
+        error = None if fut.cancelled() else fut.exception()
+        if error is None and not fut.cancelled():
+            self.release(fut.result())
+            return
+        self._missing += 1
+        self._reason = f"forking a branch failed: {error!r}"
+        log.warning("session pool degraded: %s", self.degraded)
 
     def _unavailable(self) -> ApiError:
         return ApiError(503, f"no pooled session is available: {self.degraded}", code="pool_degraded")

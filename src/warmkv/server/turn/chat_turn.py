@@ -63,6 +63,7 @@ class ChatInput:
     template_kwargs: Mapping[str, Any] | None = None  # the request's chat_template_kwargs (enable_thinking...)
     num_ctx: int | None = None  # a context window smaller than the served one (Ollama's options.num_ctx)
     chained: ChainedPrompt | None = None  # a stored conversation's continuation: its tokens, built incrementally
+    branch: bool = False  # continues a stored response another turn may continue too: fork, not truncate
     pin_s: float | None = None  # a cache hint: keep the prompt's prefix in the memory tier this long
 
 
@@ -291,6 +292,7 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
         clamp=inp.clamp_max_tokens,
         num_ctx=inp.num_ctx,
         wait=open_wait(st),
+        branch=inp.branch,
     )
     parser = ToolCallParser(fmt, inp.new_call_id) if inp.tools and inp.choice.calls else None
     splitter = None

@@ -65,6 +65,7 @@ async def generate(
     clamp: bool = False,
     num_ctx: int | None = None,
     wait: float | None = None,
+    branch: bool = False,
 ) -> Generation:
     """Start generating after prompt (text, or a PrefixInput that carries its own tokens);
     errors before the first token raise here (4xx/5xx).
@@ -74,7 +75,8 @@ async def generate(
     request's own context window, when it asks for one smaller than the runtime's. The server's
     max_output_tokens caps every request. wait: return once the prompt is resident or after this
     many seconds, whichever comes first (a stream opens while a long prompt fills; its prefill's
-    error then comes as the turn's first step); None waits until it is."""
+    error then comes as the turn's first step); None waits until it is. branch: the prompt continues a
+    stored response that another turn may continue too (the pool forks rather than cut that turn out)."""
     t0 = time.perf_counter()
     rt = st.runtime
     sampling = dict(sampling)
@@ -96,7 +98,7 @@ async def generate(
     if max_tokens < 1 or len(tokens) + max_tokens > num_ctx:
         raise ContextOverflow("prompt", len(tokens), max(max_tokens, 1), num_ctx)
     cfg = DecodeConfig(max_tokens=max_tokens, **sampling)
-    session = await st.pool.acquire(tokens, key, salt)
+    session = await st.pool.acquire(tokens, key, salt, branch)
 
     def finished(stream: ChunkStream) -> None:
         final = stream.final

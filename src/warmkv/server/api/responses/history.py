@@ -35,6 +35,12 @@ class History:
             return self.prev.key
         return None if self.conv is None else self.conv.conv.id
 
+    @property
+    def branch(self) -> bool:
+        """Another turn may continue the same response (a retry, a fork): a chain may branch; a
+        conversation grows at its end."""
+        return self.prev is not None and self.conv is None
+
 
 async def history(
     st: ServerState,

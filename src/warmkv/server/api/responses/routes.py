@@ -152,6 +152,7 @@ async def start_response(
         session_key=key,
         template_kwargs=template_kwargs,
         chained=made.chained,
+        branch=made.branch,
     )
     ignored_headers = _responses_ignored(req, offered, st.thinks)
     turn = await start_chat(st, inp)
