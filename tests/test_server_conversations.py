@@ -111,6 +111,13 @@ def test_conversation_routes_and_errors(rt: warmkv.Runtime, tmp_path: Path) -> N
         with pytest.raises(openai.BadRequestError) as e:
             client.conversations.items.list(conv.id, after="msg_unknown")
         assert e.value.body["param"] == "after"
+        # what a route does not take is refused by name, never dropped: include asks for parts not kept
+        with pytest.raises(openai.BadRequestError) as e:
+            client.conversations.items.list(conv.id, include=["message.output_text.logprobs"])
+        assert e.value.body["param"].startswith("include") and "not supported" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.retrieve(r.id, include=["message.output_text.logprobs"])
+        assert e.value.body["param"].startswith("include")
         dup = listed.data[0].id
         with pytest.raises(openai.BadRequestError) as e:
             _turn(

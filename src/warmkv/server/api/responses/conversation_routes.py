@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from ...conversations.conversation import Conversation, check_metadata, item_form
 from ...conversations.conversation_store import ConversationStore
 from ...errors import ApiError
 from ...http import cache_salt
+from ...http.query import known_query
 from . import chain
 from .conversation import not_found
 from .schemas import CompactionTriggerItem, ConversationCreate, ConversationUpdate, ItemsCreate
@@ -77,7 +78,7 @@ async def create_conversation(body: ConversationCreate, request: Request) -> Any
     return conv.body()
 
 
-@router.get("/conversations/{conversation_id}")
+@router.get("/conversations/{conversation_id}", dependencies=[Depends(known_query())])
 async def get_conversation(conversation_id: str, request: Request) -> Any:
     return (await _conversation(request, conversation_id)).body()
 
@@ -100,7 +101,7 @@ async def delete_conversation(conversation_id: str, request: Request) -> Any:
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}
 
 
-@router.get("/conversations/{conversation_id}/items")
+@router.get("/conversations/{conversation_id}/items", dependencies=[Depends(known_query("limit", "order", "after"))])
 async def list_items(
     conversation_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None
 ) -> Any:
@@ -126,7 +127,7 @@ async def create_items(conversation_id: str, body: ItemsCreate, request: Request
     return _list(items, False)
 
 
-@router.get("/conversations/{conversation_id}/items/{item_id}")
+@router.get("/conversations/{conversation_id}/items/{item_id}", dependencies=[Depends(known_query())])
 async def get_item(conversation_id: str, item_id: str, request: Request) -> Any:
     await _conversation(request, conversation_id)
     item = await run_in_threadpool(_store(request).item, conversation_id, cache_salt.owner(), item_id)

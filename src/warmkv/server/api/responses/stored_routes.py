@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from ...conversations.record import StoredResponse
 from ...conversations.store import ResponseStore
 from ...errors import ApiError
 from ...http import cache_salt
+from ...http.query import known_query
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -33,7 +34,7 @@ async def _get(request: Request, rid: str) -> StoredResponse:
     return record
 
 
-@router.get("/responses/{response_id}")
+@router.get("/responses/{response_id}", dependencies=[Depends(known_query())])
 async def get_response(response_id: str, request: Request) -> Any:
     """A stored response, as POST /v1/responses returned it; unknown, deleted or expired: 404."""
     return (await _get(request, response_id)).body
@@ -48,7 +49,7 @@ async def delete_response(response_id: str, request: Request) -> Any:
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-@router.get("/responses/{response_id}/input_items")
+@router.get("/responses/{response_id}/input_items", dependencies=[Depends(known_query("limit", "order", "after"))])
 async def list_input_items(
     response_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None
 ) -> Any:
