@@ -2,9 +2,8 @@
 generating route, greedy, on the real default model (infill on a tiny model with FIM tokens).
 
 Each pair asks the same thing twice; the second request reuses the first's KV, so cached
-token counts differ and are not compared, and call ids are random. Tool turns make one call:
-a call cut off by the budget is the one documented difference (the non-streamed reply gives
-the text as written, docs/tools.md).
+token counts differ and are not compared, and call ids are random. Tool turns make one call;
+replies cut off inside a call are compared in test_server_wire.py.
 """
 
 from __future__ import annotations

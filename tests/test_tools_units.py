@@ -50,8 +50,8 @@ MISTRAL_TEMPLATE = (
 )
 
 
-def _parse(fmt, text: str, cuts: int = 0, seed: int = 0) -> tuple[ToolCallParser, list]:
-    """Feed text in random pieces (streaming), then finish."""
+def _parse(fmt, text: str, cuts: int = 0, seed: int = 0, cut: bool = False) -> tuple[ToolCallParser, list]:
+    """Feed text in random pieces (streaming), then finish (cut: the token budget ended the reply)."""
     p = ToolCallParser(fmt, new_id=iter(f"id{i}" for i in range(99)).__next__)
     rng = random.Random(seed)
     points = sorted(rng.sample(range(1, len(text)), min(cuts, max(len(text) - 1, 0)))) if cuts else []
@@ -60,7 +60,7 @@ def _parse(fmt, text: str, cuts: int = 0, seed: int = 0) -> tuple[ToolCallParser
     for at in [*points, len(text)]:
         events += p.feed(text[prev:at])
         prev = at
-    events += p.finish()
+    events += p.finish(cut)
     return p, events
 
 
@@ -166,8 +166,33 @@ def test_text_that_only_looks_like_a_trigger_is_text() -> None:
 
 
 def test_a_cut_off_call_is_an_error_not_a_crash() -> None:
-    p, _ = _parse(GENERIC, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    p, _ = _parse(GENERIC, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa', cut=True)
     assert p.calls == [] and p.error is not None and "cut off" in p.error
+    assert p.partial == ("id0", "get_weather", '{"city": "Pa') and p.content == ""
+
+
+@pytest.mark.parametrize("cuts", [0, 4])
+def test_a_reply_cut_off_in_markup_has_none_of_it_as_content(cuts: int) -> None:
+    """The budget ran out inside markup: what is left is never content. A call whose arguments are
+    whole ends though its closing was cut off; one cut before its name was announced leaves nothing."""
+    call = '<tool_call>\n{"name": "run_tests", "arguments": {"verbose": true}}'
+    done = [("id0", "run_tests", '{"verbose": true}')]
+    for text, content, calls, error in [
+        ("Let me look. <tool_c", "Let me look.", [], False),
+        ('<tool_call>\n{"na', "", [], True),
+        (call, "", done, False),
+        (call + "\n</tool", "", done, False),
+    ]:
+        p, events = _parse(GENERIC, text, cuts, cut=True)
+        assert p.content == content and p.calls == calls, text
+        assert "".join(e.text for e in events if isinstance(e, TextDelta)) == content, text
+        assert p.partial is None and (p.error is not None) == error, text
+    # A reply that ended by itself keeps what it wrote: only a cut makes a trigger's start markup.
+    p, _ = _parse(GENERIC, "Compare a <tool_c", cut=False)
+    assert p.content == "Compare a <tool_c"
+    mistral = detect(MISTRAL_TEMPLATE)
+    p, _ = _parse(mistral, "[TOOL_CA", cut=True)
+    assert p.content == "" and p.calls == []
 
 
 def test_a_next_call_cut_off_in_its_marker_is_not_text() -> None:

@@ -6,8 +6,10 @@ as raw JSON fragments (ArgsDelta) exactly as the model wrote them, and CallEnd g
 the whole arguments string. Text that might still become a trigger is held back, and
 so is whitespace: next to a call (before it, after the last) it is no content.
 
-Parsing never raises: a reply cut off inside a call (the token budget ran out) ends
-with `error` set and that call's CallEnd missing.
+Parsing never raises. A reply cut off by the token budget (finish(cut=True)) never turns
+markup into content: a trigger cut short is dropped, a call whose arguments are whole but
+whose closing brace or marker is missing still ends (CallEnd), and a call cut off inside its
+arguments ends the reply with `error` set, its CallEnd missing and what it had in `partial`.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class ToolCallParser:
         self.calls: list[tuple[str, str, str]] = []  # (id, name, arguments)
         self.content = ""
         self.error: str | None = None
+        self.partial: tuple[str, str, str] | None = None  # (id, name, arguments so far) of a call cut off
 
     # -- driving ---------------------------------------------------------------
 
@@ -140,10 +143,15 @@ class ToolCallParser:
             pass
         return out
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
+        """Flush what is held back. cut: the reply was cut off (its token budget ran out), so text
+        held back as the start of a trigger is markup cut short, not content."""
         out = self.feed("")
         if self._state in ("start", "text", "text_only"):
-            out += self._text(self._buf.rstrip(_WS) if self.calls else self._buf)
+            rest = self._buf.rstrip(_WS) if self.calls else self._buf
+            if cut and self._trigger_start(rest.strip(_WS)):
+                rest = ""
+            out += self._text(rest)
         elif self._state == "between":
             rest = self._buf.strip(_WS)
             for marker in (self.fmt.call_close.strip(_WS), self.fmt.list_close):
@@ -151,10 +159,22 @@ class ToolCallParser:
                     rest = rest[len(marker) :].strip(_WS)
             if rest and not any(m.startswith(rest) for m in self._markers()):  # else a marker cut off by the budget
                 out += self._text(rest)
+        elif self._state == "tail":  # the arguments are whole: only the call's closing was cut off
+            self._end_call(out)
         elif self._call is not None:
-            self.error = f"the reply ended inside tool call {self._call.index} ({self._state}): it was cut off"
+            call = self._call
+            self.error = f"the reply ended inside tool call {call.index} ({self._state}): it was cut off"
+            if call.name is not None:  # announced (CallStart): the APIs show it as an unfinished call
+                self.partial = (call.id, call.name, call.args)
+            self._call = None
         self._buf = ""
         return out
+
+    def _trigger_start(self, s: str) -> bool:
+        """s is the start of what opens the calls, cut short."""
+        fmt = self.fmt
+        opens = [fmt.trigger] + ([fmt.list_open + "{"] if fmt.anchored and fmt.list_open else [])
+        return bool(s) and fmt.trigger != "{" and any(o.startswith(s) and o != s for o in opens)
 
     @property
     def in_call(self) -> bool:

@@ -84,6 +84,7 @@ class TurnEnd:
     calls: tuple[Call, ...]
     error: WarmkvError | None = None
     tool_error: str | None = None  # a call cut off by the token budget
+    cut_call: tuple[str, str, str] | None = None  # that call, if announced: (id, name, arguments so far)
     stop_sequence: str | None = None  # the stop string that ended the reply, if one did
     reasoning: str = ""  # the reply's think block, without its tags
     reasoning_tokens: int = 0  # generated tokens spent inside it
@@ -135,7 +136,7 @@ class ChatTurn:
             if not chunk.done:
                 yield TurnStep(events, chunk)
                 continue
-            events += self._parse_finish()
+            events += self._parse_finish(cut=chunk.finish_reason != "stop")
             end = self._end(chunk)
             if end.error is None and end.finish_reason != "cancelled":
                 await run_in_threadpool(self.st.runtime.remember_turn, self.gen.prompt_ids, generated, end.calls)
@@ -161,36 +162,29 @@ class ChatTurn:
             return [TextDelta(text)] if text else []
         return list(self.parser.feed(text))
 
-    def _parse_finish(self) -> list[Event | ReasoningDelta]:
+    def _parse_finish(self, cut: bool) -> list[Event | ReasoningDelta]:
         out: list[Event | ReasoningDelta] = []
         if self.splitter is not None:
             piece = self.splitter.finish()
             if piece.reasoning:
                 out.append(ReasoningDelta(piece.reasoning))
             out += self._content(piece.content)
-        return out + ([] if self.parser is None else list(self.parser.finish()))
+        return out + ([] if self.parser is None else list(self.parser.finish(cut)))
 
     def _end(self, chunk: StreamChunk) -> TurnEnd:
         p = self.parser
         calls = tuple(p.calls) if p is not None else ()
         finish = chunk.finish_reason or "error"
-        if calls and finish in ("stop", "length") and (p is None or p.error is None):
-            finish = "tool_calls"
-        tool_error = p.error if p is not None else None
-        # A call cut off by the budget: the reply as written, so nothing the model wrote is lost.
-        content = p.content if p is not None and tool_error is None else "".join(self._text)
+        # A call cut off by the budget is no content: the text stays what streamed, the call is unfinished.
+        content = p.content if p is not None else "".join(self._text)
         reasoning = self.splitter.reasoning if self.splitter is not None else ""
+        cut = (p.error, p.partial) if p is not None else (None, None)
+        if calls and finish in ("stop", "length") and cut[0] is None:
+            finish = "tool_calls"
         return TurnEnd(
-            finish,
-            chunk.usage,
-            content,
-            calls,
-            chunk.error,
-            tool_error,
-            chunk.stop_sequence,
-            reasoning,
+            finish, chunk.usage, content, calls, chunk.error, *cut, chunk.stop_sequence, reasoning,
             self._reasoning_tokens,
-        )
+        )  # fmt: skip
 
 
 def _special_token(st: ServerState, text: str) -> int | None:

@@ -6,6 +6,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import pydantic_core
+
 from ....tools import ArgsDelta, CallStart, TextDelta
 from ....types import Usage
 from ...errors import ApiError
@@ -141,14 +143,19 @@ class MessagesCollector:
         end = last.end
         assert end is not None
         blocks = self.blocks
+        cut = end.cut_call[0] if end.cut_call is not None else None
         for i, b in enumerate(blocks):
-            if b["type"] == "tool_use" and (end.tool_error is None or any(c[0] == b["id"] for c in end.calls)):
-                b["input"] = json.loads(self.args.get(i) or "{}")
-        if end.tool_error:  # a call cut off by the budget: the reply as written, and the calls that completed
-            done = {c[0] for c in end.calls}
-            thinking = [b for b in blocks if b["type"] == "thinking"]
-            calls = [b for b in blocks if b["type"] == "tool_use" and b["id"] in done]
-            blocks = [*thinking, {"type": "text", "text": end.content}, *calls]
+            if b["type"] == "tool_use":
+                b["input"] = _input(self.args.get(i) or "{}", b["id"] == cut)
         diagnostics = self.message.pop("diagnostics", None)
         out = {**self.message, "content": blocks or [{"type": "text", "text": ""}]}
         return out if diagnostics is None else {**out, "diagnostics": diagnostics}
+
+
+def _input(args: str, cut: bool) -> dict[str, Any]:
+    """A tool_use block's input. A call cut off by max_tokens keeps what parses of its unfinished JSON, as
+    Anthropic's SDK reads a streamed block's partial_json, so the message is the one a stream adds up to."""
+    if not cut:
+        return json.loads(args)
+    got = pydantic_core.from_json(args, allow_partial=True)
+    return got if isinstance(got, dict) else {}

@@ -76,7 +76,6 @@ class _Encoder:
 
     def __init__(self, model: str, gen: Generation, timing: Timing, backend: Backend, logprobs: bool) -> None:
         self.model, self.gen, self.timing, self.backend, self.logprobs = model, gen, timing, backend, logprobs
-        self.sent = ""  # reply text streamed so far
 
     def _line(self, body: dict[str, Any], done: bool = False, **more: Any) -> Line:
         return Line({"model": self.model, "created_at": created_at(), **body, "done": done, **more})
@@ -140,16 +139,11 @@ class ChatEncoder(_Encoder):
         lp = self._lp(step.chunk.logprobs)
         if not (content or thinking or calls or lp):
             return []
-        self.sent += content
         return [self._line(self._message(content, thinking, calls), **lp)]
 
     def end(self, step: TurnStep) -> list[Frame]:
-        end = step.end
-        assert end is not None
-        rest = ""
-        if end.tool_error and end.content.startswith(self.sent):  # a call cut off by the budget: its text
-            rest = end.content[len(self.sent) :]
-        return self._final(step, self._message(rest))
+        # A call cut off by the budget never went out (calls go out whole): done_reason "length" says so.
+        return self._final(step, self._message(""))
 
 
 class GenerateEncoder(_Encoder):

@@ -139,10 +139,8 @@ class ChatCollector:
     def body(self, last: TurnStep) -> dict[str, Any]:
         end = last.end
         assert end is not None
+        # A call cut off by the budget stays as it streamed, its arguments unfinished (finish_reason "length").
         content, calls = self.content, [self.calls[i] for i in sorted(self.calls)]
-        if end.tool_error:  # a call cut off by the budget: the reply as written, and the calls that completed
-            done = {c[0] for c in end.calls}
-            content, calls = end.content, [c for c in calls if c["id"] in done]
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message = {"role": "assistant", "content": content or None, "tool_calls": calls}

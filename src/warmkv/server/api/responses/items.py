@@ -55,6 +55,8 @@ def messages_of(
             if store is not None:
                 thought += _reasoning_text(item, store)
             continue
+        if isinstance(item, FunctionCallItem) and item.status == "incomplete":
+            continue  # cut off by max_output_tokens: never a call, its arguments unfinished
         if isinstance(item, CompactionTriggerItem):
             raise InvalidInput(f"input[{i}]: compaction_trigger must be the last input item", param=f"input[{i}]")
         if isinstance(item, CompactionItem):

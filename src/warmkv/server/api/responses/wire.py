@@ -141,6 +141,16 @@ class ResponsesEncoder:
             self._event("response.output_item.done", output_index=at, item=item),
         ]
 
+    def _close_cut_call(self) -> list[Frame]:
+        """A call cut off by max_output_tokens: its item ends incomplete, its arguments as far as they came."""
+        out = []
+        for item in self.calls.values():
+            if item["status"] == "in_progress":
+                item["status"] = "incomplete"
+                at = self.shape.output.index(item)
+                out.append(self._event("response.output_item.done", output_index=at, item=item))
+        return out
+
     def step(self, step: TurnStep) -> list[Frame]:
         out: list[Frame] = []
         shape = self.shape
@@ -186,7 +196,7 @@ class ResponsesEncoder:
         end = step.end
         assert end is not None
         status = "incomplete" if end.finish_reason == "length" else "completed"
-        closed = [*self._close_thought(), *self._close_text()]
+        closed = [*self._close_thought(), *self._close_text(), *self._close_cut_call()]
         body = self.shape.response(status, end)
         if self.shape.keep is not None:
             self.shape.keep(body)
@@ -220,11 +230,6 @@ class ResponsesCollector:
         end: TurnEnd | None = last.end
         assert end is not None
         output = self.response["output"]
-        if end.tool_error:  # a call cut off by the budget: the reply as written, and the calls that completed
-            done = {c[0] for c in end.calls}
-            thought = [i for i in output if i["type"] == "reasoning"]
-            calls = [i for i in output if i["type"] == "function_call" and i["call_id"] in done]
-            output[:] = [*thought, self.shape.message(end.content, "completed"), *calls]
         if not output:  # a reply with nothing in it is still a message
             output.append(self.shape.message("", "completed"))
         return self.response
