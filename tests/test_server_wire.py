@@ -1,7 +1,7 @@
 """What an agent gets on the wire when a small model misbehaves, on a live server with the real
 default model, through the official clients: a reply cut off by its token budget inside a tool
 call (no markup in any text, streamed the same as not, on Chat Completions, Responses, Anthropic
-Messages and Ollama)."""
+Messages and Ollama), the one-call switches, and a reply ended at an exact repeat of a call."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ MAGIC = {
 CHAT_TOOLS = [{"type": "function", "function": MAGIC}]
 RESPONSES_TOOLS = [{"type": "function", **MAGIC}]
 MESSAGES_TOOLS = [{"name": MAGIC["name"], "description": MAGIC["description"], "input_schema": MAGIC["parameters"]}]
-ASK = "What is the value of magic_function(3)?"
+ASK = "What is the value of magic_function(3)?"  # the default model calls it, then calls it again and again
+THREE = "Compute magic_function for 1, 2 and 3."  # three calls, where several are allowed
 # Budgets that end a forced call's reply in its opening tag, before its name is whole, in its arguments.
 BUDGETS = (3, 12, 20)
 MARKUP = ("<tool", "tool_call", '"name"', "{")
@@ -178,3 +179,79 @@ def test_ollama_cut_off_calls_leave_no_markup(base: str, budget: int) -> None:
         assert whole.done_reason == "length" and not calls
     else:  # room for the whole call
         assert [c.function.name for c in calls] == ["get_weather"]
+
+
+# -- the one-call switches ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_call_switches_end_the_reply_after_the_first_call(
+    oai: openai.OpenAI, claude: anthropic.Anthropic, stream: bool
+) -> None:
+    """The prompt that makes three calls where several are allowed makes one under each API's switch."""
+    ask = [{"role": "user", "content": THREE}]
+    chat = {"model": "m", "messages": ask, "tools": CHAT_TOOLS, "tool_choice": "required", "temperature": 0,
+            "max_tokens": 200}  # fmt: skip
+    if not stream:
+        several = oai.chat.completions.create(**chat).choices[0].message.tool_calls
+        assert len(several) > 1, several  # what the switches change
+    _, calls, finish = _chat(oai, {**chat, "parallel_tool_calls": False}, stream)
+    assert finish == "tool_calls" and calls == [("magic_function", '{"input": 1}')]
+
+    kw = {"model": "m", "input": THREE, "tools": RESPONSES_TOOLS, "tool_choice": "required", "temperature": 0,
+          "max_output_tokens": 200, "parallel_tool_calls": False}  # fmt: skip
+    r = list(oai.responses.create(stream=True, **kw))[-1].response if stream else oai.responses.create(**kw)
+    assert r.status == "completed"
+    assert [(o.name, o.arguments) for o in r.output if o.type == "function_call"] == calls
+
+    kw = {"model": "m", "max_tokens": 200, "messages": ask, "tools": MESSAGES_TOOLS, "extra_body": {"temperature": 0},
+          "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}  # fmt: skip
+    if stream:
+        with claude.messages.stream(**kw) as s:
+            m = s.get_final_message()
+    else:
+        m = claude.messages.create(**kw)
+    assert m.stop_reason == "tool_use" and [(b.name, b.input) for b in m.content] == [("magic_function", {"input": 1})]
+
+
+# -- an exact repeat ends the reply ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_exact_repeat_ends_the_reply(
+    base: str, oai: openai.OpenAI, claude: anthropic.Anthropic, stream: bool
+) -> None:
+    """The default model repeats a forced call until its budget runs out: the reply ends at the first
+    repeat, with the call before it, and a non-streamed reply names it in x-warmkv-repeated-call."""
+    ask = [{"role": "user", "content": ASK}]
+    chat = {"model": "m", "messages": ask, "tools": CHAT_TOOLS, "tool_choice": "required", "temperature": 0,
+            "max_tokens": 400}  # fmt: skip
+    _, calls, finish = _chat(oai, chat, stream)
+    assert finish == "tool_calls" and calls == [("magic_function", '{"input": 3}')]
+    if not stream:
+        raw = oai.chat.completions.with_raw_response.create(**chat)
+        r = raw.parse()
+        assert raw.headers["x-warmkv-repeated-call"] == "magic_function"
+        assert r.usage.completion_tokens < 100  # well before the 400 tokens 13 repeats took
+        # The call goes back with its result: the next turn reuses the prompt and the call before the repeat.
+        msg = r.choices[0].message.model_dump(exclude_none=True)
+        result = {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "42"}
+        nxt = oai.chat.completions.create(**{**chat, "messages": [*ask, msg, result], "max_tokens": 8})
+        assert nxt.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens + 20, nxt.usage
+
+    kw = {"model": "m", "input": ASK, "tools": RESPONSES_TOOLS, "tool_choice": "required", "temperature": 0,
+          "max_output_tokens": 400}  # fmt: skip
+    r = list(oai.responses.create(stream=True, **kw))[-1].response if stream else oai.responses.create(**kw)
+    assert r.status == "completed"
+    assert [(o.name, o.arguments) for o in r.output if o.type == "function_call"] == calls
+
+    kw = {"model": "m", "max_tokens": 400, "messages": ask, "tools": MESSAGES_TOOLS, "tool_choice": {"type": "any"},
+          "extra_body": {"temperature": 0}}  # fmt: skip
+    if stream:
+        with claude.messages.stream(**kw) as s:
+            m = s.get_final_message()
+    else:
+        raw = claude.messages.with_raw_response.create(**kw)
+        m = raw.parse()
+        assert raw.headers["x-warmkv-repeated-call"] == "magic_function"
+    assert m.stop_reason == "tool_use" and [(b.name, b.input) for b in m.content] == [("magic_function", {"input": 3})]

@@ -41,9 +41,11 @@ from . import ignored
 from .generation import Generation, generate, open_wait
 from .incremental import ChainedPrompt
 from .normalize import strip_volatile
+from .repeat_gate import RepeatGate, kept_tokens
 from .reuse_report import QUEUED, message_ends, report
 
 log = logging.getLogger("warmkv.server")
+REPEATED_HEADER = "x-warmkv-repeated-call"  # the call whose exact repeat ended a non-streamed reply
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class TurnEnd:
     stop_sequence: str | None = None  # the stop string that ended the reply, if one did
     reasoning: str = ""  # the reply's think block, without its tags
     reasoning_tokens: int = 0  # generated tokens spent inside it
+    repeated: str | None = None  # the name of the call whose exact repeat ended the reply (repeat_gate.py)
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class ChatTurn:
     pin_s: float | None = None  # the request's cache hint (ChatInput.pin_s)
     # The reuse report of a stream that opened while its prompt filled: made (counted, logged) once it is resident.
     _report: Callable[[PrefixStatus], dict[str, str]] | None = None
+    gate: RepeatGate = field(default_factory=RepeatGate)  # ends the reply at an exact repeat of a call
 
     async def steps(self) -> AsyncIterator[TurnStep]:
         """The turn's steps, one per decode chunk; the last carries the end (wire.py drives them).
@@ -132,18 +136,44 @@ class ChatTurn:
         generated: list[int] = []
         async for chunk in self.gen.stream:
             generated += chunk.token_ids
-            events = self._parse(chunk.text, len(chunk.token_ids))
+            events: list[Event | ReasoningDelta] = []
+            if self.gate.repeated is None:  # after a repeat, what decoded before the turn stopped is dropped
+                events = self._parse(chunk.text, len(chunk.token_ids))
+                if chunk.done:
+                    events += self._parse_finish(cut=chunk.finish_reason != "stop")
+                events = self._gated(events)
             if not chunk.done:
                 yield TurnStep(events, chunk)
                 continue
-            events += self._parse_finish(cut=chunk.finish_reason != "stop")
             end = self._end(chunk)
             if end.error is None and end.finish_reason != "cancelled":
-                await run_in_threadpool(self.st.runtime.remember_turn, self.gen.prompt_ids, generated, end.calls)
-                if end.reasoning and not end.calls:
-                    self.st.reasoning.remember_answer(self.context, end.content, end.reasoning)
+                await run_in_threadpool(self._remember, generated, end)
             yield TurnStep(events, chunk, end)
             return
+
+    def _gated(self, events: list[Event | ReasoningDelta]) -> list[Event | ReasoningDelta]:
+        """The events that go out; an exact repeat of a call ends the reply (repeat_gate.py)."""
+        if self.parser is None:
+            return events
+        out = self.gate.push(events)
+        if self.gate.repeated is not None:
+            self.gen.stream.cancel()  # nothing after it is wanted: stop decoding at the next step
+            self.headers[REPEATED_HEADER] = self.gate.repeated  # a non-streamed reply's headers have it
+            log.info("reply ended at a repeated call of %s", self.gate.repeated)
+        return out
+
+    def _remember(self, generated: list[int], end: TurnEnd) -> None:
+        """Keep the turn's own tokens for the request that sends it back (blocking); a reply ended at a
+        repeat keeps the tokens of the calls before it, when they end on a token."""
+        if end.repeated is not None:
+            backend = self.st.runtime.backend
+            kept = kept_tokens(self.fmt, generated, backend.token_bytes, end.calls)
+            if kept is None:
+                return
+            generated = kept
+        self.st.runtime.remember_turn(self.gen.prompt_ids, generated, end.calls)
+        if end.reasoning and not end.calls:
+            self.st.reasoning.remember_answer(self.context, end.content, end.reasoning)
 
     def _parse(self, text: str, n_tokens: int = 0) -> list[Event | ReasoningDelta]:
         out: list[Event | ReasoningDelta] = []
@@ -179,11 +209,14 @@ class ChatTurn:
         content = p.content if p is not None else "".join(self._text)
         reasoning = self.splitter.reasoning if self.splitter is not None else ""
         cut = (p.error, p.partial) if p is not None else (None, None)
-        if calls and finish in ("stop", "length") and cut[0] is None:
+        repeated = self.gate.repeated if chunk.error is None else None
+        if repeated is not None:  # the reply ended at the repeat: the calls before it, nothing cut off
+            calls, finish, cut = calls[: len(self.gate.made)], "tool_calls", (None, None)
+        elif calls and finish in ("stop", "length") and cut[0] is None:
             finish = "tool_calls"
         return TurnEnd(
             finish, chunk.usage, content, calls, chunk.error, *cut, chunk.stop_sequence, reasoning,
-            self._reasoning_tokens,
+            self._reasoning_tokens, repeated,
         )  # fmt: skip
 
 
