@@ -1,10 +1,12 @@
 """What an agent gets on the wire when a small model misbehaves, on a live server with the real
 default model, through the official clients: a reply cut off by its token budget inside a tool
 call (no markup in any text, streamed the same as not, on Chat Completions, Responses, Anthropic
-Messages and Ollama), the one-call switches, and a reply ended at an exact repeat of a call."""
+Messages and Ollama), the one-call switches, a reply ended at an exact repeat of a call, and
+Anthropic's structured-outputs field `output_format`."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -255,3 +257,49 @@ def test_an_exact_repeat_ends_the_reply(
         m = raw.parse()
         assert raw.headers["x-warmkv-repeated-call"] == "magic_function"
     assert m.stop_reason == "tool_use" and [(b.name, b.input) for b in m.content] == [("magic_function", {"input": 3})]
+
+
+# -- Anthropic's output_format -----------------------------------------------------------------------
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+BETA = {"anthropic-beta": "structured-outputs-2025-11-13"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_format_constrains_the_reply(claude: anthropic.Anthropic, stream: bool) -> None:
+    """The structured-outputs beta's field, as clients still send it: the reply follows the schema."""
+    kw: dict[str, Any] = {
+        "model": "m", "max_tokens": 60, "messages": [{"role": "user", "content": "Give me a person."}],
+        "extra_body": {"temperature": 0, "output_format": {"type": "json_schema", "schema": PERSON}},
+        "extra_headers": BETA,
+    }  # fmt: skip
+    if stream:
+        with claude.messages.stream(**kw) as s:
+            m = s.get_final_message()
+    else:
+        raw = claude.messages.with_raw_response.create(**kw)
+        assert "x-warmkv-ignored-betas" not in raw.headers  # the beta is acted on
+        m = raw.parse()
+    person = json.loads(m.content[0].text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+
+
+def test_output_format_and_output_config_format_are_one_field(claude: anthropic.Anthropic) -> None:
+    fmt = {"type": "json_schema", "schema": PERSON}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(
+            model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+            extra_body={"output_format": fmt, "output_config": {"format": fmt}},
+        )  # fmt: skip
+    assert "output_format" in e.value.message and "output_config.format" in e.value.message
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(
+            model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+            extra_body={"output_format": {"type": "json_schema", "schema": {"type": "objet"}}},
+        )  # fmt: skip
+    assert "output_format" in e.value.message

@@ -86,6 +86,7 @@ HONORED_BETAS = frozenset(
         "context-management-2025-06-27",  # context_management edits
         "mid-conversation-system-2026-04-07",  # role "system" inside messages
         "fine-grained-tool-streaming-2025-05-14",  # tool input streams as it is decoded, always
+        "structured-outputs-2025-11-13",  # output_format, as output_config.format: the reply follows the schema
     }
 )
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from ....errors import InvalidInput
+from ....prompt.constraint import Constraint
 from ....tools import ToolChoice, ToolSpec, make_tool
 from ....tools.spec import check_unique, choice_for
 from ...fleet import routing
@@ -170,11 +171,22 @@ def _thinking(req: Any) -> dict[str, Any] | None:
     return None if thinking is None else {"enable_thinking": thinking.type != "disabled"}
 
 
+def _output_format(req: MessagesRequest) -> Constraint | None:
+    """The reply's JSON schema: output_config.format, or output_format, the structured-outputs beta's
+    name for it (clients still send it); a 400 naming both when both are set."""
+    given = {"output_config.format": req.output_config.format if req.output_config is not None else None}
+    given["output_format"] = req.output_format
+    return constraints.one_constraint(
+        **{where: None if f is None else constraints.json_schema(f.schema_, where) for where, f in given.items()}
+    )
+
+
 def _chat_input(st: ServerState, req: MessagesRequest, edited: Edited, key: str | None) -> ChatInput:
     tools, choice, parallel = _tools(req)
-    fmt = req.output_config.format if req.output_config is not None else None
-    constraint = constraints.json_schema(fmt.schema_, "output_config.format") if fmt is not None else None
-    sampling = {**sampling_fields(req, stop="stop_sequences", defaults={"top_p": 1.0}), "constraint": constraint}
+    sampling = {
+        **sampling_fields(req, stop="stop_sequences", defaults={"top_p": 1.0}),
+        "constraint": _output_format(req),
+    }
     return ChatInput(
         _messages(req, edited.messages, _store(st)), tools, choice, parallel, req.max_tokens, sampling,
         new_call_id=_toolu, session_key=key, clamp_max_tokens=True, template_kwargs=_thinking(req),

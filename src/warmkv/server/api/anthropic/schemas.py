@@ -172,6 +172,7 @@ class MessagesRequest(_Prompt):
     top_k: int | None = Field(default=None, ge=0)
     stream: bool = False
     output_config: OutputConfig | None = None
+    output_format: JsonFormat | None = None  # the structured-outputs beta's name for output_config.format
     diagnostics: Diagnostics | None = None  # previous_message_id -> why this request's cache missed
     # Accepted without effect: identity, routing and caching hints of the hosted API
     # (metadata.user_id's session_id, as Claude Code sends it, picks the pooled session).
