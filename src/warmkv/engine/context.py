@@ -40,6 +40,7 @@ class ResidentContext(RegionMap):
         self._chunk = prefill_chunk
         self._fatal: str | None = None
         self._swapped: Blob | None = None  # the KV, exported while its turn waits for pool room
+        self._released = False  # the sequence was given back (the session closed): never touched again
 
     # -- reading: the region map's fields are RegionMap's properties --------------------------------
 
@@ -103,9 +104,17 @@ class ResidentContext(RegionMap):
             self._detached = None
 
     def clear(self) -> None:
-        """Drop every token and its KV (the session's KV went to the tiers, or was given up)."""
-        self.backend.truncate(self.seq, 0)
+        """Drop every token and its KV (the session's KV went to the tiers, or was given up). A swapped-out
+        context's sequence holds nothing; a released one may be another session's by now."""
+        if self._swapped is None and not self._released:
+            self.backend.truncate(self.seq, 0)
         self.reset()
+
+    def release(self) -> None:
+        """The session closed and gives its sequence back: forget the tokens, and never touch the
+        sequence again (a turn that ends after the close, a held one, must not cut another's KV)."""
+        self.reset()
+        self._released = True
 
     def reset(self, tokens: Sequence[int] = ()) -> None:
         """Bookkeeping for KV that was replaced wholesale (a tier load, a snapshot, a copy)."""
@@ -270,15 +279,15 @@ class ResidentContext(RegionMap):
 
     def swap_in(self) -> None:
         """Put the swapped-out KV back (KVCacheFull: the pool has no room yet, nothing changed)."""
-        if self._swapped is None:
+        if self._swapped is None or self._released:
             raise self._refused("swap_in of a context that is not swapped")
         self._backend.import_seq(self._seq, self._swapped)
         self._swapped = None
 
     def forward(self, row: ForwardRow) -> np.ndarray | None:
         """Evaluate one row of ours; a fatal backend error marks the context unusable."""
-        if self._swapped is not None:
-            raise self._refused("a forward while the KV is swapped out")
+        if self._swapped is not None or self._released:
+            raise self._refused("a forward while the KV is swapped out or the sequence given back")
         t0 = time.perf_counter()
         try:
             (logits,) = self._backend.forward([row])

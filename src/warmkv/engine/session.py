@@ -376,7 +376,7 @@ class Session:
             if self._closed:
                 return
             self._closed = True
-            self.ctx.reset()
+            self.ctx.release()
             self.publish_resident()
             self._rt._release(self, self._seq)  # publishes the runtime's stats
 

@@ -1,0 +1,71 @@
+"""Rare orders of events, without a model (tests/scripted_backend.py): a session closed while its turn
+is held."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import warmkv
+from scripted_backend import ScriptedBackend
+from warmkv.engine.job import Job
+from warmkv.engine.scheduler import Scheduler
+from warmkv.engine.turn_runner import Phase
+
+pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
+
+GREEDY = warmkv.DecodeConfig(max_tokens=96, temperature=0.0)
+OLD, YOUNG, OTHER = "old turn: " + "abc " * 8, "young turn: " + "xyz " * 8, "another session's prompt"
+
+
+def _runtime(pool_tokens: int | None = None, n_seq_max: int = 4) -> warmkv.Runtime:
+    cfg = warmkv.RuntimeConfig(num_ctx=1024, n_seq_max=n_seq_max, prefix_cache_mb=0, kv_store_mb=0, prefill_chunk=64)
+    return warmkv.Runtime(ScriptedBackend(cfg, pool_tokens=pool_tokens))
+
+
+def _same_kv(rt: warmkv.Runtime, s: warmkv.Session) -> None:
+    """What the session's sequence holds is what its context says."""
+    assert rt.backend.kv_tokens(s._seq) == list(s.ctx.tokens)  # type: ignore[attr-defined]
+
+
+# -- the engine --------------------------------------------------------------------------------------
+
+
+def test_closing_a_session_whose_turn_is_held_leaves_other_sessions_alone() -> None:
+    """A held turn's session closes; its sequence goes to a new session, which prefills. When the
+    scheduler ends the held turn, the new session's KV must be untouched (the held turn's KV was
+    swapped out: there is nothing of it in the sequence to drop)."""
+    rt = _runtime(pool_tokens=200)
+    scheduler = Scheduler(rt)
+    old, young = rt.session(), rt.session()
+    other: list[warmkv.Session] = []
+    done = threading.Event()
+    jobs: list[Job] = []
+
+    def old_sink(c: warmkv.StreamChunk) -> None:
+        # Between steps, on the engine's thread: once the young turn waits for room, its session closes.
+        if not other and jobs[1].phase is Phase.HELD:
+            young.close()
+            s = rt.session()
+            assert s._seq == young._seq  # the freed sequence goes to the next session
+            s.ensure_prefix(OTHER)
+            other.append(s)
+        if c.done:
+            done.set()
+
+    try:
+        with rt.lock:  # both queued before the first step
+            jobs.append(scheduler.submit(old.turn(OLD, GREEDY), old_sink))
+            jobs.append(scheduler.submit(young.turn(YOUNG, GREEDY), lambda c: None))
+        assert done.wait(30)
+        assert other, "the young turn was never preempted: the pool is too large for this test"
+        while not jobs[1].done:  # the held turn ends (its session closed) in a step after the close
+            threading.Event().wait(0.01)
+        with rt.lock:
+            _same_kv(rt, other[0])
+            _same_kv(rt, old)
+    finally:
+        scheduler.close()
+        for s in (old, young, *other):
+            s.close()
