@@ -1,8 +1,9 @@
 """Rare orders of events, without a model (tests/scripted_backend.py): a session closed while its turn
-is held."""
+is held, a capture while a turn runs."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -11,7 +12,7 @@ import warmkv
 from scripted_backend import ScriptedBackend
 from warmkv.engine.job import Job
 from warmkv.engine.scheduler import Scheduler
-from warmkv.engine.turn_runner import Phase
+from warmkv.engine.turn_runner import Phase, TurnRunner
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
 
@@ -27,6 +28,19 @@ def _runtime(pool_tokens: int | None = None, n_seq_max: int = 4) -> warmkv.Runti
 def _same_kv(rt: warmkv.Runtime, s: warmkv.Session) -> None:
     """What the session's sequence holds is what its context says."""
     assert rt.backend.kv_tokens(s._seq) == list(s.ctx.tokens)  # type: ignore[attr-defined]
+
+
+def _decoding(s: warmkv.Session, prompt: str) -> TurnRunner:
+    """A turn of s with its prompt prefilled, decoding, as a scheduler holds it (model lock held)."""
+    turn = s.turn(prompt, GREEDY)
+    runner = TurnRunner(s, turn.plan, turn.state)
+    s.hold(runner)
+    runner.prepare()
+    while runner.phase is Phase.PREFILLING:
+        row = runner.next_row()
+        runner.accept(row, s.ctx.forward(row))  # type: ignore[arg-type]
+    assert runner.phase is Phase.DECODING
+    return runner
 
 
 # -- the engine --------------------------------------------------------------------------------------
@@ -69,3 +83,22 @@ def test_closing_a_session_whose_turn_is_held_leaves_other_sessions_alone() -> N
         scheduler.close()
         for s in (old, young, *other):
             s.close()
+
+
+def test_a_capture_while_a_turn_runs_returns_nothing() -> None:
+    """capture() copies a session's KV for the remote tier; while a turn of it runs (decoding, or held
+    with its KV swapped out) the KV is not the context's to copy: it returns None, and once the turn
+    ends, the copy again. (Waiting instead could hold a worker for a whole long reply.)"""
+    rt = _runtime()
+    with rt.session() as s:
+        s.ensure_prefix(OLD)
+        with rt.lock:
+            runner = _decoding(s, OLD + "more")
+            assert s.capture() is None
+            runner.preempt()  # held: the sequence is empty, the context still has its tokens
+            assert runner.phase is Phase.HELD and s.capture() is None
+            runner.resume()
+            runner.end()
+            s.let_go(runner)
+        snap = s.capture()
+        assert snap is not None and json.loads(snap.blob) == list(snap.tokens) == list(s.ctx.tokens)

@@ -350,7 +350,7 @@ class Session:
 
     def capture(self, name: str = "") -> Snapshot | None:
         """The resident context as an in-memory snapshot (tokens, KV, manifest), for a copy kept
-        elsewhere (the remote tier); None when the session is empty, closed or failed."""
+        elsewhere (the remote tier); None when the session is empty, closed or failed, or a turn of it runs."""
         return session_copies.capture(self, name)
 
     def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:

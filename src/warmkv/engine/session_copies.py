@@ -79,10 +79,12 @@ def snapshot(session: Session, name: str) -> SnapshotInfo:
 
 def capture(session: Session, name: str = "") -> Snapshot | None:
     """The resident context as an in-memory snapshot (tokens, KV, manifest), for a copy kept
-    elsewhere (the remote tier); None when the session is empty, closed or failed. The KV is
-    copied under the model lock; storing it is the caller's, without the lock."""
+    elsewhere (the remote tier); None when the session is empty, closed or failed, or while a turn
+    of it runs: its KV is then the turn's (a prompt half loaded, a held turn's KV swapped out of the
+    sequence), and waiting could take a whole reply; the caller copies again after its next call.
+    The KV is copied under the model lock; storing it is the caller's, without the lock."""
     with session._op, session._model_lock:
-        if session._closed or session.ctx.fatal or session._manifest is None or not session.ctx.tokens:
+        if session.busy or session._closed or session.ctx.fatal or session._manifest is None or not session.ctx.tokens:
             return None
         return _copy(session, name)
 
