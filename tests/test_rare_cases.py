@@ -1,5 +1,5 @@
 """Rare orders of events, without a model (tests/scripted_backend.py): a session closed while its turn
-is held, a capture while a turn runs."""
+is held, a capture while a turn runs, a turn preempted after its row ran."""
 
 from __future__ import annotations
 
@@ -102,3 +102,33 @@ def test_a_capture_while_a_turn_runs_returns_nothing() -> None:
             s.let_go(runner)
         snap = s.capture()
         assert snap is not None and json.loads(snap.blob) == list(snap.tokens) == list(s.ctx.tokens)
+
+
+def test_a_turn_preempted_after_its_row_ran_keeps_its_kv_and_context_together() -> None:
+    """A step runs a young turn's row in the shared forward, then an old turn's row alone (it was
+    marked solo by an earlier fault), which finds the pool short: the young turn is preempted though
+    its row already ran. Its token must be in its context as well as in its KV."""
+    rt = _runtime()
+    backend: ScriptedBackend = rt.backend  # type: ignore[assignment]
+    scheduler = Scheduler(rt)  # its worker waits: no job is ever submitted to it
+    old, young = rt.session(), rt.session()
+    try:
+        with rt.lock:
+            jobs = [Job(_decoding(s, p), lambda c: None) for s, p in ((old, OLD), (young, YOUNG))]
+            scheduler._step(jobs)  # each samples its first token from its prompt's logits: a row to run now
+            jobs[0].solo = True  # runs alone, after the shared forward of the others
+            backend.pool_tokens = backend.held_tokens() + 1  # room for the young row's token only
+            scheduler._step(jobs)
+            assert jobs[1].phase is Phase.HELD
+            backend.pool_tokens = None
+            jobs[1].runner.resume()
+            for s in (old, young):
+                _same_kv(rt, s)
+                s.ctx.check()
+            scheduler._step(jobs)  # both step on from where they are
+            for s in (old, young):
+                _same_kv(rt, s)
+    finally:
+        scheduler.close()
+        old.close()
+        young.close()

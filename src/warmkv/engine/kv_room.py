@@ -6,10 +6,11 @@ step first takes back the KV of idle evictable sessions (the server's pooled one
 Runtime._reclaim parks them to the tiers, least recently used first). If it is still short, the
 youngest turn holding KV is preempted (preempt): a decoding turn's KV is exported and its
 sequence emptied, a prefilling turn's load is rolled back and its session parked; every row of
-the step runs again next step. A held turn resumes, oldest first and before any younger turn
-begins its prompt, once the pool has room (a decoding turn by importing its KV: its output is
-what it would have been without the wait). Only a turn the pool cannot hold with no other turn
-left to wait for ends, with KVCacheFull.
+the forward that did not fit runs again next step (a row that ran in an earlier forward of the
+step was taken by its turn first, so a victim's context keeps its token). A held turn resumes,
+oldest first and before any younger turn begins its prompt, once the pool has room (a decoding
+turn by importing its KV: its output is what it would have been without the wait). Only a turn
+the pool cannot hold with no other turn left to wait for ends, with KVCacheFull.
 
 These are functions of the Scheduler's step (scheduler.py), apart from the loop because they
 decide only whether turns fit; they run on its worker thread with the model lock held, and

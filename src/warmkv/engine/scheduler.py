@@ -226,8 +226,7 @@ class Scheduler:
                 evaluated = rows + step_budget.cut_pieces(self, live, bool(rows), budget, out)
             else:
                 evaluated = rows
-            for (job, row), got in zip(evaluated, self._forward(evaluated), strict=True):
-                self._accept(job, row, got, out)
+            self._forward(evaluated, out)
             for job in idle:  # the logits its next token needs are known already
                 self._accept(job, None, None, out)
             if not self._rt.backend.rows_invariant():
@@ -273,17 +272,17 @@ class Scheduler:
         if chunk is not None:
             out.append((job, chunk))
 
-    def _forward(self, group: Rows) -> list[Outcome]:
-        """The rows' outcomes: one forward of them all, a turn marked solo in one of its own."""
+    def _forward(self, group: Rows, out: Out) -> None:
+        """Run the rows, one forward of them all and a turn marked solo in one of its own, and hand each
+        turn its row's outcome. A part's rows are accepted before the next part runs: a turn that a
+        later part's short pool preempts has its row's token in its context as well as in its KV."""
         together = [i for i, (job, _) in enumerate(group) if not job.solo]
         parts = ([together] if together else []) + [[i] for i, (job, _) in enumerate(group) if job.solo]
-        outcomes: list[Outcome] = [RETRY] * len(group)
         for part in parts:
             live = [i for i in part if id(group[i][0]) not in self._preempted]  # not an earlier part's victim
             if live:
                 for i, got in zip(live, self._evaluate([group[i] for i in live]), strict=True):
-                    outcomes[i] = got
-        return outcomes
+                    self._accept(*group[i], got, out)
 
     def _evaluate(self, group: Rows) -> list[Outcome]:
         """One forward of the group's rows; on a failure, each row's outcome (see row_faults.outcomes)."""
