@@ -1,10 +1,13 @@
 """Rare orders of events, without a model (tests/scripted_backend.py): a session closed while its turn
-is held, a capture while a turn runs, a turn preempted after its row ran."""
+is held, a capture while a turn runs, a turn preempted after its row ran, a bad body sent for a
+model that is not loaded."""
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -13,6 +16,7 @@ from scripted_backend import ScriptedBackend
 from warmkv.engine.job import Job
 from warmkv.engine.scheduler import Scheduler
 from warmkv.engine.turn_runner import Phase, TurnRunner
+from warmkv.server.models.table import ModelSpec
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
 
@@ -132,3 +136,72 @@ def test_a_turn_preempted_after_its_row_ran_keeps_its_kv_and_context_together() 
         scheduler.close()
         old.close()
         young.close()
+
+
+# -- the server's models -------------------------------------------------------------------------------
+
+
+class _Loads:
+    """Scripted models a table or an app loads; `made` holds every runtime a load returned."""
+
+    def __init__(self, gate: threading.Event | None = None) -> None:
+        self.gate = gate
+        self.made: list[tuple[str, warmkv.Runtime]] = []
+
+    def spec(self, name: str) -> ModelSpec:
+        def load() -> warmkv.Runtime:
+            if self.gate is not None:
+                assert self.gate.wait(30)
+            rt = _runtime(n_seq_max=8)
+            self.made.append((name, rt))
+            return rt
+
+        return ModelSpec(name, f"scripted-{name}", load)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.made]
+
+
+@pytest.fixture
+def two_models() -> Iterator[tuple[Any, _Loads]]:
+    """A server of two scripted models, at most one loaded at a time."""
+    from fastapi.testclient import TestClient
+
+    from warmkv.server import ServerSettings, create_app
+    from warmkv.server.settings import TableSettings
+
+    loads = _Loads()
+    app = create_app(models=[loads.spec("a"), loads.spec("b")], settings=ServerSettings(),
+                     table=TableSettings(models_max=1))  # fmt: skip
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        yield client, loads
+
+
+BAD_BODIES = [
+    ("/v1/chat/completions", {"model": "b", "messages": "not a list"}, "messages"),
+    ("/v1/chat/completions", {"model": "b", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+     "temperature"),
+    ("/v1/messages", {"model": "b", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ("/v1/responses", {"model": "b", "input": "hi", "max_output_tokens": -1}, "max_output_tokens"),
+    ("/api/chat", {"model": "b", "messages": [{"role": "robot", "content": "hi"}]}, "messages"),
+]  # fmt: skip
+
+
+def test_a_bad_body_never_loads_its_model(two_models: tuple[Any, _Loads]) -> None:
+    """A request whose body fails validation is a 400 before its model is leased: it neither loads a
+    model nor evicts the loaded one, on every API."""
+    client, loads = two_models
+    ok = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    assert client.post("/v1/chat/completions", json=ok).status_code == 200
+    for path, body, field in BAD_BODIES:
+        r = client.post(path, json=body)
+        assert r.status_code == 400, (path, r.text)
+        assert field in r.text, (path, r.text)
+        assert loads.names() == ["a"], (path, loads.names())
+    r = client.post(
+        "/v1/chat/completions", content=b'{"model": "b", "messages": [', headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and loads.names() == ["a"]
+    good = {**ok, "model": "b"}
+    assert client.post("/v1/chat/completions", json=good).status_code == 200  # a good body loads it
+    assert loads.names() == ["a", "b"]

@@ -24,6 +24,7 @@ from ..tools import ToolFormat
 from .conversations.store import ResponseStore
 from .errors import ApiError
 from .fleet.drain import Drain
+from .http import body_first
 from .http.leases import hold
 from .lifecycle import KeptRegistry
 from .metrics import ModelMetrics, ServerMetrics
@@ -180,6 +181,8 @@ async def get_state(request: Request) -> ServerState:
     hub: Hub = request.app.state.warmkv
     body = await _body(request)
     slot = hub.slot_for(request, body)
+    if slot.state is None:  # the lease may load the model, evicting another: only for a body the route takes
+        await body_first.check(request)
     given = body.get("keep_alive") if isinstance(body, dict) else None
     keep = None if given is None else keep_alive_seconds(given)  # none given: the server's idle time
     st = await hub.table.acquire(slot, keep)
