@@ -1,22 +1,25 @@
 """Rare orders of events, without a model (tests/scripted_backend.py): a session closed while its turn
-is held, a capture while a turn runs, a turn preempted after its row ran, a bad body sent for a
-model that is not loaded."""
+is held, a capture while a turn runs, a turn preempted after its row ran, a bad body sent for a model
+that is not loaded, a load cancelled halfway."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 import warmkv
 from scripted_backend import ScriptedBackend
+from warmkv.backends.base import ModelState
 from warmkv.engine.job import Job
 from warmkv.engine.scheduler import Scheduler
 from warmkv.engine.turn_runner import Phase, TurnRunner
-from warmkv.server.models.table import ModelSpec
+from warmkv.server.models.table import ModelSpec, ModelStatus, ModelTable
 
 pytestmark = pytest.mark.usefixtures("checked_contexts")  # region maps checked after every step
 
@@ -160,6 +163,47 @@ class _Loads:
 
     def names(self) -> list[str]:
         return [name for name, _ in self.made]
+
+
+def test_a_cancelled_load_is_not_left_loading_and_its_runtime_is_closed() -> None:
+    """A load cancelled while its thread reads the model: the slot is unloaded again (not `loading`
+    for good, counted against --models-max), the runtime the thread still returns is closed, and a
+    request that was waiting for the model starts a load of its own."""
+    loads = _Loads(threading.Event())
+
+    async def build(rt: warmkv.Runtime, spec: ModelSpec) -> Any:
+        return SimpleNamespace(runtime=rt)
+
+    async def teardown(st: Any) -> None:
+        st.runtime.close()
+
+    async def main() -> None:
+        table = ModelTable([loads.spec("a")], build, teardown, wait_s=20)
+        slot = table.default
+        waiter = asyncio.create_task(table.acquire(slot))
+        while slot.status is not ModelStatus.LOADING:
+            await asyncio.sleep(0.01)
+        first = slot.task
+        assert first is not None
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        assert slot.status is not ModelStatus.LOADING, slot.status
+        assert loads.gate is not None
+        loads.gate.set()
+        st = await asyncio.wait_for(waiter, 20)
+        assert slot.status is ModelStatus.LOADED and slot.state is st
+        for _ in range(500):  # the cancelled load's runtime is closed once its thread returns it
+            if len(loads.made) == 2 and all(
+                rt.backend.state is ModelState.UNLOADED for _, rt in loads.made if rt is not st.runtime
+            ):
+                break
+            await asyncio.sleep(0.01)
+        assert len(loads.made) == 2
+        assert [rt.backend.state is ModelState.UNLOADED for _, rt in loads.made].count(True) == 1
+        table.release(slot)
+        await table.close()
+
+    asyncio.run(main())
 
 
 @pytest.fixture

@@ -132,8 +132,13 @@ class ModelTable:
         while not (slot.status is ModelStatus.LOADED and slot.state is not None and not slot.lock.locked()):
             if slot.task is None or slot.task.done():
                 slot.task = asyncio.create_task(self._load(slot))
+            load = slot.task
             try:
-                await asyncio.wait_for(asyncio.shield(slot.task), max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(asyncio.shield(load), max(0.0, deadline - time.monotonic()))
+            except asyncio.CancelledError:
+                if not load.cancelled() or _cancelling():
+                    raise
+                continue  # the load was cancelled, not this request: a load goes on (or starts) for it
             except TimeoutError:
                 if slot.status is ModelStatus.LOADING:
                     raise ApiError(
@@ -176,7 +181,10 @@ class ModelTable:
             await self._make_room(slot)  # marks the slot LOADING once there is room
             t0 = time.perf_counter()
             try:
-                rt = await asyncio.to_thread(slot.spec.load)
+                rt = await _in_thread(slot.spec.load)
+            except asyncio.CancelledError:  # no load (the server stopping): not `loading` for good
+                slot.status = ModelStatus.UNLOADED
+                raise
             except Exception as e:  # a bad file must not take the server down: this model fails, others serve
                 slot.status, slot.error = ModelStatus.FAILED, f"{slot.spec.path}: {e}"
                 log.warning("model %s failed to load: %s", slot.id, slot.error)
@@ -186,8 +194,10 @@ class ModelTable:
             try:
                 slot.state = await self._build(rt, slot.spec)
             except BaseException as e:
-                await asyncio.to_thread(rt.close)
                 slot.status, slot.error = ModelStatus.FAILED, f"{slot.spec.path}: {type(e).__name__}: {e}"
+                if isinstance(e, asyncio.CancelledError):
+                    slot.status, slot.error = ModelStatus.UNLOADED, None
+                await asyncio.to_thread(rt.close)
                 raise
             slot.load_s = time.perf_counter() - t0
             slot.status, slot.loaded_at, slot.last_used = ModelStatus.LOADED, time.monotonic(), time.monotonic()
@@ -288,6 +298,28 @@ class ModelTable:
                 await self.unload(slot, "server stopping")
             except Exception:  # the others are still written to disk and closed
                 log.exception("model %s: unloading at shutdown failed", slot.id)
+
+
+async def _in_thread(load: Callable[[], Runtime]) -> Runtime:
+    """load() in a worker thread. A thread cannot be stopped: if the caller is cancelled meanwhile, the
+    runtime the thread still makes is closed when it comes, not left holding its memory."""
+    done = asyncio.get_running_loop().run_in_executor(None, load)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        done.add_done_callback(_close_unused)
+        raise
+
+
+def _close_unused(done: asyncio.Future[Runtime]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        done.get_loop().run_in_executor(None, done.result().close)
+
+
+def _cancelling() -> bool:
+    """The current task itself is being cancelled (not only something it waited for)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def name_map(specs: Sequence[ModelSpec]) -> dict[str, int]:
