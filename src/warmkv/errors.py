@@ -148,6 +148,16 @@ class ModelUnloaded(WarmkvError):
     """The runtime (and its model) was closed."""
 
 
+class RemoteUnavailable(WarmkvError):
+    """The remote tier (Redis or Valkey) cannot be reached for an operation that must reach it; nothing changed."""
+
+    def __init__(self, what: str, where: str, retry_in_s: float) -> None:
+        self.what = what
+        self.where = where
+        self.retry_in_s = retry_in_s
+        super().__init__(f"cannot {what}: the remote tier {where} is unreachable (next try in {retry_in_s:.1f} s)")
+
+
 class CacheFull(WarmkvError):
     """The prefix cache cannot take an entry even after evicting every unreferenced one."""
 

@@ -20,6 +20,7 @@ from ..errors import (
     ManifestMismatch,
     ModelUnloaded,
     NoPrefix,
+    RemoteUnavailable,
     SchedulerClosed,
     SessionBusy,
     SessionClosed,
@@ -192,6 +193,8 @@ def from_warmkv(e: WarmkvError) -> ApiError:
         return ApiError(500, msg + " (the session was evicted)", code="session_fatal")
     if isinstance(e, ModelUnloaded):
         return ApiError(503, msg, code="model_unloaded")
+    if isinstance(e, RemoteUnavailable):
+        return ApiError(503, msg, code="remote_unavailable", retry_in_s=round(e.retry_in_s, 1))
     if isinstance(e, Unsupported):
         return ApiError(400, msg, code="unsupported", feature=e.feature)
     if isinstance(e, InvalidInput):
