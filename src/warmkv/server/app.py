@@ -98,7 +98,7 @@ def create_app(
             anthropic_any=not cfg.model_aliases,
         )
         limits = StoreLimits(cfg.responses_mb << 20, cfg.responses_max_age_s)
-        responses = await asyncio.to_thread(ResponseStore, cfg.responses_path, limits)
+        responses = await asyncio.to_thread(_responses, cfg.responses_path, limits, runtime)
         hub = Hub(cfg, metrics, admission, models_table, drain=drain, kept=kept, responses=responses)
         app.state.warmkv = hub
         if runtime is not None:
@@ -158,6 +158,16 @@ def create_app(
     app.add_middleware(NodeGate, node_id=cfg.node, traffic=drain.traffic)  # every response names the node
     app.add_middleware(Leases)  # outermost: a lease outlives the whole response
     return app
+
+
+def _responses(path: str | None, limits: StoreLimits, runtime: Runtime | None) -> ResponseStore:
+    """The stored responses: this node's, and with a remote tier every node's (conversations/shared.py)."""
+    tiers = runtime.tiers if runtime is not None else None
+    if tiers is None or tiers.remote is None:
+        return ResponseStore(path, limits)
+    from .conversations.shared import SharedResponses  # redis-py: only with a remote tier
+
+    return SharedResponses(path, limits, tiers.remote.config)
 
 
 def _check_pool(runtime: Runtime, cfg: ServerSettings) -> int:

@@ -7,6 +7,14 @@ from collections.abc import Callable
 from ..cache.remote.types import RemoteStats
 from .state import Hub, ServerState
 
+REMOTE_RESPONSES = (
+    ("written", "Stored responses sent to the remote tier, since start"),
+    ("read", "Stored responses read from the remote tier (kept by another node), since start"),
+    ("deleted", "Stored responses deleted for every node (tombstones written), since start"),
+    ("refused", "Stored responses the remote tier refused: deleted before they were sent, since start"),
+    ("rejected", "Stored responses from the remote tier dropped for their seal, crc or id, since start"),
+)
+
 
 def register_gauges(hub: Hub) -> None:
     """Gauges read the published stats (warmkv.engine.stats) and the loop's own state: never the model lock.
@@ -34,6 +42,9 @@ def register_gauges(hub: Hub) -> None:
         "Bytes of conversations and their items",
         lambda: hub.responses.conversations.stats()[1],
     )
+    shared = getattr(hub.responses, "remote_stats", None)  # shared through the remote tier (conversations/shared.py)
+    for name, doc in REMOTE_RESPONSES if shared is not None else ():
+        m.gauge(f"warmkv_stored_responses_remote_{name}", doc, lambda name=name: getattr(shared(), name))
     m.gauge(
         "warmkv_active_streams",
         "Turns on the scheduler (waiting or running)",

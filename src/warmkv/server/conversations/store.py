@@ -150,6 +150,9 @@ class ResponseStore:
         with self._lock:
             return self._db.execute("DELETE FROM responses WHERE id = ?", (rid,)).rowcount > 0
 
+    async def settled(self) -> None:
+        """Wait until the records kept so far reach every node that may continue them (shared.py); here at once."""
+
     def stats(self) -> tuple[int, int]:
         """(records, bytes) held now."""
         with self._lock:

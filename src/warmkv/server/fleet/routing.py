@@ -105,6 +105,13 @@ def uses(source: str, headers: Mapping[str, str], **body: str | None) -> bool:
     return any(k is not None and k.source == source for k in (keys[0] if keys else None, conversation))
 
 
+def follow(request: Request, key: str) -> None:
+    """A request that named no key continues a stored chain: it is keyed by the chain's key (a stored
+    response carries it), so its response reports the key its conversation is routed by."""
+    if getattr(request.state, STATE_KEY, None) is None:
+        setattr(request.state, STATE_KEY, RoutingKey(key, "previous_response_id", True))
+
+
 def route(request: Request, **body: str | None) -> str | None:
     """Note the request's routing key for its response headers (x-warmkv-routing-key, on errors too)
     and return its conversation key. Called first by every generating route that reads the body."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -144,9 +144,13 @@ async def _paced(steps: AsyncIterator[TurnStep], every: float | None) -> AsyncIt
             nxt.cancel()
 
 
+Settle = Callable[[], Awaitable[None]]  # what must be done before a turn's last frames go out
+
+
 class _Run:
-    def __init__(self, st: ServerState, turn: Turn, encoder: Encoder) -> None:
+    def __init__(self, st: ServerState, turn: Turn, encoder: Encoder, settle: Settle | None = None) -> None:
         self.st, self.turn, self.encoder = st, turn, encoder
+        self.settle = settle
         self.last: TurnStep | None = None
 
     async def frames(
@@ -177,7 +181,10 @@ class _Run:
                 if not step.chunk.done:
                     continue
                 if step.chunk.error is None:
-                    for f in enc.end(step):
+                    ending = enc.end(step)
+                    if self.settle is not None:  # e.g. the stored response reaching the other nodes
+                        await self.settle()
+                    for f in ending:
                         yield f
                     return
                 err = from_warmkv(step.chunk.error)
@@ -213,12 +220,14 @@ def stream(
     headers: dict[str, str] | None = None,
     media_type: str = "text/event-stream",
     progress: bool = False,
+    settle: Settle | None = None,
 ) -> SSEResponse:
     """The turn's frames as they come (server-sent events, or the encoder's own framing under
     another media_type), ended by the encoder's terminator; the encoder's keep-alive after each
     silence of --stream-keepalive seconds. progress: the client asked for prompt-progress events (in
-    its body); a request header `x-warmkv-progress: 1` asks for them on every API."""
-    run = _Run(st, turn, encoder)
+    its body); a request header `x-warmkv-progress: 1` asks for them on every API. settle: awaited
+    before the end's frames are sent (the encoder's end has run)."""
+    run = _Run(st, turn, encoder, settle)
 
     async def body() -> AsyncIterator[bytes]:
         asked = progress or response.asks_progress
@@ -231,17 +240,22 @@ def stream(
     return response
 
 
-async def frames(st: ServerState, turn: Turn, encoder: Encoder, keepalive: float | None = None) -> AsyncIterator[Frame]:
+async def frames(
+    st: ServerState, turn: Turn, encoder: Encoder, keepalive: float | None = None, settle: Settle | None = None
+) -> AsyncIterator[Frame]:
     """The turn's frames as a stream would carry them, for a transport of its own (a WebSocket);
     closing the iterator early cancels the turn. keepalive: the encoder's waiting frames (a Comment,
-    which the transport writes its own way) after that many seconds of silence."""
-    async for f in _Run(st, turn, encoder).frames(collecting=False, keepalive=keepalive):
+    which the transport writes its own way) after that many seconds of silence. settle: as stream()'s."""
+    async for f in _Run(st, turn, encoder, settle).frames(collecting=False, keepalive=keepalive):
         yield f
 
 
-async def collect(st: ServerState, turn: Turn, encoder: Encoder, collector: Collector) -> dict[str, Any]:
-    """The turn as one body: the encoder's frames run into the collector; the turn's error raises (ApiError)."""
-    run = _Run(st, turn, encoder)
+async def collect(
+    st: ServerState, turn: Turn, encoder: Encoder, collector: Collector, settle: Settle | None = None
+) -> dict[str, Any]:
+    """The turn as one body: the encoder's frames run into the collector; the turn's error raises (ApiError).
+    settle: as stream()'s."""
+    run = _Run(st, turn, encoder, settle)
     async for f in run.frames(collecting=True):
         collector.add(f)
     assert run.last is not None  # frames() returns only after the final step

@@ -137,6 +137,7 @@ async def start_response(
     template_kwargs = {"enable_thinking": False} if effort == "none" else None
     context = chain.context_of(req, template_kwargs)
     made = await history(st, req, stores, conversations, owner, tools, template_kwargs)
+    chain_key = made.key if key is None else None  # the request named none: the chain's (or conversation's)
     key = key if key is not None else made.key
     items = chain.input_items(req)
     if made.conv is not None:
@@ -160,6 +161,7 @@ async def start_response(
     turn.headers.update(made.headers)
     sign = st.reasoning.sign if "reasoning.encrypted_content" in (req.include or []) else None
     shape = Shape(req, [t.model_dump(exclude_none=True) for t in req.tools or []], offered.split, sign)
+    shape.chain_key = chain_key
     conv = made.conv
     keep = None if keep_in is None else chain.keeper(keep_in, st, req, key, context, items, owner, req.conversation_id)
     append = None if conv is None or conversations is None else conversation.appender(conversations, conv, items)
@@ -213,6 +215,7 @@ async def prewarmed(st: ServerState, req: ResponsesRequest, key: str | None, kee
         owner=cache_salt.owner(),
     )
     await run_in_threadpool(keep_in.put, record)
+    await keep_in.settled()
     return body
 
 
@@ -229,9 +232,14 @@ async def create_response(req: ResponsesRequest, request: Request, st: State) ->
         return JSONResponse(done.body)
     keep_in = store if req.store is not False else None
     turn, shape = await start_response(st, req, key, store, keep_in, store.conversations)
+    if shape.chain_key is not None:
+        routing.follow(request, shape.chain_key)
+    # the stored response reaches the other nodes before the client can read it (conversations/shared.py)
     if req.stream:
-        return wire.stream(st, Turn.chat(turn), ResponsesEncoder(shape), turn.headers)
-    body = await wire.collect(st, Turn.chat(turn), ResponsesEncoder(shape), ResponsesCollector(shape))
+        return wire.stream(st, Turn.chat(turn), ResponsesEncoder(shape), turn.headers, settle=store.settled)
+    body = await wire.collect(
+        st, Turn.chat(turn), ResponsesEncoder(shape), ResponsesCollector(shape), settle=store.settled
+    )
     return JSONResponse(body, headers=turn.headers)
 
 

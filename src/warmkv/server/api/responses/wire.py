@@ -37,6 +37,7 @@ class Shape:
         self.split = split
         self.output: list[dict[str, Any]] = []
         self.keep: Callable[[dict[str, Any]], None] | None = None  # stores the finished response (store=true)
+        self.chain_key: str | None = None  # the routing key taken from the chain it continues (none of its own)
 
     def response(self, status: str, end: TurnEnd | None = None) -> dict[str, Any]:
         r = self.req

@@ -193,7 +193,7 @@ async def _serve(ws: WebSocket, hub: Hub, own: ResponseStore, text: str) -> None
         turn, shape = await _kept_alive(ws, started, _cancel_started)
         encoder = ResponsesEncoder(shape)
         if generate:
-            async with aclosing(wire.frames(st, Turn.chat(turn), encoder, KEEPALIVE_S)) as it:
+            async with aclosing(wire.frames(st, Turn.chat(turn), encoder, KEEPALIVE_S, keep_in.settled)) as it:
                 async for f in it:  # a prompt still filling: the socket's keep-alive for the SSE comment
                     await ws.send_text(KEEPALIVE if isinstance(f, Comment) else json.dumps(f.data, ensure_ascii=False))
             return
@@ -209,6 +209,7 @@ async def _serve(ws: WebSocket, hub: Hub, own: ResponseStore, text: str) -> None
         body = {**last["response"], "status": "completed", "output": [], "incomplete_details": None}
         if keep is not None:
             keep(body)
+            await keep_in.settled()
         created = {"type": "response.created", "sequence_number": 0, "response": shape.response("in_progress")}
         await ws.send_text(json.dumps(created, ensure_ascii=False))
         done = {"type": "response.completed", "sequence_number": 1, "response": body}
