@@ -1,4 +1,4 @@
-"""`warmkv bench` commands that run the engine in process: coding-loop, throughput, deep, speculative, chunks.
+"""`warmkv bench` commands that run in process: coding-loop, throughput, deep, speculative, chunks, sharing, chain.
 
 Each command imports its bench module inside its body: `warmkv` must start without the `bench` extra
 (matplotlib, ...) installed, and only the command that runs pays for its imports. cli/bench.py calls
@@ -31,6 +31,9 @@ def register(app: typer.Typer) -> None:
     from .sharing_command import bench_sharing  # it imports this module's helpers
 
     app.command("sharing")(bench_sharing)
+    from .chain_command import bench_chain
+
+    app.command("chain")(bench_chain)
 
 
 @runtime_options()
