@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress, count
+from operator import ne
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,13 +59,28 @@ class SpelledLengths:
 UNSEEN, PARTIAL = -2, -1  # SpelledLengths' marks: not looked at yet; not valid UTF-8 alone
 
 
+SCAN_TOKENS = 64  # the tail a continued conversation's tokens are expected to part in
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
+    """Length of the longest common prefix of two token sequences.
+
+    Compared in C, never token by token in Python (~2 ms for a 32K-token history here): all but the
+    last SCAN_TOKENS of the shorter length at once (a continued conversation parts near the end of
+    what is resident; a list or tuple compare stops where they part, and tokens that are the same
+    objects, a prompt built from the session's own, compare at ~3 ns each), then the first differing
+    position, found by a C iterator from there (or from the start when they part before)."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if not (type(a) is type(b) and isinstance(a, list | tuple)):
+        a, b = _tuple(a), _tuple(b)
+    lo = max(0, n - SCAN_TOKENS)
+    if lo and (a[:SCAN_TOKENS] != b[:SCAN_TOKENS] or a[:lo] != b[:lo]):  # they part before the tail
+        return next(compress(count(), map(ne, a, b)), n)
+    return lo + next(compress(count(), map(ne, a[lo:n], b[lo:n])), n - lo)
+
+
+def _tuple(seq: Sequence[int]) -> tuple[int, ...]:
+    return seq if isinstance(seq, tuple) else tuple(seq)
 
 
 def lookup_draft(tokens: Sequence[int], k: int, *, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
