@@ -129,7 +129,7 @@ class PrefixLoad:
         self.reused = reused = ctx.begin_prompt(reused, detach=plan.detach and not parked and not self._tier_runs)
         if tiers is not None:
             tokens = list(plan.tokens)
-            self._keys = tiers.keys(plan.manifest.digest, tokens, plan.salt)
+            self._keys = tiers.keys(plan.manifest.digest, plan.tokens, plan.salt)  # the tuple: disk_read's too
             if disk is None:
                 disk = tiers.lookup(plan.manifest.digest, tokens, self._keys, reused)
                 hit = disk.beating(reused)
@@ -295,7 +295,9 @@ class PrefixLoad:
             resident_tokens=ctx.live,
             available_tokens=self._num_ctx - ctx.live,
             stable_byte_hash=sha256_bytes(plan.raw),
-            stable_token_hash=hash_token_ids(plan.tokens),
+            stable_token_hash=hash_token_ids(plan.tokens)
+            if self._tiers is None
+            else self._tiers.token_hash(plan.tokens),
             manifest_digest=plan.manifest.digest,
             reuse_source=self.source,
             reason=self.reason,

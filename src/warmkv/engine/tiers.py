@@ -41,9 +41,9 @@ from ..cache import (
     PrefixCacheConfig,
     SnapshotInfo,
     StoreConfig,
-    block_keys,
 )
 from ..cache.disk.writer import StoreWriter, blob_bytes
+from ..cache.memory.key_memo import KeyMemo
 from ..cache.remote.types import RemoteConfig
 from ..errors import InvalidConfig, WarmkvError
 from ..prompt.tokens import common_prefix_len
@@ -82,6 +82,7 @@ class KVTiers:
     ) -> None:
         self._backend = backend
         self.block_tokens = block_tokens
+        self._memo = KeyMemo()
         self._unlocked = unlocked
         # first: a missing client refuses before anything is opened
         self.remote: RemoteStore | None = _remote_store(remote) if remote is not None else None
@@ -101,8 +102,13 @@ class KVTiers:
         )
 
     def keys(self, manifest_digest: str, tokens: Sequence[int], salt: str | None = None) -> list[str]:
-        """The block keys of tokens under a manifest and a cache salt (block_hash.py)."""
-        return block_keys(manifest_digest, tokens, self.block_tokens, salt)
+        """The block keys of tokens under a manifest and a cache salt (block_hash.py; a prompt that
+        continues a recent one hashes only its new blocks: key_memo.py)."""
+        return self._memo.keys(manifest_digest, tokens, self.block_tokens, salt)
+
+    def token_hash(self, tokens: Sequence[int]) -> str:
+        """manifest.hash_token_ids(tokens), from a recent prompt's running digest where they share blocks."""
+        return self._memo.digest(tokens, self.block_tokens)
 
     def lookup(self, manifest_digest: str, tokens: Sequence[int], keys: Sequence[str], beat: int) -> DiskRead:
         """The longest cached prefix of `tokens` longer than `beat` tokens: the memory tier's, or a
@@ -156,7 +162,8 @@ class KVTiers:
         m = self.memory.match(keys, count=count)
         if m.entry is not None:
             kv = cached_kv(m.entry)
-            n = kept_cut(kv.kv, common_prefix_len(kv.tokens, tokens))
+            known = m.n_blocks * self.block_tokens  # equal keys: equal tokens up to here (block_hash.py)
+            n = kept_cut(kv.kv, known + common_prefix_len(kv.tokens[known:], tokens[known:]))
             if n > beat:
                 return WarmHit("memory", n, kv)
         return None
