@@ -41,6 +41,7 @@ class ResidentContext(RegionMap):
         self._fatal: str | None = None
         self._swapped: Blob | None = None  # the KV, exported while its turn waits for pool room
         self._released = False  # the sequence was given back (the session closed): never touched again
+        self._cuts = 0  # times tokens were dropped or replaced: while it stays, tokens were only appended
 
     # -- reading: the region map's fields are RegionMap's properties --------------------------------
 
@@ -56,6 +57,11 @@ class ResidentContext(RegionMap):
     @property
     def chunk(self) -> int:
         return self._chunk
+
+    @property
+    def cuts(self) -> int:
+        """How many times resident tokens were dropped or replaced: equal counts mean only appends between."""
+        return self._cuts
 
     @property
     def fatal(self) -> str | None:
@@ -80,6 +86,7 @@ class ResidentContext(RegionMap):
     def _cut(self, n: int, refill: bool) -> None:
         """truncate, the regions left as they are (need_row moves a prompt's last token to pending)."""
         if n < len(self._tokens):
+            self._cuts += 1
             m = exact_cut(self._backend, self._seq, n)
             self._backend.truncate(self._seq, m)
             lost = self._tokens[m:n]
@@ -119,6 +126,7 @@ class ResidentContext(RegionMap):
     def reset(self, tokens: Sequence[int] = ()) -> None:
         """Bookkeeping for KV that was replaced wholesale (a tier load, a snapshot, a copy)."""
         self._tokens, self._pending, self._logits, self._prefill_logits = list(tokens), [], None, None
+        self._cuts += 1
         self._detached = self._exact_end = None
         self._prefix_len = self._suffix_end = 0  # the regions of replaced KV are unknown: the caller sets them
         self._swapped = None
@@ -216,6 +224,7 @@ class ResidentContext(RegionMap):
     def adopt(self, other: ResidentContext) -> None:
         """Take over another context's bookkeeping: its KV was copied to our sequence."""
         self._tokens, self._pending, self._logits = list(other._tokens), list(other._pending), other._logits
+        self._cuts += 1
         self._prefill_logits, self._detached, self._exact_end = other._prefill_logits, other._detached, other._exact_end
         self._prefix_len, self._suffix_end = other._prefix_len, other._suffix_end
 

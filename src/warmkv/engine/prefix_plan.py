@@ -82,6 +82,7 @@ class PrefixPlan:
     moves: tuple[ChunkMove, ...] = ()  # reuse_mode="chunks": runs moved after the exact prefix, by new_start
     runs: tuple[int, int] | None = None  # reuse_mode="chunks": (chunk_min_tokens, chunk_recompute)
     salt: str | None = None  # the prompt's cache salt: seeds its block keys, marks the KV it leaves resident
+    cuts: int = -1  # the context's cuts when planned (ResidentContext.cuts); -1: unknown
 
 
 class PrefixLoad:
@@ -114,7 +115,9 @@ class PrefixLoad:
         self._t0 = time.perf_counter()
         # Parked while its turn was queued (Session.park): the KV it planned to keep is in the tiers now.
         parked = not ctx.tokens and plan.reused > 0
-        if not parked and tuple(ctx.tokens[: plan.reused]) != plan.tokens[: plan.reused]:
+        # tokens only appended since the plan leave its reused ones as they were: no compare (~0.7 ms at 32K)
+        appended = plan.cuts == ctx.cuts and len(ctx.tokens) >= plan.reused
+        if not parked and not appended and tuple(ctx.tokens[: plan.reused]) != plan.tokens[: plan.reused]:
             raise WarmkvError("the session changed between planning and loading its prompt")
         # the runs still where they were planned (a turn waiting in the Scheduler is planned early)
         moves = [m for m in plan.moves if _still(ctx.tokens, plan.tokens, m)]

@@ -86,6 +86,7 @@ def plan_prefix(session: Session, prefix: PrefixInput | str | bytes) -> PrefixPl
             moves=moves,
             runs=runs,
             salt=inp.cache_salt,
+            cuts=ctx.cuts,
         )
 
 
