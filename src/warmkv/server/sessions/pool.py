@@ -133,6 +133,11 @@ class SessionPool:
                 raise
 
     def _best(self, tokens: list[int], key: str | None, salt: str | None) -> Session:
+        own = next((s for s in self._idle if key is not None and self._owner.get(s.id) == key), None)
+        if own is not None:  # the key's own session ranks first whatever the others hold: no tokens compared
+            self._idle.remove(own)
+            return own
+
         def score(s: Session) -> tuple[bool, int, float]:
             r = s.resident  # what it held when its last turn ended: no lock, no wait
             owner = self._owner.get(s.id)
