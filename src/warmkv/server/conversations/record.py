@@ -33,8 +33,8 @@ class StoredResponse:
     owner: str | None = None  # who may read or continue it: a digest of the API key (http/cache_salt.owner)
     conversation: str | None = None  # made in this conversation: the history before its input is there
 
-    def encode(self) -> tuple[str, bytes]:
-        """(the JSON part, the tokens as int32 bytes) for the store's row."""
+    def encode(self, ids: bytes | None = None) -> tuple[str, bytes]:
+        """(the JSON part, the tokens as int32 bytes) for the store's row; ids: those bytes, when known."""
         doc = {
             "model": self.model,
             "created_at": self.created_at,
@@ -48,7 +48,8 @@ class StoredResponse:
             "owner": self.owner,
             "conversation": self.conversation,
         }
-        return json.dumps(doc, ensure_ascii=False, separators=(",", ":")), array("i", self.prompt_ids).tobytes()
+        raw = array("i", self.prompt_ids).tobytes() if ids is None else ids
+        return json.dumps(doc, ensure_ascii=False, separators=(",", ":")), raw
 
     @classmethod
     def decode(cls, rid: str, doc: str, tokens: bytes) -> StoredResponse:
