@@ -134,3 +134,19 @@ def test_a_delete_without_redis_changes_nothing(tmp_path: Path) -> None:
             assert store.get("resp_1") is not None
         finally:
             store.close()
+
+
+def test_the_documented_acl_is_enough(redis_server: RedisServer) -> None:
+    """docs/cache.md's ACL user for a node: the records need nothing more."""
+    acl = "on >acl-test-password ~warmkv:* +get +mget +set +strlen +exists +del +ping +client|setname"
+    acl += " +evalsha +eval +multi +exec"
+    redis_server.client().execute_command("ACL", "SETUSER", "warmkv-test", *acl.split())
+    url = f"redis://warmkv-test:acl-test-password@127.0.0.1:{redis_server.port}/0"
+    records = RemoteRecords(RemoteConfig(url, timeout_s=2.0, key=KEY), "test-acl")
+    try:
+        assert records.put("resp_acl", b"body", TTL) is True
+        assert records.get("resp_acl") == b"body" and records.deleted("resp_acl") is False
+        assert records.delete("resp_acl", TTL) is True and records.put("resp_acl", b"again", TTL) is False
+        assert records.link.errors == {"probe": 0, "read": 0, "write": 0}
+    finally:
+        records.close()
