@@ -20,11 +20,10 @@ from ...http import cache_salt
 from ...http.query import known_query
 from . import chain
 from .conversation import not_found
+from .paging import check_page, page_body
 from .schemas import CompactionTriggerItem, ConversationCreate, ConversationUpdate, ItemsCreate
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-MAX_LIMIT = 100
 
 
 def _store(request: Request) -> ConversationStore:
@@ -49,16 +48,6 @@ def _new_items(items: list[Any] | None) -> list[dict[str, Any]]:
     if len(set(ids)) != len(ids):
         raise ApiError(400, "items: two items have the same id", code="invalid_value", param="items")
     return out
-
-
-def _list(items: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": has_more,
-    }
 
 
 async def _conversation(request: Request, cid: str) -> Conversation:
@@ -107,15 +96,12 @@ async def list_items(
 ) -> Any:
     """The conversation's items, a page at a time: `limit` 1-100, `order` desc (newest first) or asc,
     `after` an item id."""
-    if not 1 <= limit <= MAX_LIMIT:
-        raise ApiError(400, f"limit must be in [1, {MAX_LIMIT}], got {limit}", code="invalid_value", param="limit")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", code="invalid_value", param="order")
+    check_page(limit, order)
     owner = cache_salt.owner()
     page = await run_in_threadpool(_store(request).page, conversation_id, owner, limit, order, after)
     if page is None:
         raise not_found(conversation_id)
-    return _list(page.items, page.has_more)
+    return page_body(page.items, page.has_more)
 
 
 @router.post("/conversations/{conversation_id}/items")
@@ -124,7 +110,7 @@ async def create_items(conversation_id: str, body: ItemsCreate, request: Request
     items = _new_items(body.items)
     if await run_in_threadpool(_store(request).append, conversation_id, cache_salt.owner(), items) is None:
         raise not_found(conversation_id)
-    return _list(items, False)
+    return page_body(items, False)
 
 
 @router.get("/conversations/{conversation_id}/items/{item_id}", dependencies=[Depends(known_query())])

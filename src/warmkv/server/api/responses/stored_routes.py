@@ -12,10 +12,9 @@ from ...conversations.store import ResponseStore
 from ...errors import ApiError
 from ...http import cache_salt
 from ...http.query import known_query
+from .paging import check_page, page_body
 
 router = APIRouter(prefix="/v1", tags=["openai"])
-
-MAX_LIMIT = 100
 
 
 def _store(request: Request) -> ResponseStore:
@@ -54,10 +53,7 @@ async def list_input_items(
     response_id: str, request: Request, limit: int = 20, order: str = "desc", after: str | None = None
 ) -> Any:
     """The input items of a stored response (its own, not its chain's), a page at a time."""
-    if not 1 <= limit <= MAX_LIMIT:
-        raise ApiError(400, f"limit must be in [1, {MAX_LIMIT}], got {limit}", code="invalid_value", param="limit")
-    if order not in ("asc", "desc"):
-        raise ApiError(400, f"order must be 'asc' or 'desc', got {order!r}", code="invalid_value", param="order")
+    check_page(limit, order)
     items = list((await _get(request, response_id)).input_items)
     if order == "desc":
         items.reverse()
@@ -68,11 +64,4 @@ async def list_input_items(
                 400, f"after: no input item {after!r} in response '{response_id}'", code="invalid_value", param="after"
             )
         items = items[at + 1 :]
-    page = items[:limit]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(items) > limit,
-    }
+    return page_body(items[:limit], len(items) > limit)
