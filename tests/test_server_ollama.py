@@ -19,6 +19,7 @@ httpx = pytest.importorskip("httpx")
 jsonschema = pytest.importorskip("jsonschema")
 
 import warmkv  # noqa: E402
+from ollama_weather import CALLED, get_weather  # noqa: E402
 from server_harness import live_server  # noqa: E402
 from warmkv.errors import InvalidInput  # noqa: E402
 from warmkv.server.models.keep_alive import keep_alive_seconds  # noqa: E402
@@ -29,25 +30,6 @@ NUM_CTX = 2048
 MODEL = "smollm2:latest"  # the GGUF's basename with a tag, as Ollama users name models
 GREEDY = {"temperature": 0, "num_predict": 12}
 DURATIONS = ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
-
-
-def get_weather(city: str) -> str:
-    """Get the current weather for a city.
-
-    Args:
-      city: The city
-    """
-    return "Sunny, 24 C"
-
-
-# One call in the history shows the 135M model how calls look; with tools offered (and no
-# tool_choice in Ollama's API) it then calls the tool itself, its call constrained to the schema.
-CALLED = [
-    {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": "",
-     "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-    {"role": "user", "content": "What is the weather in Tokyo?"},
-]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 
 import warmkv  # noqa: E402
 from conftest import NO_TIERS  # noqa: E402
+from ollama_weather import CALLED, get_weather  # noqa: E402
 from server_harness import live_server  # noqa: E402
 
 MAGIC = {
@@ -142,24 +143,6 @@ def test_a_call_cut_off_leaves_no_markup_and_streams_as_it_collects(
     assert (stop, blocks) == _messages_cut(claude, budget, True)
     assert stop == "max_tokens" and [b for b in blocks if b[0] == "text"] == []
     assert [b[1] for b in blocks] == [name for name, _ in calls]
-
-
-def get_weather(city: str) -> str:
-    """Get the current weather for a city.
-
-    Args:
-      city: The city
-    """
-    return "Sunny, 24 C"
-
-
-# Ollama has no tool_choice: one call in the history makes the default model call the tool itself.
-CALLED = [
-    {"role": "user", "content": "What is the weather in Paris?"},
-    {"role": "assistant", "content": "",
-     "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-    {"role": "user", "content": "What is the weather in Tokyo?"},
-]  # fmt: skip
 
 
 @pytest.mark.parametrize("budget", (*BUDGETS, 40))
