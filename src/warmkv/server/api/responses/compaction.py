@@ -6,7 +6,8 @@ COMPACT_PROMPT, decoded without tools (their specs stay rendered, so the history
 The item's encrypted_content carries the summary (compacted.py); a later request with the item
 renders it as a user message. Codex then continues from the messages it keeps (user, developer
 and system messages) and the item: that history is prefilled before the compaction answers, so
-the turn after it starts warm.
+the turn after it starts warm. Codex sends that history in an order of its own
+(codex_history.py), which is the one prefilled for it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ...state import ServerState
 from ...turn import wire
 from ...turn.chat_turn import ChatTurn
 from ...turn.wire import Turn
-from . import chain
+from . import chain, codex_history
 from .compacted import encode
 from .schemas import CompactionTriggerItem, MessageItem, ResponsesRequest
 from .wire import ResponsesCollector, ResponsesEncoder, Shape, new_id
@@ -60,8 +61,11 @@ async def _run(start: Start, st: ServerState, req: ResponsesRequest, key: str | 
     return await wire.collect(st, Turn.chat(turn), ResponsesEncoder(shape), ResponsesCollector(shape))
 
 
-async def compact(start: Start, st: ServerState, req: ResponsesRequest, key: str | None, stores: Lookup) -> Compacted:
-    """The summary of req's conversation (its input less a final trigger) as a compaction item."""
+async def compact(
+    start: Start, st: ServerState, req: ResponsesRequest, key: str | None, stores: Lookup, codex: bool = False
+) -> Compacted:
+    """The summary of req's conversation (its input less a final trigger) as a compaction item;
+    codex: the client is Codex, which continues from its kept messages in an order of its own."""
     if isinstance(req.input, str):
         before: list[Any] = [MessageItem(role="user", content=req.input)]
     else:
@@ -86,7 +90,7 @@ async def compact(start: Start, st: ServerState, req: ResponsesRequest, key: str
     items = [*history, *chain.input_items(req.model_copy(update={"input": before}))]
     kept = [i for i in items if i.get("type", "message") == "message" and i.get("role") != "assistant"]
     kept.append(item)
-    await _prewarm(start, st, req, key, stores, kept)
+    await _prewarm(start, st, req, key, stores, codex_history.reorder(kept) if codex else kept)
     usage = body.get("usage") or {}
     log.info("compacted a conversation: %d items kept, summary of %s tokens", len(kept), usage.get("output_tokens"))
     out = {**body, "id": new_id("resp"), "output": [item], "status": "completed", "incomplete_details": None}

@@ -36,6 +36,7 @@ from ...turn.sampling import sampling_fields
 from ...turn.streams import sse
 from ...turn.wire import Turn
 from . import chain, compaction, conversation
+from .codex_history import is_codex
 from .history import history
 from .items import NAMESPACE_SEP, _messages
 from .schemas import (
@@ -226,7 +227,7 @@ async def create_response(req: ResponsesRequest, request: Request, st: State) ->
     store = request.app.state.warmkv.responses
     key = routing.route(request, prompt_cache_key=req.prompt_cache_key, user=req.user)
     if compaction.wanted(req):
-        done = await compaction.compact(start_response, st, req, key, store)
+        done = await compaction.compact(start_response, st, req, key, store, is_codex(request.headers))
         if req.stream:
             return Response(b"".join(sse(e) for e in compaction.events(done)), media_type="text/event-stream")
         return JSONResponse(done.body)

@@ -36,6 +36,7 @@ from ...turn import wire
 from ...turn.chat_turn import ChatTurn
 from ...turn.wire import Comment, Turn
 from . import compaction
+from .codex_history import is_codex
 from .routes import prewarmed, start_response
 from .schemas import ResponsesRequest
 from .wire import ResponsesEncoder, Shape
@@ -176,7 +177,7 @@ async def _serve(ws: WebSocket, hub: Hub, own: ResponseStore, text: str) -> None
         key = routing.conversation_key(ws.headers, prompt_cache_key=req.prompt_cache_key, user=req.user)
         keep_in = hub.responses if req.store is not False else own
         if compaction.wanted(req):
-            work = compaction.compact(start_response, st, req, key, Layered(own, hub.responses))
+            work = compaction.compact(start_response, st, req, key, Layered(own, hub.responses), is_codex(ws.headers))
             done = await _kept_alive(ws, work, _ignore)
             for event in compaction.events(done):
                 await ws.send_text(json.dumps(event, ensure_ascii=False))
