@@ -91,21 +91,24 @@ class Walk:
     def mark_prefix(self) -> None:
         self.ctx.mark_prefix(self.rng.randint(-1, self.ctx.live + 1))
 
-    def replace_suffix(self) -> None:
+    def begin_suffix(self) -> None:
+        """A replaced suffix's start; its rows are what prefill and need_row evaluate."""
         ctx = self.ctx
         resident = list(ctx.tokens[ctx.prefix_len :])
         tokens = resident[: self.rng.randint(0, len(resident))] + self.tokens(10)
-        ctx.replace_suffix(tokens, self.rng.randint(-1, len(tokens) + 1))
+        ctx.begin_suffix(tokens, self.rng.randint(-1, len(tokens) + 1))
 
-    def append_suffix(self) -> None:
+    def begin_append(self) -> None:
+        self.ctx.begin_append()
+
+    def undo_append(self) -> None:
+        """An append rolled back, to a point that is sometimes past the end, with a pending token or two."""
         ctx = self.ctx
-        pending, logits, detached = list(ctx.pending), ctx.logits, ctx.detached
-        try:
-            ctx.append_suffix(self.tokens(10))
-        except warmkv.WarmkvError as e:
-            if "refused" not in str(e) and detached is None:  # a failed prefill keeps the pending token
-                assert list(ctx.pending) == pending and ctx.logits is logits
-            raise
+        pending = self.tokens(2)
+        ctx.undo_append(self.rng.randint(0, len(ctx.tokens) + 1), pending, ctx.logits)
+
+    def end_suffix(self) -> None:
+        self.ctx.end_suffix()
 
     def need_row(self) -> None:
         """A decode's first half: the row it needs before sampling, evaluated."""
@@ -185,8 +188,10 @@ OPS: dict[str, Callable[[Walk], None]] = {
         "begin_prompt",
         "prefill",
         "mark_prefix",
-        "replace_suffix",
-        "append_suffix",
+        "begin_suffix",
+        "begin_append",
+        "undo_append",
+        "end_suffix",
         "need_row",
         "sample",
         "draft",
@@ -204,7 +209,9 @@ OPS: dict[str, Callable[[Walk], None]] = {
 REFUSING = (
     "begin_prompt",
     "mark_prefix",
-    "replace_suffix",
+    "begin_suffix",
+    "undo_append",
+    "end_suffix",
     "need_row",
     "sample",
     "draft",
@@ -227,7 +234,7 @@ def test_random_transitions_keep_the_region_map() -> None:
         assert outcomes[name, "done"], f"{name} never went through: {outcomes}"
     for name in REFUSING:
         assert outcomes[name, "refused"], f"{name} was never refused: {outcomes}"
-    for name in ("prefill", "append_suffix", "need_row"):
+    for name in ("prefill", "need_row"):
         assert outcomes[name, "failed"], f"{name} never failed on a fault: {outcomes}"
 
 
@@ -267,7 +274,7 @@ def test_random_session_operations_keep_the_region_map() -> None:
     try:
         for _ in range(300):
             s = rng.choice(sessions)
-            op = rng.choice(["prefix", "suffix", "decode", "turn", "fork", "close", "fault"])
+            op = rng.choice(["prefix", "suffix", "decode", "turn", "prefill turn", "fork", "close", "fault"])
             cfg = warmkv.DecodeConfig(max_tokens=rng.randint(1, 12), temperature=0.0, speculative=rng.choice([0, 3]))
             try:
                 if op == "prefix":
@@ -282,6 +289,14 @@ def test_random_session_operations_keep_the_region_map() -> None:
                     ended = threading.Event()
                     scheduler.submit(s.turn(rng.choice([*PROMPTS, None]), cfg), _setting(ended))
                     assert ended.wait(30)
+                elif op == "prefill turn":  # a prefix or a suffix, in pieces between steps
+                    suffix = warmkv.SuffixInput(rng.choice(["", " q", " more words"]), append=rng.random() < 0.5)
+                    prompt = rng.choice([warmkv.PrefixInput(rng.choice(PROMPTS)), suffix])
+                    ended, last = threading.Event(), []
+                    scheduler.submit(s.prefill_turn(prompt), last.append, ended.set)
+                    assert ended.wait(30)
+                    if last[-1].error is not None:
+                        raise last[-1].error
                 elif op == "fork" and len(sessions) < 4:
                     sessions.append(s.fork())
                 elif op == "close" and len(sessions) > 1:
@@ -301,4 +316,5 @@ def test_random_session_operations_keep_the_region_map() -> None:
         scheduler.close()
         for s in sessions:
             s.close()
-    assert all(done[op] for op in ("prefix", "suffix", "decode", "turn", "fork", "close")), done
+    assert all(done[op] for op in ("prefix", "suffix", "decode", "turn", "prefill turn", "fork", "close")), done
+    assert done["prefill turn failed"], done  # faults reached prefill turns too

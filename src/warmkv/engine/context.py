@@ -3,9 +3,9 @@
 The fields form the region map (region_map.py: which KV positions hold the prefix, the suffix,
 the generated tokens, a detached suffix; the pending token; the logits) and what must hold of
 it. Other modules read the fields and change them only through the transitions below
-(begin_prompt, mark_prefix, replace_suffix, append_suffix, set_pending, evaluated, accept_draft,
-placed, fail, adopt, restore, reset, settle, truncate, swap_out, swap_in): each keeps the map or
-refuses, changing nothing.
+(begin_prompt, mark_prefix, begin_suffix, begin_append, undo_append, end_suffix, set_pending,
+evaluated, accept_draft, placed, fail, adopt, restore, reset, settle, truncate, swap_out,
+swap_in): each keeps the map or refuses, changing nothing.
 
 `truncate(n)` is the one rollback primitive: dropping a suffix, rolling back a rejected
 draft and undoing a failed prefill are all the same call.
@@ -152,9 +152,10 @@ class ResidentContext(RegionMap):
             raise self._refused(f"mark_prefix({n}) with {self.live} live tokens")
         self._prefix_len = self._suffix_end = n
 
-    def replace_suffix(self, tokens: Sequence[int], reused: int, *, between: Callable[[], None] | None = None) -> None:
-        """The suffix becomes `tokens`: the first `reused` of them are resident after the prefix (a
-        detached old suffix counts), the rest is dropped and the others are evaluated."""
+    def begin_suffix(self, tokens: Sequence[int], reused: int) -> None:
+        """The suffix becomes `tokens` (suffix_prefill.SuffixLoad): the first `reused` of them are resident
+        after the prefix (a detached old suffix counts) and stay, the rest is dropped; the others follow
+        as prompt rows (record), then end_suffix. A cut into a sliding window refills here (truncate)."""
         keep = self._prefix_len + reused
         if not 0 <= reused <= len(tokens) or keep > len(self._tokens) + len(self._pending):
             raise self._refused(
@@ -166,24 +167,26 @@ class ResidentContext(RegionMap):
             self.evaluated(row, self.forward(row))
         self.truncate(keep)
         self._detached = None
-        self._suffix_end = len(self._tokens)  # a failed prefill below leaves a suffix that ends here
-        self.eval(tokens[reused:], keep_logits=True, between=between)
-        self._suffix_end = len(self._tokens)
+        self._suffix_end = len(self._tokens)  # a failed prefill after this leaves a suffix that ends here
 
-    def append_suffix(self, tokens: Sequence[int], *, between: Callable[[], None] | None = None) -> None:
-        """Evaluate the pending token, then `tokens`, after what is live (a detached suffix is dropped):
-        the generated tokens and these join the suffix. On failure the pending token stays pending."""
-        new = [*self._pending, *tokens]
+    def begin_append(self) -> None:
+        """Tokens are appended to the suffix after what is live (a detached suffix is dropped): the
+        pending token leads their first row (evaluated), the others are prompt rows (record), then
+        end_suffix; undo_append rolls a failure back."""
         self.settle()
-        saved = self._pending, self._logits
-        self._pending = []
-        try:
-            self.eval(new, keep_logits=True, between=between)
-        except SessionFatal:
-            raise
-        except BaseException:
-            self._pending, self._logits = saved  # eval rolled the tokens back
-            raise
+
+    def undo_append(self, start: int, pending: Sequence[int], logits: np.ndarray | None) -> None:
+        """An append failed: back to `start` tokens, with the pending token and the logits it had."""
+        bad = start + len(pending) > self._num_ctx or len(pending) > 1 or self._detached is not None
+        if not 0 <= start <= len(self._tokens) or bad:
+            raise self._refused(f"undo_append to {start} of {len(self._tokens)} tokens, {len(pending)} pending")
+        self.truncate(start)
+        self._pending, self._logits = list(pending), logits
+
+    def end_suffix(self) -> None:
+        """The suffix's new tokens are resident: the suffix ends after them (the generated ones join it)."""
+        if self._pending or self._detached is not None:
+            raise self._refused(f"end_suffix with {len(self._pending)} pending, detached at {self._detached}")
         self._suffix_end = len(self._tokens)
 
     def set_pending(self, token: int) -> None:
@@ -195,8 +198,9 @@ class ResidentContext(RegionMap):
             )
         self._pending = [token]
 
-    def evaluated(self, row: ForwardRow, logits: np.ndarray | None) -> None:
-        """need_row's row (the pending token, maybe a draft after it) was evaluated: record it."""
+    def evaluated(self, row: ForwardRow, logits: np.ndarray | None, *, prompt_end: bool = False) -> None:
+        """need_row's row (the pending token, maybe a draft after it, or an append's first row) was
+        evaluated: record it."""
         n = len(self._pending)
         if row.start != len(self._tokens) or list(row.tokens[:n]) != self._pending:
             raise self._refused(
@@ -204,7 +208,7 @@ class ResidentContext(RegionMap):
                 f"after {len(self._tokens)}"
             )
         self._pending = []
-        self.record(row, logits)
+        self.record(row, logits, prompt_end=prompt_end)
 
     def accept_draft(self, row: ForwardRow, logits: np.ndarray, kept: int, token: int) -> None:
         """A verified draft row: keep its pending token and the first `kept` drafted tokens; `token`,
@@ -307,14 +311,9 @@ class ResidentContext(RegionMap):
             self._on_forward(len(row.tokens), time.perf_counter() - t0)
         return logits
 
-    def eval(
-        self, tokens: Sequence[int], *, keep_logits: bool = False, between: Callable[[], None] | None = None
-    ) -> None:
-        """Append tokens in cold-aligned pieces; on failure roll back to where we were.
-
-        between() runs after every piece but the last (the runtime lets another thread take the
-        model lock there).
-        """
+    def eval(self, tokens: Sequence[int], *, keep_logits: bool = False) -> None:
+        """Append tokens in cold-aligned pieces, all at once (a sliding window's refill); on failure roll
+        back to where we were. A prompt's pieces go through its load, a step at a time."""
         if not tokens:
             return
         if self._pending:  # refused before any forward: a pending token would sit where they go
@@ -328,8 +327,6 @@ class ResidentContext(RegionMap):
                 last = stop == end
                 row = self.row(tokens[at - start : stop - start], want_logits=last)
                 self.record(row, self.forward(row), prompt_end=last and keep_logits)
-                if not last and between is not None:
-                    between()
         except SessionFatal:
             raise
         except BaseException:

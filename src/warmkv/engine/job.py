@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 
 from ..backends.base import ForwardRow
 from ..errors import SchedulerClosed, WarmkvError
-from ..types import PrefixStatus, StreamChunk
+from ..types import PrefixStatus, StreamChunk, SuffixStatus
 from .session import Session
 from .turn_runner import Phase, TurnRunner
 
 Sink = Callable[[StreamChunk], None]
 Rows = list[tuple["Job", ForwardRow]]
 Out = list[tuple["Job", StreamChunk]]  # a step's chunks to deliver
-Prefilled = Callable[[PrefixStatus | WarmkvError | None], None]
+Prefilled = Callable[[PrefixStatus | SuffixStatus | WarmkvError | None], None]
 log = logging.getLogger("warmkv.scheduler")
 
 
@@ -54,8 +54,9 @@ class Job:
         self.session.cancel()
 
     def note_prefilled(self) -> None:
-        """Tell on_prefilled once the turn's prompt is resident (it decodes)."""
-        if self.on_prefilled is not None and self.phase in (Phase.DECODING, Phase.HELD):
+        """Tell on_prefilled once the turn's prompt is resident (it decodes, or a prefill alone is done)."""
+        resident = self.phase in (Phase.DECODING, Phase.HELD) or self.runner.status is not None
+        if self.on_prefilled is not None and resident:
             _call(self.on_prefilled, self.runner.status)
             self.on_prefilled = None
 

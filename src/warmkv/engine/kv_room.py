@@ -23,7 +23,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from ..errors import KVCacheFull, WarmkvError
-from .turn_runner import Phase
+from .turn_runner import PREFILLED, Phase
 
 if TYPE_CHECKING:
     from .job import Job, Out
@@ -91,6 +91,8 @@ def _prepare(sched: Scheduler, job: Job, out: Out) -> None:
         sched._end(job, e, out)
         return
     job.note_prefilled()
+    if job.phase is Phase.DONE:  # a prefill alone whose prompt was all resident (or restored): it ends
+        out.append((job, PREFILLED))
 
 
 def _gone(sched: Scheduler, job: Job, out: Out) -> bool:

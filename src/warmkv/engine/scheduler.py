@@ -106,7 +106,8 @@ class Scheduler:
         on_done: Callable[[], None] | None = None,
         on_prefilled: Prefilled | None = None,
     ) -> Job:
-        """Queue a turn (from Session.turn); its chunks go to sink, one per step.
+        """Queue a turn (from Session.turn, or Session.prefill_turn: a prefill alone, whose one chunk is
+        its final one); its chunks go to sink, one per step.
 
         on_prefilled(status or error) runs once its prompt is resident (at once for a turn
         without a prompt); on_done once, after the final chunk. All run on the worker thread.
@@ -305,9 +306,7 @@ class Scheduler:
 
     def _end(self, job: Job, err: WarmkvError | None, out: Out) -> None:
         """End a turn now with err (None: cancelled), what it prefilled rolled back."""
-        chunk = job.runner.end(err)
-        assert chunk is not None
-        out.append((job, chunk))
+        out.append((job, job.runner.end(err)))
 
     def _wake(self, _read: Future[DiskRead]) -> None:
         with self._cond:

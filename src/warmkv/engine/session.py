@@ -12,9 +12,11 @@ A thin facade over three owners:
 with prefill pieces of waiting prompts in the same steps.
 
 What the session does beside those is written as functions over it, each in its own module,
-and the methods here delegate: planning a prompt (prefix_planner.py), the suffix
-(suffix_prefill.py), forks, snapshots and restores (session_copies.py), parking its KV when
-the pool runs short (pool_pressure.py) and its report (explain.py).
+and the methods here delegate: planning a prompt (prefix_planner.py), the suffix, planned and
+loaded piece by piece as a prompt is (suffix_prefill.py), forks, snapshots and restores
+(session_copies.py), parking its KV when the pool runs short (pool_pressure.py) and its report
+(explain.py). A prefill alone is stepped by turn_runner.run_alone, or by the Scheduler as a
+prefill turn (prefill_turn).
 
 When ensure_prefix finds its whole prefix resident, the old suffix and generated tokens
 are dropped logically but their KV stays *detached* until the next call that needs the
@@ -48,11 +50,12 @@ from ..errors import (
 )
 from ..manifest import ContextManifest
 from ..types import ContextReport, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus
-from . import explain, pool_pressure, prefix_planner, session_copies, suffix_prefill
+from . import explain, pool_pressure, prefix_planner, session_copies, suffix_prefill, turn_runner
 from .context import ResidentContext
 from .decode_state import DecodeState
 from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan
-from .turn_runner import Phase, TurnRunner
+from .suffix_prefill import SuffixLoad, SuffixPlan
+from .turn_runner import TurnRunner
 
 if TYPE_CHECKING:
     from ..cache import SnapshotInfo
@@ -61,11 +64,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Turn:
-    """One request's work: make its prompt resident (plan None: it already is), then decode (state)."""
+    """One request's work: make its prompt resident (plan None: it already is; a SuffixPlan: a suffix
+    after the prefix), then decode (state; None: a prefill alone)."""
 
     session: Session
-    plan: PrefixPlan | None
-    state: DecodeState
+    plan: PrefixPlan | SuffixPlan | None
+    state: DecodeState | None
 
 
 class Session:
@@ -186,52 +190,41 @@ class Session:
     def ensure_prefix(self, prefix: PrefixInput | str | bytes) -> PrefixStatus:
         """Make the resident KV equal the prefix, prefilling only the divergent tail."""
         with self._op:  # nothing else runs on this session between the plan and its execution
-            plan = self.plan_prefix(prefix)
-            return self._run_plan(plan)
-
-    def _run_plan(self, plan: PrefixPlan) -> PrefixStatus:
-        """A prefill alone: one runner, stepped a forward at a time, the model lock offered between."""
-        with self._lock(publish=True):
-            self._check_usable()
-            runner = TurnRunner(self, plan, None)
-            self.hold(runner)
-            try:
-                runner.prepare()
-                while (row := runner.next_row()) is not None:
-                    runner.accept(row, self.ctx.forward(row))
-                    if runner.phase is Phase.PREFILLING:
-                        self._rt.yield_model_lock()
-            except BaseException:
-                runner.end()
-                raise
-            finally:
-                self.let_go(runner)
-            assert runner.status is not None, runner.phase
-            return runner.status
+            status = turn_runner.run_alone(self, self.plan_prefix(prefix))
+            assert isinstance(status, PrefixStatus)
+            return status
 
     def plan_prefix(self, prefix: PrefixInput | str | bytes) -> PrefixPlan:
         """Check a prompt and decide what making it resident takes; the KV is not touched (prefix_planner.py)."""
         return prefix_planner.plan_prefix(self, prefix)
 
-    def begin_load(self, plan: PrefixPlan, disk: DiskRead | None = None) -> PrefixLoad:
-        """Start executing a plan (call with the model lock held): drop what diverged, load from a tier.
+    def begin_load(self, plan: PrefixPlan | SuffixPlan, disk: DiskRead | None = None) -> PrefixLoad | SuffixLoad:
+        """Start executing a plan (call with the model lock held): drop what diverged, load from a tier
+        (a suffix: drop the old suffix's tail).
 
         disk: the plan's disk read, made beforehand (see disk_read); else a lookup reads the disk here.
         """
+        if isinstance(plan, SuffixPlan):
+            return suffix_prefill.begin_load(self, plan)
         return prefix_planner.begin_load(self, plan, disk)
 
-    def disk_read(self, plan: PrefixPlan) -> Callable[[], DiskRead] | None:
+    def disk_read(self, plan: PrefixPlan | SuffixPlan) -> Callable[[], DiskRead] | None:
         """The read of the tiers below memory (disk, remote) begin_load would make for plan, to run on
         another thread first; None when it would make none (call with the model lock held)."""
-        return prefix_planner.disk_read(self, plan)
+        return None if isinstance(plan, SuffixPlan) else prefix_planner.disk_read(self, plan)
 
-    def finish_load(self, load: PrefixLoad) -> PrefixStatus:
-        """The plan's prompt is resident: it becomes the prefix (call with the model lock held)."""
+    def finish_load(self, load: PrefixLoad | SuffixLoad) -> PrefixStatus | SuffixStatus:
+        """The plan's prompt is resident: it becomes the prefix, or ends the suffix (model lock held)."""
+        if isinstance(load, SuffixLoad):
+            return load.status()
         return prefix_planner.finish_load(self, load)
 
     def prefill_suffix(self, suffix: SuffixInput | str | bytes) -> SuffixStatus:
         """Prefill the volatile part after the prefix; the prefix KV is never touched (suffix_prefill.py)."""
-        return suffix_prefill.prefill_suffix(self, SuffixInput.coerce(suffix))
+        with self._op:
+            status = turn_runner.run_alone(self, suffix_prefill.plan_suffix(self, SuffixInput.coerce(suffix)))
+            assert isinstance(status, SuffixStatus)
+            return status
 
     # -- decoding ------------------------------------------------------------------
 
@@ -323,9 +316,22 @@ class Session:
             state = self.open_decode(config, prompt_tokens=len(plan.tokens) if plan is not None else None)
             return Turn(self, plan, state)
 
+    def prefill_turn(self, prompt: PrefixInput | SuffixInput) -> Turn:
+        """A turn for the Scheduler that only prefills: ensure_prefix's (a PrefixInput) or
+        prefill_suffix's (a SuffixInput) work, in pieces under its step budget. Its final chunk comes
+        once the prompt is resident, and on_prefilled gets its PrefixStatus or SuffixStatus; a failed
+        or cancelled one is rolled back as those calls' are. Checked now, as turn() is."""
+        with self._op:
+            if isinstance(prompt, SuffixInput):
+                plan: PrefixPlan | SuffixPlan = suffix_prefill.plan_suffix(self, prompt)
+            else:
+                plan = self.plan_prefix(prompt)
+            self._cancel.clear()  # a decode stream's cancel (its client left) is not this turn's
+            return Turn(self, plan, None)
+
     def loaded(self, load: PrefixLoad, state: DecodeState) -> PrefixStatus:
         """A turn's prompt is resident: finish its load and ready its decode (model lock held)."""
-        status = self.finish_load(load)
+        status = prefix_planner.finish_load(self, load)
         self.ctx.settle()
         state.cached_tokens, self._cached_since_decode = status.cached_tokens, 0
         return status

@@ -8,8 +8,10 @@ prefilled), then decodes. The runner holds where it is, as one explicit phase:
     DECODING -> HELD -> DECODING    (preempted: its KV swapped out while the pool is short)
     PREFILLING -> QUEUED            (preempted: its load rolled back, its session parked)
 
-A turn without a prompt starts in DECODING; a prefill without a decode (Session.ensure_prefix)
-ends in DONE once the prompt is resident. Every phase may end early in DONE (end()).
+A turn without a prompt starts in DECODING; a prefill without a decode (Session.ensure_prefix,
+Session.prefill_suffix, the server's session routes) ends in DONE once its prompt (a prefix, or a
+suffix after the resident prefix: suffix_prefill.py) is resident, with a final chunk of its own
+(PREFILLED). Every phase may end early in DONE (end()).
 
 Drivers call, with the model lock held: prepare() until the turn has rows, next_row() for the row
 it wants next (a prefill piece or a decode row), then accept() with that row's outcome (its
@@ -29,11 +31,12 @@ import numpy as np
 
 from ..backends.base import ForwardRow
 from ..errors import WarmkvError
-from ..types import PrefixStatus, StreamChunk
+from ..types import PrefixStatus, StreamChunk, SuffixStatus
 from .decode_state import DecodeState
 from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan
 from .region_map import CHECK
 from .stats import PromptProgress
+from .suffix_prefill import SuffixLoad, SuffixPlan
 
 if TYPE_CHECKING:
     from .session import Session
@@ -43,6 +46,8 @@ log = logging.getLogger(__name__)
 # with none, a resumed turn was preempted again in the next step, every step, as the other rows grew
 # into the same blocks.
 RESUME_RESERVE = 32
+# The final chunk of a prefill without a decode, once its prompt is resident (its status is the runner's).
+PREFILLED = StreamChunk(text="", finish_reason="stop")
 
 
 class Phase(Enum):
@@ -55,19 +60,22 @@ class Phase(Enum):
 
 
 class TurnRunner:
-    """One turn of one session: its plan (None: the prompt is resident already) and its decode
-    state (None: a prefill alone). Call with the model lock held."""
+    """One turn of one session: its plan (None: the prompt is resident already; a SuffixPlan: a
+    suffix after the resident prefix) and its decode state (None: a prefill alone). Call with the
+    model lock held."""
 
-    def __init__(self, session: Session, plan: PrefixPlan | None, state: DecodeState | None) -> None:
+    def __init__(self, session: Session, plan: PrefixPlan | SuffixPlan | None, state: DecodeState | None) -> None:
         if plan is None and state is None:
             raise ValueError("a turn needs a prompt to make resident or a decode")
+        if isinstance(plan, SuffixPlan) and state is not None:
+            raise ValueError("a suffix is prefilled alone; its decode is a turn of its own")
         self.session = session
         self.plan = plan
         self.state = state
         self.phase = Phase.QUEUED if plan is not None else Phase.DECODING
-        self.load: PrefixLoad | None = None
+        self.load: PrefixLoad | SuffixLoad | None = None
         self.disk: Future[DiskRead] | None = None
-        self.status: PrefixStatus | None = None  # what making the prompt resident did, once it is
+        self.status: PrefixStatus | SuffixStatus | None = None  # what making the prompt resident did, once it is
         self.prefilled = 0  # prompt tokens evaluated by this turn
         # Replaced (never changed) on the engine loop after each piece: a reader on another thread (the
         # server's keep-alives) takes it with a plain attribute read, no lock.
@@ -124,6 +132,7 @@ class TurnRunner:
         if self.progress is not None:
             self.progress = PromptProgress(self.progress.total, self.progress.cached, self.progress.total)
         if self.state is not None:
+            assert isinstance(load, PrefixLoad)
             self.status = self.session.loaded(load, self.state)
             self.phase = Phase.DECODING
         else:
@@ -145,8 +154,9 @@ class TurnRunner:
 
     def accept(self, row: ForwardRow | None, outcome: np.ndarray | WarmkvError | None) -> StreamChunk | None:
         """The outcome of the row next_row gave (row None: it gave none, a decode step without a
-        forward): a prefill piece is recorded (None), a decode step gives its chunk. An error ends
-        the turn (its load rolled back) with its final chunk; a prefill alone raises it."""
+        forward): a prefill piece is recorded (None; PREFILLED when it made a prefill alone's prompt
+        resident), a decode step gives its chunk. An error ends the turn (its load rolled back) with
+        its final chunk, which carries the error."""
         if self.phase is Phase.PREFILLING:
             try:
                 if isinstance(outcome, WarmkvError):
@@ -154,9 +164,6 @@ class TurnRunner:
                 assert self.load is not None and row is not None
                 self.load.accept(row, outcome)
             except WarmkvError as e:
-                if self.state is None:  # a prefill alone: its caller gets the error
-                    self.end()
-                    raise
                 return self.end(e)
             self.prefilled += len(row.tokens)
             p = self.progress
@@ -164,7 +171,7 @@ class TurnRunner:
                 self.progress = PromptProgress(p.total, p.cached, min(p.total, p.processed + len(row.tokens)))
             if self.load.done:
                 self._loaded()
-            return None
+            return PREFILLED if self.phase is Phase.DONE else None
         assert self.phase is Phase.DECODING and self.state is not None, self.phase
         chunk = self.state.take(outcome)
         if chunk.done:
@@ -173,9 +180,9 @@ class TurnRunner:
             self.session.ctx.check()
         return chunk
 
-    def end(self, err: WarmkvError | None = None) -> StreamChunk | None:
+    def end(self, err: WarmkvError | None = None) -> StreamChunk:
         """End the turn now (err None: cancelled): a load is rolled back, a held turn's swapped KV is
-        given up (its session starts again from nothing). The final chunk; None for a prefill alone."""
+        given up (its session starts again from nothing). The final chunk."""
         load, self.load = self.load, None
         if load is not None:
             load.fail()
@@ -183,7 +190,7 @@ class TurnRunner:
             self.session.ctx.clear()
         self.phase = Phase.DONE
         if self.state is None:
-            return None
+            return StreamChunk(text="", finish_reason="cancelled" if err is None else "error", error=err)
         self.state.drop_row()  # a row handed out but never run (a preempted or retried one) is not awaited
         return self.state.take(err)
 
@@ -209,7 +216,8 @@ class TurnRunner:
     def preempt(self) -> None:
         """Give the pool back what this turn holds: a decoding turn's KV is swapped out (HELD, its
         output unchanged when it resumes); a prefilling turn's load is rolled back and its session
-        parked to the tiers (QUEUED again: it begins its load anew, restoring what it prefilled)."""
+        parked to the tiers (QUEUED again: it begins its load anew, restoring what it prefilled). A
+        suffix's session keeps its prefix, which the suffix goes on from: only its pieces go back."""
         if self.phase is Phase.DECODING:
             self.session.ctx.swap_out()  # the context keeps its tokens: swap_in restores their KV
             self.phase = Phase.HELD
@@ -217,7 +225,8 @@ class TurnRunner:
         load, self.load = self.load, None
         assert load is not None, self.phase
         load.fail()
-        self.session.park()
+        if isinstance(load, PrefixLoad):
+            self.session.park()
         self.phase = Phase.QUEUED
 
     def resume(self) -> None:
@@ -235,6 +244,30 @@ class TurnRunner:
         if self.phase is Phase.DECODING or self.plan is None:
             return RESUME_RESERVE
         return max(0, len(self.plan.tokens) - len(ctx.tokens)) + RESUME_RESERVE
+
+
+def run_alone(session: Session, plan: PrefixPlan | SuffixPlan) -> PrefixStatus | SuffixStatus:
+    """A prefill alone (Session.ensure_prefix, Session.prefill_suffix, the op lock held): one runner,
+    stepped a forward at a time, the model lock offered between pieces. Errors raise, rolled back."""
+    with session._lock(publish=True):
+        session._check_usable()
+        runner = TurnRunner(session, plan, None)
+        session.hold(runner)
+        try:
+            runner.prepare()
+            while (row := runner.next_row()) is not None:
+                chunk = runner.accept(row, session.ctx.forward(row))
+                if chunk is not None and chunk.error is not None:
+                    raise chunk.error
+                if runner.phase is Phase.PREFILLING:
+                    session._rt.yield_model_lock()
+        except BaseException:
+            runner.end()
+            raise
+        finally:
+            session.let_go(runner)
+        assert runner.status is not None, runner.phase
+        return runner.status
 
 
 def _disk_result(read: Future[DiskRead] | None) -> DiskRead:
