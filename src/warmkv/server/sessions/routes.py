@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -13,10 +14,10 @@ from starlette.concurrency import run_in_threadpool
 
 from ...config import DecodeConfig
 from ...engine.session import Session
-from ...errors import SessionFatal
+from ...errors import SessionFatal, WarmkvError
 from ...manifest import Segment
 from ...prompt.constraint import Constraint
-from ...types import PrefixInput, StreamChunk, SuffixInput, TokenLogprob
+from ...types import PrefixInput, PrefixStatus, StreamChunk, SuffixInput, SuffixStatus, TokenLogprob
 from ..errors import ApiError, not_implemented
 from ..http import cache_salt
 from ..state import ServerState, State
@@ -81,6 +82,49 @@ async def _call(st: ServerState, sid: str, fn: Any, *args: Any) -> Any:
         st.registry.unlock(entry)
 
 
+async def _prefill(st: ServerState, sid: str, prompt: PrefixInput | SuffixInput) -> Any:
+    """Make a prefix or a suffix resident as a turn of the scheduler (Session.prefill_turn): its pieces
+    run under the step budget beside the decoding streams, as a chat turn's prompt does, where a
+    prefill of its own would hold the model lock for a whole piece. The answer waits for the turn's
+    end, so the session is free again when it is sent (a copy for the remote tier taken then sees
+    it); a SessionFatal evicts it. PrefixStatus or SuffixStatus."""
+    entry = await st.registry.lock(sid)
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[PrefixStatus | SuffixStatus | WarmkvError | None] = loop.create_future()
+    got: list[PrefixStatus | SuffixStatus | WarmkvError | None] = []  # on_prefilled's, before on_done
+
+    def end() -> None:  # on the loop, after the turn's last chunk
+        result = got[0] if got else None
+        if isinstance(result, SessionFatal):
+            st.registry.evict(entry, str(result))
+        st.registry.unlock(entry)
+        if not ended.done():
+            ended.set_result(result)
+
+    try:
+        turn = await run_in_threadpool(entry.session.prefill_turn, prompt)
+        job = st.scheduler.submit(turn, _nowhere, lambda: loop.call_soon_threadsafe(end), got.append)
+    except SessionFatal as e:
+        st.registry.evict(entry, str(e))
+        st.registry.unlock(entry)
+        raise
+    except BaseException:
+        st.registry.unlock(entry)
+        raise
+    try:
+        result = await asyncio.shield(ended)
+    except asyncio.CancelledError:
+        job.cancel()  # the client left: the turn ends at the next step, rolled back
+        raise
+    if not isinstance(result, PrefixStatus | SuffixStatus):
+        raise result or WarmkvError("the prefill ended without a status")
+    return result
+
+
+def _nowhere(chunk: StreamChunk) -> None:
+    """A prefill alone's one chunk: its status went to on_prefilled."""
+
+
 @router.post("", response_model=SessionCreated, operation_id="session_create", openapi_extra=_NEW_SESSION)
 async def create_session(st: State, body: Annotated[dict[str, Any] | None, Body()] = None) -> dict[str, Any]:
     """Open a session; its id is the capability to use it. It expires after session_ttl_s idle."""
@@ -108,7 +152,7 @@ async def ensure_prefix(sid: str, req: PrefixRequest, st: State, after: Backgrou
         expect_manifest=req.expect_manifest,
         cache_salt=cache_salt.effective(),  # the header's, within the API key's: tiers are shared
     )
-    status = await _call(st, sid, Session.ensure_prefix, inp)
+    status = await _prefill(st, sid, inp)
     st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
     _share_after(st, sid, after)
     return status.to_dict()
@@ -126,7 +170,7 @@ async def prefill_suffix(sid: str, req: SuffixRequest, st: State, after: Backgro
     inp = SuffixInput(
         text=req.text, append=req.append, parse_special=req.parse_special, manifest_digest=req.manifest_digest
     )
-    status = await _call(st, sid, Session.prefill_suffix, inp)
+    status = await _prefill(st, sid, inp)
     st.metrics.observe_prompt(status.reused_tokens, status.prefilled_tokens)
     _share_after(st, sid, after)
     return status.to_dict()
