@@ -125,11 +125,6 @@ def test_codex_turns_on_the_websocket_stay_warm(server: tuple[str, str, Path], t
 
 
 @long_harness
-@pytest.mark.xfail(
-    strict=True,
-    reason="run by hand (Codex 0.169.0): it compacted on the server and completed, but the turn after "
-    "reused 4,449 of 5,272 prompt tokens (84%): the history Codex continues from is not yet the one prefilled",
-)
 def test_codex_compacts_on_the_server_and_stays_warm(server: tuple[str, str, Path], tmp_path: Path) -> None:
     """A compaction threshold below the second turn's prompt: Codex asks the server to compact
     (remote compaction v2, a compaction_trigger on the socket), the turn completes, and the turn
