@@ -1,5 +1,5 @@
 """The history Codex continues from after a remote compaction (server/api/responses/codex_history.py),
-checked against what Codex 0.171.0 sent on the wire (fixtures/harnesses/codex-0.171.0-compaction.json:
+checked against what Codex 0.171.0 sent on the wire (fixtures/compaction/codex-0.171.0.json:
 the messages it kept, then its first request after compacting, texts cut short; the moved
 context's texts are the same in full)."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from warmkv.server.api.responses.codex_history import is_codex, reorder
 
-FIXTURE = Path(__file__).parent / "fixtures" / "harnesses" / "codex-0.171.0-compaction.json"
+FIXTURE = Path(__file__).parent / "fixtures" / "compaction" / "codex-0.171.0.json"
 
 
 def _msg(role: str, text: str) -> dict[str, object]:
