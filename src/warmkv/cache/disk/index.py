@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import StoreError
+from . import pins
 
 SCHEMA_VERSION = "1"
 _SCHEMA = (
@@ -33,6 +34,7 @@ _SCHEMA = (
         name TEXT PRIMARY KEY, manifest_digest TEXT NOT NULL, manifest TEXT NOT NULL,
         n_tokens INTEGER NOT NULL, file TEXT NOT NULL UNIQUE, size INTEGER NOT NULL,
         crc INTEGER NOT NULL, created INTEGER NOT NULL, accessed INTEGER NOT NULL)""",
+    pins.SCHEMA,  # added after schema 1 shipped: a store without it gains it, one before it ignores it
 )
 _IN_CHUNK = 500  # well under SQLite's bound-parameter limit
 
@@ -101,6 +103,11 @@ class StoreIndex:
 
     def close(self) -> None:
         self._conn.close()
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        """The connection, for reads outside a transaction (pins.held)."""
+        return self._conn
 
     # -- entries -------------------------------------------------------------
 

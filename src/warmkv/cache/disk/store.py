@@ -20,6 +20,7 @@ their files, so a reader sees a complete blob or none. The size cap covers every
 blob: snapshots have a budget of their own within it and prefix entries the rest
 (StoreConfig), each kind evicted least recently used first within its own budget, so
 snapshots never push prefix entries out; a snapshot unused past the age limit is deleted.
+Entries that hold a client's pinned prefix (pins.py) are evicted after every other entry.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ...errors import (
     StoreFull,
 )
 from ...prompt.tokens import common_prefix_len
+from . import pins
 from .blobs import read_blob, remove_leftovers, unlink_quiet, write_blob
 from .checks import check_blob, check_name, check_payload, check_tokens, manifest_diff
 from .container import BlobHeader, json_object, make_header
@@ -51,7 +53,13 @@ from .types import Snapshot, SnapshotInfo, StoreConfig, StoreEntry, StoreMatch, 
 class KVStore:
     """Prefix entries (put/get/longest_prefix/delete) and snapshots, thread- and process-safe."""
 
-    def __init__(self, directory: str | Path | None = None, config: StoreConfig | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | Path | None = None,
+        config: StoreConfig | None = None,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        """clock: wall-clock nanoseconds, the time of LRU order, snapshot ages and pin expiries."""
         config = StoreConfig() if config is None else config
         if not isinstance(config, StoreConfig):
             raise InvalidConfig(f"config must be a StoreConfig, got {type(config).__name__}")
@@ -64,12 +72,16 @@ class KVStore:
             raise StoreError(f"cannot create KV store directory {self._blobs}: {e}") from None
         self._index = StoreIndex(self.directory / "index.sqlite3", config.busy_timeout_s)
         self._lock = threading.Lock()
+        self._clock = clock
         self._hits = self._misses = self._corrupt = self._evictions = self._snapshot_evictions = 0
+        self._pin_lapses = 0
         self.gc()
 
     def gc(self) -> int:
-        """Remove temp files of dead writers, stale unindexed blobs and snapshots past the age limit; how many."""
+        """Remove temp files of dead writers, stale unindexed blobs, snapshots past the age limit and
+        pins past their time; how many files."""
         expired = self.expire_snapshots()
+        self._remove(lambda c: pins.expire(c, self._clock()) and None)  # a pin has no file to delete
         with self._lock:
             return expired + remove_leftovers(self._blobs, self._index.files(), self.config.stale_after_s)
 
@@ -78,7 +90,7 @@ class KVStore:
         age = self.config.snapshot_max_age_s
         if age is None:
             return 0
-        before = time.time_ns() - int(age * 1e9)
+        before = self._clock() - int(age * 1e9)
         files: list[str] = []
         try:
             with self._lock, self._index.transaction() as c:
@@ -147,6 +159,22 @@ class KVStore:
         with self._lock:
             self._misses += 1
         return None
+
+    def pin(self, manifest_digest: str, keys: Sequence[str], seconds: float) -> int:
+        """Keep the entry holding the prefix of these block keys ahead of LRU for `seconds`, whether it
+        is on disk now or arrives later (pins.py); an existing pin is extended, never shortened. Pins
+        hold at most config.pin_budget bytes: the oldest lapse first. How many lapsed."""
+        md, (last, depth) = check_name(manifest_digest, "manifest_digest"), pins.check(keys, seconds)
+        last = check_name(last, "block key")
+        now = self._clock()
+        try:
+            with self._lock, self._index.transaction() as c:
+                pins.add(c, md, last, depth, now + int(seconds * 1e9), now)
+                lapsed = pins.fit(c, self.config.pin_budget, now)[1]
+                self._pin_lapses += lapsed
+        except sqlite3.Error as e:
+            raise StoreError(f"KV store index {self.directory} failed: {e}") from None
+        return lapsed
 
     def delete(self, key: str) -> bool:
         """Delete an entry; False when there was none."""
@@ -242,25 +270,32 @@ class KVStore:
         if header.payload_len > cap:  # cheap early refusal before touching the disk
             raise StoreFull(header.payload_len, 0, cap)
         name, size, crc = write_blob(self._blobs, header, payload)
-        row = Row(header.key, header.manifest_digest, header.n_tokens, name, size, crc, time.time_ns())
+        row = Row(header.key, header.manifest_digest, header.n_tokens, name, size, crc, self._clock())
         delete = self._index.delete_snapshot if snapshot else self._index.delete_entry
         doomed: list[str] = []
         try:
             with self._lock, self._index.transaction() as c:
                 old = delete(c, row.key)
                 doomed += [old] if old else []
-                _, entry_bytes, _, snap_bytes = self._index.totals(c)
                 if size > cap:
                     raise StoreFull(size, 0, cap)
-                used = (snap_bytes if snapshot else entry_bytes) + size
+                insert(c, row, row.created)  # first: a pin on its blocks holds it
+                held: dict[str, tuple[int, int]] = {}
+                if not snapshot:
+                    h, lapsed = pins.fit(c, self.config.pin_budget, row.created)
+                    held, self._pin_lapses = h.entries, self._pin_lapses + lapsed
+                _, entry_bytes, _, snap_bytes = self._index.totals(c)
+                used = snap_bytes if snapshot else entry_bytes
+                order = self._index.snapshot_lru if snapshot else self._index.lru
+                lru = [(k, v) for k, v in order(c) if k != row.key]
                 victims = []
-                for key, vsize in (self._index.snapshot_lru if snapshot else self._index.lru)(c):
+                # unpinned entries first; pinned ones only when nothing else is left to make room
+                for key, vsize in [kv for kv in lru if kv[0] not in held] + [kv for kv in lru if kv[0] in held]:
                     if used <= cap:
                         break
                     victims.append(key)
                     used -= vsize
                 doomed += [f for k in victims if (f := delete(c, k))]
-                insert(c, row, row.created)
                 if snapshot:
                     self._snapshot_evictions += len(victims)
                 else:
@@ -305,7 +340,7 @@ class KVStore:
     def _touch(self, table: str, key: str) -> None:
         try:
             with self._lock:
-                self._index.touch(table, key, time.time_ns())
+                self._index.touch(table, key, self._clock())
         except sqlite3.OperationalError:
             pass  # LRU order is advisory; a busy index must not fail a read
 
@@ -314,10 +349,13 @@ class KVStore:
     def stats(self) -> StoreStats:
         with self._lock:
             n, eb, sn, sb = self._index.totals()
+            h = pins.held(self._index.conn, self._clock())
             counts = (self._hits, self._misses, self._corrupt, self._evictions)
             return StoreStats(
                 str(self.directory), n, eb, sn, sb, self.config.capacity_bytes, *counts,
                 snapshot_budget=self.config.snapshot_budget, snapshot_evictions=self._snapshot_evictions,
+                pins=len(h.pins), pinned_entries=len(h.entries), pinned_bytes=h.bytes, pinned_tokens=h.tokens,
+                pin_lapses=self._pin_lapses,
             )  # fmt: skip
 
     def check_integrity(self) -> bool:
@@ -326,8 +364,11 @@ class KVStore:
             rows = [(r, "prefix") for r in self._index.entries()] + [(r, "snapshot") for r in self._index.snapshots()]
             orphans = self._index.orphan_blocks()
             total = sum(self._index.totals()[1::2])
+            pinned = pins.held(self._index.conn, self._clock()).bytes
         if orphans:
             raise StoreCorrupt(str(self.directory), f"{orphans} block rows point to no entry")
+        if pinned > self.config.pin_budget:
+            raise StoreCorrupt(str(self.directory), f"{pinned} bytes pinned > pin budget {self.config.pin_budget}")
         if total > self.config.capacity_bytes:
             raise StoreCorrupt(str(self.directory), f"{total} bytes stored > capacity {self.config.capacity_bytes}")
         snap_bytes = sum(r.size for r, kind in rows if kind == "snapshot")

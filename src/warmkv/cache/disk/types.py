@@ -43,7 +43,8 @@ class StoreConfig:
     """capacity_bytes caps all blobs. Snapshots have a budget of their own inside it, snapshot_bytes
     (None: a quarter of the capacity), and prefix entries the rest, so neither pushes the other out:
     each kind is evicted least recently used first to fit its own budget. A snapshot not read for
-    snapshot_max_age_s (None: no limit) is deleted.
+    snapshot_max_age_s (None: no limit) is deleted. Entries holding clients' pinned prefixes are
+    evicted last, and pins hold at most pin_share of the prefix entries' budget (pins.py).
 
     busy_timeout_s: how long a writer waits for another process's index transaction.
     stale_after_s: age after which a stray temp file or unindexed blob is removed on open.
@@ -54,6 +55,12 @@ class StoreConfig:
     stale_after_s: float = 600.0
     snapshot_bytes: int | None = None
     snapshot_max_age_s: float | None = DEFAULT_SNAPSHOT_AGE_S
+    pin_share: float = 0.5
+
+    @property
+    def pin_budget(self) -> int:
+        """The bytes of prefix entries clients' pins may hold (pins.py): pin_share of their budget."""
+        return int(self.pin_share * (self.capacity_bytes - self.snapshot_budget))
 
     @property
     def snapshot_budget(self) -> int:
@@ -70,6 +77,9 @@ class StoreConfig:
         a = self.snapshot_max_age_s
         if a is not None and (isinstance(a, bool) or not isinstance(a, int | float) or a <= 0):
             raise InvalidConfig(f"snapshot_max_age_s must be a positive number of seconds or None, got {a!r}")
+        p = self.pin_share
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 <= p <= 1.0:
+            raise InvalidConfig(f"pin_share must be a number in [0, 1], got {p!r}")
         for name in ("busy_timeout_s", "stale_after_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 86400:
@@ -138,6 +148,11 @@ class StoreStats:
     evictions: int
     snapshot_budget: int = 0  # the bytes snapshots may use (StoreConfig.snapshot_budget)
     snapshot_evictions: int = 0  # snapshots evicted to fit that budget, by this process
+    pins: int = 0  # live pins (pins.py), with or without an entry on disk
+    pinned_entries: int = 0  # the entries they hold, their bytes and tokens
+    pinned_bytes: int = 0
+    pinned_tokens: int = 0
+    pin_lapses: int = 0  # pins let go before their time to fit the pin share, by this process
 
     @property
     def bytes(self) -> int:
