@@ -271,6 +271,19 @@ def test_a_pinned_prefix_is_not_superseded_and_a_removed_one_lets_its_pin_go() -
         PrefixCacheConfig(100, pin_share=1.5)
 
 
+def test_a_pin_at_a_marked_block_takes_the_smallest_entry_holding_it() -> None:
+    cache, _, _ = pinned_cache()
+    short = cache.insert(chain("abx"), "ABX", 10).entry
+    long = cache.insert(chain("abyz"), "ABYZ", 30).entry  # the most recently used through "ab"
+    assert cache.match(chain("ab"), count=False).entry is long
+    found = cache.match(chain("ab"), count=False, smallest=True)
+    assert (found.n_blocks, found.entry) == (2, short)
+    cache.pin(short, 60)
+    s = cache.stats()
+    assert (s.pinned_entries, s.pinned_bytes, s.pinned_blocks) == (1, 10, 3)
+    assert cache.check_integrity()
+
+
 # -- random operation sequences ------------------------------------------------
 
 

@@ -143,6 +143,18 @@ class SuffixStatus:
 
 
 @dataclass(frozen=True)
+class PinnedPrefix:
+    """What a client's cache hint pinned (Runtime.pin_prefix), in prompt tokens from the start.
+
+    memory: what the pinned memory-tier entry holds up to the marked point (0: no entry holds a full
+    block of it); disk: the prefix pinned in the disk tier for a long hint (held whenever it is there).
+    """
+
+    memory: int = 0
+    disk: int = 0
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int

@@ -60,7 +60,7 @@ from ..prompt.infill import ExtraFile, FimTokens
 from ..prompt.prompter import Prompter
 from ..prompt.tokens import SpelledLengths
 from ..tools import Call, ToolFormat
-from ..types import PrefixInput, StreamChunk
+from ..types import PinnedPrefix, PrefixInput, StreamChunk
 from . import load_options, pool_pressure, prefix_planner, runtime_tiers, session_copies
 from .completions import Completion, Completions
 from .model_lock import ModelLock
@@ -180,11 +180,13 @@ class Runtime:
     def manifest(self, add_bos: bool | None = None) -> ContextManifest:
         return self._manifests[self.default_add_bos if add_bos is None else bool(add_bos)]
 
-    def pin_prefix(self, manifest_digest: str, tokens: Sequence[int], seconds: float, salt: str | None = None) -> int:
-        """Keep the memory tier's entry for tokens' prefix (under a cache salt) ahead of LRU for seconds (a
-        client's cache hint, tiers.py); the tokens it holds, 0 without a memory tier or an entry. No model lock."""
+    def pin_prefix(
+        self, digest: str, tokens: Sequence[int], seconds: float, salt: str | None = None, upto: int | None = None
+    ) -> PinnedPrefix:
+        """Keep tokens[:upto]'s prefix (under a cache salt) ahead of LRU for seconds, a client's cache hint, in
+        memory and, for a long one, on disk (KVTiers.pin); the tokens pinned in each. No model lock."""
         tiers = self.tiers
-        return 0 if tiers is None else tiers.pin(manifest_digest, tokens, seconds, salt)
+        return PinnedPrefix() if tiers is None else tiers.pin(digest, tokens, seconds, salt, upto)
 
     def reuse_mode(self, mode: str | None = None) -> str:
         """The reuse mode a prompt asked for (None: the runtime's), checked against what the backend can."""

@@ -47,6 +47,7 @@ from ..cache.memory.key_memo import KeyMemo
 from ..cache.remote.types import RemoteConfig
 from ..errors import InvalidConfig, WarmkvError
 from ..prompt.tokens import common_prefix_len
+from ..types import PinnedPrefix
 from .spills import Spills
 from .warm_hit import CachedKV, DiskRead, WarmHit, cached_kv
 
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from ..cache.remote.store import RemoteStore
 
 log = logging.getLogger(__name__)
+DISK_PIN_S = 3600.0  # a hint this long (Anthropic's 1h, OpenAI's 24h) pins the disk tier too: it outlives a restart
 MIN_QUEUE_BYTES = 64 << 20  # the writer's queue holds at least this much (or the memory tier's budget)
 RUN_SOURCES = 4  # memory entries searched for moved runs (reuse_mode="chunks"): the most recently used
 
@@ -86,7 +88,8 @@ class KVTiers:
         self._unlocked = unlocked
         # first: a missing client refuses before anything is opened
         self.remote: RemoteStore | None = _remote_store(remote) if remote is not None else None
-        self.store = KVStore(store_dir, StoreConfig(capacity_bytes=store_mb << 20)) if store_mb else None
+        store_cfg = StoreConfig(capacity_bytes=store_mb << 20, pin_share=pin_share)
+        self.store = KVStore(store_dir, store_cfg) if store_mb else None
         self.writer = (
             StoreWriter(
                 self.store, max_pending_bytes=max(memory_mb << 20, MIN_QUEUE_BYTES), held=held, remote=self.remote
@@ -266,20 +269,36 @@ class KVTiers:
         elif self.remote is not None and self.writer is not None:
             self._spills.write_through(keys, cached, tokens)
 
-    def pin(self, manifest_digest: str, tokens: Sequence[int], seconds: float, salt: str | None = None) -> int:
-        """Keep the memory entry that holds tokens' longest cached prefix for `seconds` ahead of LRU (a
-        client's cache hint); the prompt tokens it holds (its entry may reach past them), 0 without one."""
-        if self.memory is None:
-            return 0
-        found = self.memory.match(self.keys(manifest_digest, tokens, salt), count=False)
-        if found.entry is None:
-            return 0
-        try:
-            self.memory.pin(found.entry, seconds)
-        except WarmkvError as e:  # the entry alone is over the pin share: plain LRU
-            log.info("prefix not pinned: %s", e)
-            return 0
-        return found.n_blocks * self.block_tokens
+    def pin(
+        self,
+        manifest_digest: str,
+        tokens: Sequence[int],
+        seconds: float,
+        salt: str | None = None,
+        upto: int | None = None,
+    ) -> PinnedPrefix:
+        """Keep the full blocks of tokens[:upto] (None: all; a client's marked point) ahead of LRU for
+        `seconds` (a client's cache hint). Memory: the smallest entry holding most of those blocks is
+        pinned whole (an entry is one kept prompt: its KV cannot be cut to the marked blocks without
+        a copy). Disk, for `seconds` >= DISK_PIN_S: the prefix is pinned in the store, which holds
+        the smallest entry with it whenever one is there (cache/disk/pins.py)."""
+        keys = self.keys(manifest_digest, tokens[: len(tokens) if upto is None else upto], salt)
+        memory = disk = 0
+        if self.memory is not None and keys:
+            found = self.memory.match(keys, count=False, smallest=True)
+            try:
+                if found.entry is not None:
+                    self.memory.pin(found.entry, seconds)
+                    memory = found.n_blocks * self.block_tokens
+            except WarmkvError as e:  # the entry alone is over the pin share: plain LRU
+                log.info("prefix not pinned in memory: %s", e)
+        if self.store is not None and keys and seconds >= DISK_PIN_S:
+            try:
+                self.store.pin(manifest_digest, keys, seconds)
+                disk = len(keys) * self.block_tokens
+            except WarmkvError as e:  # a busy or broken index: the hint is a hint
+                log.warning("prefix not pinned on disk: %s", e)
+        return PinnedPrefix(memory, disk)
 
     def reclaim(self) -> bool:
         """Give pool blocks back (the backend's KV pool is short): spills already copied first,
@@ -321,6 +340,7 @@ class KVTiers:
         out: dict[str, Any] = {"block_tokens": self.block_tokens}
         if self.memory is not None:
             out["memory"] = asdict(self.memory.stats())
+            out["memory"]["pinned_tokens"] = out["memory"]["pinned_blocks"] * self.block_tokens
         if self.store is not None:
             out["disk"] = asdict(self.store.stats())
         if self.writer is not None:

@@ -80,12 +80,22 @@ def register_gauges(hub: Hub) -> None:
         total(lambda st: st.scheduler.tokens_per_s()),
     )
 
-    def pinned(st: ServerState) -> float:
-        tiers = st.runtime.tiers  # None once the runtime closed
-        memory = tiers.memory if tiers is not None else None
-        return 0 if memory is None else memory.stats().pinned_bytes
+    def pinned(tier: str, field: str) -> Callable[[ServerState], float]:
+        def read(st: ServerState) -> float:
+            tiers = st.runtime.tiers  # None once the runtime closed
+            stats = tiers.stats().get(tier) if tiers is not None else None
+            return 0 if stats is None else stats[field]
 
-    m.gauge("warmkv_prefix_cache_pinned_bytes", "Memory-tier bytes pinned by clients' cache hints", total(pinned))
+        return read
+
+    for name, tier, field, doc in (
+        ("prefix_cache_pinned_bytes", "memory", "pinned_bytes", "Memory-tier bytes pinned by clients' cache hints"),
+        ("prefix_cache_pinned_tokens", "memory", "pinned_tokens", "Tokens the memory tier's pinned entries hold"),
+        ("kv_store_pins", "disk", "pins", "Prefixes pinned in the disk tier by long cache hints"),
+        ("kv_store_pinned_bytes", "disk", "pinned_bytes", "Disk-tier bytes held by pins"),
+        ("kv_store_pinned_tokens", "disk", "pinned_tokens", "Tokens the disk tier's pinned entries hold"),
+    ):
+        m.gauge(f"warmkv_{name}", doc, total(pinned(tier, field)))
 
     def remote() -> list[tuple[str, RemoteStats]]:
         out = []

@@ -63,12 +63,15 @@ def _check_pins(s: CacheState) -> None:
     ids = [eid for eid, _ in s.pins]
     if len(set(ids)) != len(ids):
         _fail(f"an entry is pinned twice: {ids}")
-    pinned = 0
+    pinned = blocks = 0
     for eid in ids:
         e = s.entries.get(eid)
         if e is None:
             _fail(f"pin on entry #{eid}, which is not in the cache")
         pinned += e.nbytes
+        blocks += e.n_blocks
+    if blocks != s.stats.pinned_blocks:
+        _fail(f"pinned {s.stats.pinned_blocks} blocks != {blocks} in the pinned entries")
     if pinned != s.stats.pinned_bytes or len(ids) != s.stats.pinned_entries:
         _fail(f"pinned {s.stats.pinned_bytes} bytes in {s.stats.pinned_entries} entries != {pinned} in {len(ids)}")
     if pinned > s.pin_share * s.stats.capacity_bytes:

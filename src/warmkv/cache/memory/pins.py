@@ -12,12 +12,12 @@ from collections.abc import Callable
 
 
 class Pins:
-    """entry id -> (expiry on clock, bytes), oldest pin first. Not thread-safe: the cache's lock guards it."""
+    """entry id -> (expiry on clock, bytes, blocks), oldest pin first. Not thread-safe: the cache's lock guards it."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
-        self._pins: OrderedDict[int, tuple[float, int]] = OrderedDict()
-        self.bytes = 0
+        self._pins: OrderedDict[int, tuple[float, int, int]] = OrderedDict()
+        self.bytes = self.blocks = 0
 
     def __contains__(self, eid: int) -> bool:
         return eid in self._pins
@@ -25,7 +25,7 @@ class Pins:
     def __len__(self) -> int:
         return len(self._pins)
 
-    def add(self, eid: int, nbytes: int, seconds: float, share: int) -> list[int]:
+    def add(self, eid: int, nbytes: int, seconds: float, share: int, blocks: int = 0) -> list[int]:
         """Pin eid for seconds (an existing pin is extended, never shortened, and becomes the newest);
         the oldest other pins lapse until the pinned bytes fit in share. Their ids are returned."""
         self.expire()
@@ -36,8 +36,9 @@ class Pins:
             first = next(iter(self._pins))
             self.drop(first)
             lapsed.append(first)
-        self._pins[eid] = (until, nbytes)
+        self._pins[eid] = (until, nbytes, blocks)
         self.bytes += nbytes
+        self.blocks += blocks
         return lapsed
 
     def drop(self, eid: int) -> float | None:
@@ -46,11 +47,12 @@ class Pins:
         if pin is None:
             return None
         self.bytes -= pin[1]
+        self.blocks -= pin[2]
         return pin[0]
 
     def expire(self) -> None:
         now = self.clock()
-        for eid in [eid for eid, (until, _) in self._pins.items() if until <= now]:
+        for eid in [eid for eid, (until, *_) in self._pins.items() if until <= now]:
             self.drop(eid)
 
     def left(self, eid: int) -> float | None:
@@ -61,4 +63,4 @@ class Pins:
 
     def items(self) -> tuple[tuple[int, float], ...]:
         """(entry id, expiry), oldest pin first."""
-        return tuple((eid, until) for eid, (until, _) in self._pins.items())
+        return tuple((eid, until) for eid, (until, *_) in self._pins.items())

@@ -108,8 +108,11 @@ class PrefixCache:
 
     # -- lookups -------------------------------------------------------------
 
-    def match(self, keys: Sequence[str], *, lock: bool = False, count: bool = True) -> PrefixMatch:
-        """Longest cached prefix of keys; with lock=True the entry is locked atomically.
+    def match(
+        self, keys: Sequence[str], *, lock: bool = False, count: bool = True, smallest: bool = False
+    ) -> PrefixMatch:
+        """Longest cached prefix of keys; with lock=True the entry is locked atomically. Of the entries
+        holding it, the most recently used; with smallest=True the one of fewest bytes (what a pin keeps).
 
         count=False: a look that is not a use (no hit or miss counted, no LRU touch), for a
         caller that decides something before the lookup proper.
@@ -120,7 +123,8 @@ class PrefixCache:
             if node is self._root:
                 self._misses += bool(keys) and count
                 return PrefixMatch(0, None)
-            entry = max(node.entries.values(), key=lambda e: e._tick)
+            by = (lambda e: (-e.nbytes, e._tick)) if smallest else (lambda e: e._tick)
+            entry = max(node.entries.values(), key=by)
             if count:
                 self._touch(entry)
                 self._hits += 1
@@ -200,7 +204,7 @@ class PrefixCache:
                     f"prefix cache entry #{entry.id} holds {entry.nbytes} bytes > the pin share "
                     f"{self.config.pin_share} of {self.config.capacity_bytes} ({share})"
                 )
-            return self._pins.add(entry.id, entry.nbytes, seconds, share)
+            return self._pins.add(entry.id, entry.nbytes, seconds, share, entry.n_blocks)
 
     def unpin(self, entry: CacheEntry) -> bool:
         """Let entry's pin go now (it stays cached, under plain LRU); False when it had none."""
@@ -368,6 +372,7 @@ class PrefixCache:
             capacity_bytes=self.config.capacity_bytes,
             pinned_bytes=self._pins.bytes,
             pinned_entries=len(self._pins),
+            pinned_blocks=self._pins.blocks,
         )
 
     def state(self) -> CacheState:

@@ -79,6 +79,7 @@ class CacheStats:
     capacity_bytes: int
     pinned_bytes: int = 0  # entries kept ahead of LRU until their pins expire (PrefixCache.pin)
     pinned_entries: int = 0
+    pinned_blocks: int = 0  # the blocks of KV those entries hold (each whole: an entry is one prompt)
 
 
 @dataclass(frozen=True, eq=False)

@@ -37,7 +37,7 @@ from ...tools import (
 from ...tools.grammar import with_thinking
 from ...types import PrefixInput, PrefixStatus, StreamChunk, Usage
 from ..state import ServerState
-from . import ignored
+from . import ignored, pins
 from .generation import Generation, generate, open_wait
 from .incremental import ChainedPrompt
 from .normalize import strip_volatile
@@ -66,7 +66,8 @@ class ChatInput:
     num_ctx: int | None = None  # a context window smaller than the served one (Ollama's options.num_ctx)
     chained: ChainedPrompt | None = None  # a stored conversation's continuation: its tokens, built incrementally
     branch: bool = False  # continues a stored response another turn may continue too: fork, not truncate
-    pin_s: float | None = None  # a cache hint: keep the prompt's prefix in the memory tier this long
+    pin_s: float | None = None  # a cache hint: keep the prompt's prefix in the tiers this long
+    pin_marks: tuple[str | None, ...] = ()  # the marked blocks, in prompt order: the pin ends at the last (pins.py)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class ChatTurn:
     _text: list[str] = field(default_factory=list)  # the reply's content (the think block left out)
     _reasoning_tokens: int = 0
     pin_s: float | None = None  # the request's cache hint (ChatInput.pin_s)
+    pin_end: int | None = None  # where in the prompt text its marks end (None: the whole prompt)
+    prompt_text: str = ""
     # The reuse report of a stream that opened while its prompt filled: made (counted, logged) once it is resident.
     _report: Callable[[PrefixStatus], dict[str, str]] | None = None
     gate: RepeatGate = field(default_factory=RepeatGate)  # ends the reply at an exact repeat of a call
@@ -124,11 +127,8 @@ class ChatTurn:
         A prompt that failed to be resident raises its error first."""
         status = await self.gen.stream.resident()
         if self.pin_s is not None and status is not None:  # the memory tier holds the prompt's prefix now
-            rt = self.st.runtime
-            pinned = await run_in_threadpool(
-                rt.pin_prefix, status.manifest_digest, self.gen.prompt_ids, self.pin_s, self.gen.cache_salt
-            )
-            self.headers["x-warmkv-pinned-tokens"] = str(pinned)  # a non-streamed body's headers have it
+            # a non-streamed body's headers have them
+            self.headers.update(await pins.pin(self.st, self.gen, status, self.pin_s, self.prompt_text, self.pin_end))
         if self._report is not None and status is not None:
             # a non-streamed body's response is made after its turn: it gets the reuse headers still
             self.headers.update(await run_in_threadpool(self._report, status))
@@ -350,12 +350,13 @@ async def start_chat(st: ServerState, inp: ChatInput) -> ChatTurn:
         return report(st, status, gen.prompt_tokens, roles, ends, cause)
 
     last = prompt.messages[-1] if prompt.messages else None
+    hint = {"pin_s": inp.pin_s, "pin_end": pins.marked_end(prompt.text, inp.pin_marks), "prompt_text": prompt.text}
     known = gen.stream.reuse()
     if known is None:  # queued still: its reuse is reported once the prompt is resident
         queued = {**headers, **QUEUED}
-        return ChatTurn(gen, fmt, parser, st, queued, splitter, prompt.context, last, pin_s=inp.pin_s, _report=reuse)
+        return ChatTurn(gen, fmt, parser, st, queued, splitter, prompt.context, last, **hint, _report=reuse)
     headers.update(await run_in_threadpool(reuse, known))
-    return ChatTurn(gen, fmt, parser, st, headers, splitter, prompt.context, last, pin_s=inp.pin_s)
+    return ChatTurn(gen, fmt, parser, st, headers, splitter, prompt.context, last, **hint)
 
 
 def _thinking(st: ServerState, inp: ChatInput, prompt: str) -> str:

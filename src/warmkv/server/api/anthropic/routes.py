@@ -31,7 +31,7 @@ from ...turn.reasoning_store import ReasoningStore
 from ...turn.sampling import sampling_fields
 from ...turn.wire import Turn
 from .context_edits import Edited, apply_edits
-from .schemas import CountTokensRequest, Message, MessagesRequest
+from .schemas import CountTokensRequest, Message, MessagesRequest, TextBlock, ToolResultBlock
 from .wire import MessagesCollector, MessagesEncoder
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
@@ -190,7 +190,7 @@ def _chat_input(st: ServerState, req: MessagesRequest, edited: Edited, key: str 
     return ChatInput(
         _messages(req, edited.messages, _store(st)), tools, choice, parallel, req.max_tokens, sampling,
         new_call_id=_toolu, session_key=key, clamp_max_tokens=True, template_kwargs=_thinking(req),
-        pin_s=_pin_seconds(req),
+        pin_s=_pin_seconds(req), pin_marks=_pin_marks(req),
     )  # fmt: skip
 
 
@@ -202,6 +202,28 @@ def _marked(req: MessagesRequest) -> list[Any]:
     blocks = [b for m in req.messages if not isinstance(m.content, str) for b in m.content]
     system = req.system if isinstance(req.system, list) else []
     return [*blocks, *system, *(req.tools or []), req]
+
+
+def _pin_marks(req: MessagesRequest) -> tuple[str | None, ...]:
+    """The marked blocks in the order they are rendered (tools, system, messages; a mark on the request
+    last): a text's own, a tool result's text; None for what has no text to find (pins.py)."""
+    system = req.system if isinstance(req.system, list) else []
+    blocks = [
+        *(req.tools or []),
+        *system,
+        *(b for m in req.messages if not isinstance(m.content, str) for b in m.content),
+    ]
+    return tuple(_mark_text(b) for b in [*blocks, req] if getattr(b, "cache_control", None) is not None)
+
+
+def _mark_text(block: object) -> str | None:
+    """The text a marked block ends with in the prompt: a text block's, a tool result's last text."""
+    if isinstance(block, TextBlock):
+        return block.text
+    if isinstance(block, ToolResultBlock):
+        c = block.content
+        return c if isinstance(c, str) else (c[-1].text if c else None)
+    return None
 
 
 def _pin_seconds(req: MessagesRequest) -> float | None:

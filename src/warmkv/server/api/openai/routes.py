@@ -23,6 +23,7 @@ from ...turn import ignored, wire
 from ...turn.chat_turn import ChatInput, start_chat
 from ...turn.constraints import json_schema, one_constraint
 from ...turn.generation import generate, open_wait
+from ...turn.pins import RETENTION_S
 from ...turn.reuse_report import report_gen
 from ...turn.sampling import sampling_fields, usage_body
 from ...turn.schemas import ERRORS, NamedToolChoice, _Sampling
@@ -129,10 +130,6 @@ def _chat_input(req: ChatCompletionRequest, sampling: dict[str, Any], key: str |
         template_kwargs=req.chat_template_kwargs,
         pin_s=RETENTION_S.get(req.prompt_cache_retention or ""),
     )
-
-
-# OpenAI keeps an in-memory prefix 5-10 minutes idle (at most an hour), an extended one up to 24 hours.
-RETENTION_S = {"in_memory": 600.0, "in-memory": 600.0, "24h": 86400.0}
 
 
 @router.post("/chat/completions", response_model=ChatCompletion)
