@@ -35,7 +35,7 @@ from ...turn.chat_turn import ChatInput, ChatTurn, rendered, start_chat
 from ...turn.sampling import sampling_fields
 from ...turn.streams import sse
 from ...turn.wire import Turn
-from . import chain, compaction, conversation
+from . import cache_hints, chain, compaction, conversation
 from .codex_history import is_codex
 from .history import history
 from .items import NAMESPACE_SEP, _messages
@@ -141,6 +141,7 @@ async def start_response(
     chain_key = made.key if key is None else None  # the request named none: the chain's (or conversation's)
     key = key if key is not None else made.key
     items = chain.input_items(req)
+    pin_s, marks = cache_hints.hint(req)
     if made.conv is not None:
         conversation.check_new(made.conv, items)
     inp = ChatInput(
@@ -155,6 +156,8 @@ async def start_response(
         template_kwargs=template_kwargs,
         chained=made.chained,
         branch=made.branch,
+        pin_s=pin_s,
+        pin_marks=marks,
     )
     ignored_headers = _responses_ignored(req, offered, st.thinks)
     turn = await start_chat(st, inp)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from ...turn.schemas import _Request
 
@@ -17,11 +17,24 @@ class _Echoed(BaseModel):
     status: str | None = None
 
 
+class CacheBreakpoint(_Request):
+    """Marks the end of a prefix to keep: the prompt is pinned up to the end of its part (turn/pins.py)."""
+
+    mode: Literal["explicit"]
+
+
 class TextPart(_Request):
     type: Literal["input_text", "output_text"]
     text: str
     annotations: list[Any] | None = None  # echoed output_text parts
     logprobs: list[Any] | None = None
+    prompt_cache_breakpoint: CacheBreakpoint | None = None  # input_text only, as the API has it
+
+    @model_validator(mode="after")
+    def _breakpoint_on_input(self) -> TextPart:
+        if self.prompt_cache_breakpoint is not None and self.type != "input_text":
+            raise ValueError(f"prompt_cache_breakpoint is only allowed on input_text parts, not {self.type}")
+        return self
 
 
 class MessageItem(_Echoed):
@@ -167,6 +180,14 @@ class TextConfig(_Request):
     format: TextFormat | None = None
 
 
+class CacheOptions(_Request):
+    """prompt_cache_options: mode "implicit" (the default) pins the whole prompt, "explicit" only up to
+    the last prompt_cache_breakpoint (none: no pin); ttl "30m", the API's only value."""
+
+    mode: Literal["implicit", "explicit"] | None = None
+    ttl: Literal["30m"] | None = None
+
+
 class ConversationRef(_Request):
     id: str = Field(min_length=1, max_length=256)
 
@@ -195,6 +216,9 @@ class ResponsesRequest(_Request):
     metadata: dict[str, str] | None = None
     user: str | None = None
     prompt_cache_key: str | None = None  # picks the pooled session that last served this key
+    # Cache hints: the prompt's prefix is pinned in the tiers (cache_hints.py).
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    prompt_cache_options: CacheOptions | None = None
     client_metadata: dict[str, Any] | None = None
     safety_identifier: str | None = None
     service_tier: Literal["auto", "default"] | None = None
