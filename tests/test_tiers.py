@@ -253,3 +253,21 @@ def test_fork_without_a_free_slot_is_typed_and_harmless(rt: warmkv.Runtime) -> N
         after = parent.explain()
         assert (after.resident_tokens, after.prefix_tokens) == (before.resident_tokens, before.prefix_tokens)
         assert parent.ensure_prefix(SYSTEM).reused_tokens == before.prefix_tokens
+
+
+def test_a_day_long_pin_holds_in_both_tiers_explain_shows_it_and_a_restart_keeps_it(store: Path) -> None:
+    with load(store) as first:
+        bs = first.config.cache_block_tokens
+        with first.session() as s:
+            p = s.ensure_prefix(SYSTEM + FILES_A)  # kept in the memory tier up to its last full block
+            toks = first.tokenize(SYSTEM + FILES_A)
+            pinned = first.pin_prefix(p.manifest_digest, toks, 86400.0, None, 2 * bs)  # marked after 2 blocks
+            assert (pinned.memory, pinned.disk) == (2 * bs, 2 * bs)
+            cache = s.explain().cache
+        assert cache is not None and cache["memory"]["pinned_tokens"] == len(toks) // bs * bs  # held whole
+        assert cache["memory"]["pinned_bytes"] > 0 and cache["disk"]["pins"] == 1
+        assert first.pin_prefix(p.manifest_digest, toks, 600.0).disk == 0  # ten minutes: memory only
+    # closing spilled the pinned entry to disk: the pin, in the store's index, holds it there now
+    with load(store) as second:
+        disk = second.tiers.stats()["disk"]
+        assert (disk["pins"], disk["pinned_entries"]) == (1, 1) and disk["pinned_tokens"] >= 2 * bs
