@@ -96,7 +96,7 @@ class RuntimeConfig:
     thinking_history: str = "keep"
     # Warm tiers (no effect on numerics, so not in the manifest).
     prefix_cache_mb: int = 1024
-    pin_share: float = 0.5  # the part of the prefix cache that clients' pins (cache hints) may hold
+    pin_share: float = 0.5  # the part of the memory and disk tiers clients' pins (cache hints) may hold
     kv_store_dir: str | None = None
     kv_store_mb: int = 8192
     cache_block_tokens: int = 64

@@ -126,7 +126,7 @@ SPECS = (
         "runtime",
     ),
     Spec("prefix_cache_mb", ("--prefix-cache-mb",), int, "shared prefix cache in RAM, MiB (0: off)", "runtime"),
-    Spec("pin_share", ("--pin-share",), float, "part of the prefix cache clients' cache hints may pin", "runtime"),
+    Spec("pin_share", ("--pin-share",), float, "part of each KV tier cache hints may pin", "runtime"),
     Spec("kv_store_dir", ("--kv-store-dir",), str, "persistent KV store directory (default: user cache)", "runtime"),
     Spec("kv_store_mb", ("--kv-store-mb",), int, "persistent KV store cap, MiB (0: off)", "runtime"),
     Spec(
