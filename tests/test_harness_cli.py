@@ -38,9 +38,11 @@ TOO_LONG = re.compile(r"Claude's response exceeded the \d+ output token maximum"
 CODEX_TOO_LONG = "Incomplete response returned, reason: max_output_tokens"
 CODEX_ATTEMPTS = 8  # at ~1 in 4 per turn, eight two-turn conversations all cut short: ~0.1%
 # Claude Code resumes a reply cut at the output limit in further requests; turn 2's history then
-# no longer holds the tokens the model produced (turn 2 reused 81% of its prompt in one such run,
-# 98% after a whole reply), so the small-prompt test starts again after a cut turn 1.
-CLAUDE_ATTEMPTS = 8  # a reply runs on past 64 tokens in 1 of 4 to 1 of 2 conversations: all 8, <0.4%
+# may no longer hold the tokens the model produced (turn 2 reused 81% of its prompt in one such run,
+# 96.9% in others, 98% after a whole reply), so the small-prompt test starts again after a cut turn 1
+# whose turn 2 fell short. Under the 60 rules the reply runs on past 64 tokens in 3 to 8 conversations
+# of 8 (the model goes on listing rules), so a cut turn 1 with a warm turn 2 passes too.
+CLAUDE_ATTEMPTS = 8
 
 
 # -- Claude Code ------------------------------------------------------------------------
@@ -78,11 +80,11 @@ def test_claude_code_two_turns_small_prompt(harness_server: Server, tmp_path: Pa
     for attempt in range(CLAUDE_ATTEMPTS):
         first, _, share = _two_claude_turns(tmp_path / str(attempt), harness_server, extra, 600, 64)
         assert first["usage"]["output_tokens"] > 0
-        if first["usage"]["output_tokens"] < 64:  # turn 1 was one reply, not a cut one resumed
+        if first["usage"]["output_tokens"] < 64 or share >= MIN_REUSE:  # one reply, or warm after a cut one
             break
-        print(f"turn 1 was cut at 64 tokens and resumed ({first['usage']}): starting again")
+        print(f"turn 1 was cut at 64 tokens and resumed ({first['usage']}), turn 2 {share:.1%}: starting again")
     else:
-        pytest.fail(f"turn 1 was cut short in all {CLAUDE_ATTEMPTS} conversations")
+        pytest.fail(f"in all {CLAUDE_ATTEMPTS} conversations turn 1 was cut and turn 2 under {MIN_REUSE:.0%} warm")
     assert share >= MIN_REUSE, f"turn 2 reused {share:.1%} of its prompt"
 
 
