@@ -75,7 +75,7 @@ COMPACT_ATTEMPTS = 3
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     log = tmp_path_factory.mktemp("serve-small") / "serve.log"
-    args = ["--num-ctx", "4096", "--n-seq-max", "2", "--max-output-tokens", "64", "--kv-store-mb", "0"]
+    args = ["--num-ctx", "4096", "--n-seq-max", "2", "--max-output-tokens", "256", "--kv-store-mb", "0"]
     with serve(args, start_timeout_s=300, log=log) as live:
         yield Server(live.base, live.model, log)
 
@@ -88,7 +88,7 @@ def test_claude_code_compacts_when_the_prompt_is_too_long(small_server: Server, 
         ws = workspace(tmp_path / str(attempt))
         _, env = configure("claude", small_server, tmp_path / str(attempt) / "cfg")
         del env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"]  # Claude Code learns the window from the 400 alone
-        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = "64"
+        env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = "256"  # its summary too: 64 cut it in 3 runs of 3
         claude = [str(cli("claude")), "-p", "--tools", "", "--system-prompt", "You are terse."]
         first = run([*claude, "--output-format", "json", f"{NOTES} Say hi."], ws, env, small_server, 600, (0, 1))
         if _result(first.stdout).get("is_error"):  # its reply ran to the cap and was resumed: history too long
