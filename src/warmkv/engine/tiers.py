@@ -338,16 +338,20 @@ class KVTiers:
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"block_tokens": self.block_tokens}
-        if self.memory is not None:
-            out["memory"] = asdict(self.memory.stats())
-            out["memory"]["pinned_tokens"] = out["memory"]["pinned_blocks"] * self.block_tokens
-        if self.store is not None:
-            out["disk"] = asdict(self.store.stats())
-        if self.writer is not None:
-            out["writer"] = asdict(self.writer.stats())
-        if self.remote is not None:
-            out["remote"] = asdict(self.remote.stats())
+        for tier in ("memory", "disk", "writer", "remote"):
+            if (one := self.tier_stats(tier)) is not None:
+                out[tier] = one
         return out
+
+    def tier_stats(self, tier: str) -> dict[str, Any] | None:
+        """One tier's stats ("memory", "disk", "writer" or "remote"; None where it is off): a gauge
+        reads its own tier without the others' work (the disk's stats query SQLite)."""
+        if tier == "memory" and self.memory is not None:
+            out = asdict(self.memory.stats())
+            out["pinned_tokens"] = out["pinned_blocks"] * self.block_tokens
+            return out
+        part = {"disk": self.store, "writer": self.writer, "remote": self.remote}.get(tier)
+        return None if part is None else asdict(part.stats())
 
     def note_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill piece ran (its tokens, its forward's time): the rate a remote read must beat."""

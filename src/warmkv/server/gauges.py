@@ -83,7 +83,7 @@ def register_gauges(hub: Hub) -> None:
     def pinned(tier: str, field: str) -> Callable[[ServerState], float]:
         def read(st: ServerState) -> float:
             tiers = st.runtime.tiers  # None once the runtime closed
-            stats = tiers.stats().get(tier) if tiers is not None else None
+            stats = tiers.tier_stats(tier) if tiers is not None else None
             return 0 if stats is None else stats[field]
 
         return read
