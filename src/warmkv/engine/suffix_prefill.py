@@ -106,7 +106,8 @@ class SuffixLoad:
         if plan.append:
             same = ctx.live == plan.base and tuple(ctx.pending) == plan.pending
         else:
-            same = ctx.prefix_len == plan.base and tuple(ctx.tokens[: plan.keep]) == plan.tokens[: plan.keep]
+            kept = slice(plan.base, plan.keep)  # the prefix, [:base], is compared below for both kinds
+            same = ctx.prefix_len == plan.base and tuple(ctx.tokens[kept]) == plan.tokens[kept]
         if not same or ctx.tokens[: plan.base] != list(plan.tokens[: plan.base]):
             raise WarmkvError("the session changed between planning and prefilling its suffix")
         self._t0 = time.perf_counter()
