@@ -198,22 +198,17 @@ _TTL_S = {None: 300.0, "5m": 300.0, "1h": 3600.0}  # Anthropic's cache lifetimes
 
 
 def _marked(req: MessagesRequest) -> list[Any]:
-    """The blocks a cache_control may mark: messages' blocks, system blocks, tools, the request itself."""
-    blocks = [b for m in req.messages if not isinstance(m.content, str) for b in m.content]
+    """The blocks a cache_control may mark, in the order they are rendered: tools, system blocks,
+    messages' blocks, then the request itself."""
     system = req.system if isinstance(req.system, list) else []
-    return [*blocks, *system, *(req.tools or []), req]
+    blocks = [b for m in req.messages if not isinstance(m.content, str) for b in m.content]
+    return [*(req.tools or []), *system, *blocks, req]
 
 
 def _pin_marks(req: MessagesRequest) -> tuple[str | None, ...]:
-    """The marked blocks in the order they are rendered (tools, system, messages; a mark on the request
-    last): a text's own, a tool result's text; None for what has no text to find (pins.py)."""
-    system = req.system if isinstance(req.system, list) else []
-    blocks = [
-        *(req.tools or []),
-        *system,
-        *(b for m in req.messages if not isinstance(m.content, str) for b in m.content),
-    ]
-    return tuple(_mark_text(b) for b in [*blocks, req] if getattr(b, "cache_control", None) is not None)
+    """The marked blocks, in prompt order: a text's own, a tool result's text; None for what has no
+    text to find (pins.py)."""
+    return tuple(_mark_text(b) for b in _marked(req) if getattr(b, "cache_control", None) is not None)
 
 
 def _mark_text(block: object) -> str | None:
