@@ -127,6 +127,10 @@ class ScriptedBackend:
     def _length(self, seq: int) -> int:
         return len(self._kv[seq])
 
+    def seq_length(self, seq: int) -> int:
+        self._slots.check(seq)
+        return self._length(seq)
+
     def truncate(self, seq: int, n: int) -> None:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise InvalidInput(f"truncate length must be an integer >= 0, got {n!r}")

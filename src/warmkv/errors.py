@@ -108,6 +108,19 @@ class ManifestMismatch(WarmkvError):
         super().__init__(f"manifest mismatch: {reason}")
 
 
+class RestoreMismatch(WarmkvError):
+    """A snapshot's KV, once imported, does not hold as many positions as its tokens: it was not kept
+    (the sequence is emptied again) and the restore failed for good."""
+
+    def __init__(self, name: str, kv_tokens: int, context_tokens: int) -> None:
+        self.name = name
+        self.kv_tokens = kv_tokens
+        self.context_tokens = context_tokens
+        super().__init__(
+            f"snapshot {name!r}: its KV holds {kv_tokens} positions after import, its context {context_tokens} tokens"
+        )
+
+
 class SessionFatal(WarmkvError):
     """The backend failed in a way that leaves the session's KV unknown; evict the session.
 

@@ -350,6 +350,9 @@ class Backend(Protocol):
         """Keep positions [0, n) of seq, drop the rest (mlx-lm's trim)."""
         ...
 
+    def seq_length(self, seq: int) -> int:
+        """How many positions seq holds now ([0, n), none missing): a restore checks its import by it."""
+
     def copy_seq(self, src: int, dst: int, n: int) -> None:
         """Make dst's KV equal the first n positions of src (sharing where the engine can)."""
         ...

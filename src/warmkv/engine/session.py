@@ -359,9 +359,11 @@ class Session:
         elsewhere (the remote tier); None when the session is empty, closed or failed, or a turn of it runs."""
         return session_copies.capture(self, name)
 
-    def _restore(self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
-        """Load a snapshot's KV into this (fresh) session."""
-        session_copies.load(self, tokens, blob, manifest, meta)
+    def _restore(
+        self, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict, name: str = ""
+    ) -> None:
+        """Load a snapshot's KV into this (fresh) session; RestoreMismatch leaves it empty (session_copies.py)."""
+        session_copies.load(self, tokens, blob, manifest, meta, name)
 
     def cancel(self) -> None:
         """Stop a running decode at the next token (safe from any thread)."""

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..cache.disk.types import Snapshot
-from ..errors import ContextOverflow, InvalidInput, ManifestMismatch, NoPrefix, Unsupported
+from ..errors import ContextOverflow, InvalidInput, ManifestMismatch, NoPrefix, RestoreMismatch, Unsupported
 from ..manifest import ContextManifest, hash_token_ids
 
 if TYPE_CHECKING:
@@ -137,26 +137,37 @@ def restore_snapshot(rt: Runtime, snap: Snapshot) -> Session:
     if len(snap.tokens) > rt.config.num_ctx:
         raise ContextOverflow("restore", 0, len(snap.tokens), rt.config.num_ctx)
     session = rt.session()
-    try:
-        session._restore(snap.tokens, snap.blob, manifest, dict(snap.meta))  # its op lock, then the model lock
+    try:  # its op lock, then the model lock
+        session._restore(snap.tokens, snap.blob, manifest, dict(snap.meta), name)
     except BaseException:
         session.close()
         raise
     return session
 
 
-def load(session: Session, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict) -> None:
-    """Load a snapshot's KV into this (fresh) session (Session._restore)."""
+def load(
+    session: Session, tokens: Sequence[int], blob: bytes, manifest: ContextManifest, meta: dict, name: str = ""
+) -> None:
+    """Load a snapshot's KV into this (fresh) session (Session._restore). RestoreMismatch when the
+    imported KV does not hold len(tokens) positions: the sequence is emptied again, the context untouched."""
     with session._lock(publish=True):
-        session._backend.import_seq(session._seq, blob)
-        ctx = session.ctx
-        exact_end = meta.get("exact_end")
-        ctx.restore(
-            tokens,
-            int(meta.get("prefix_len", len(tokens))),
-            int(meta.get("suffix_end", len(tokens))),
-            int(exact_end) if exact_end is not None else None,
-        )
+        backend, seq, ctx = session._backend, session._seq, session.ctx
+        backend.import_seq(seq, blob)
+        try:
+            # A blob that passed its checksum can still disagree with its tokens (written from a sequence
+            # that was already off, or by another build): decoding on would attend the wrong positions.
+            if (held := backend.seq_length(seq)) != len(tokens):
+                raise RestoreMismatch(name, held, len(tokens))
+            exact_end = meta.get("exact_end")
+            ctx.restore(
+                tokens,
+                int(meta.get("prefix_len", len(tokens))),
+                int(meta.get("suffix_end", len(tokens))),
+                int(exact_end) if exact_end is not None else None,
+            )
+        except BaseException:
+            backend.truncate(seq, len(ctx.tokens))  # back to what the context says it holds (a fresh one: 0)
+            raise
         session._manifest = manifest
         salt = meta.get("cache_salt")
         session.cache_salt = salt if isinstance(salt, str) and salt else None

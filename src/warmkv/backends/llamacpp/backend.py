@@ -192,6 +192,10 @@ class LlamaCppBackend:
         """Resident tokens of seq: its cells hold positions [0, n) with none missing."""
         return lc.llama_memory_seq_pos_max(self._mem, seq) + 1
 
+    def seq_length(self, seq: int) -> int:
+        self._slots.check(seq)
+        return 0 if self._mem is None else self._length(seq)
+
     def release_seq(self, seq: int) -> None:
         if self._mover is not None and self._mem is not None:
             self._mover.clear_stash(seq)

@@ -167,6 +167,10 @@ class NativeBackend:
     def _check_seq(self, seq: int) -> None:
         self._slots.check(seq)
 
+    def seq_length(self, seq: int) -> int:
+        self._check_seq(seq)
+        return 0 if self._cache is None else self._cache.length(seq)
+
     def release_seq(self, seq: int) -> None:
         if self._cache is not None:
             self._cache.free(seq)
