@@ -229,6 +229,19 @@ class StoreFull(StoreError):
         )
 
 
+class StoreNoSpace(StoreError):
+    """The filesystem under a store is full: a write was refused and nothing stored was changed."""
+
+    def __init__(self, directory: str, nbytes: int, free_bytes: int, what: str = "a write") -> None:
+        self.directory = directory
+        self.nbytes = nbytes  # what the refused write was to hold (its blob or record)
+        self.free_bytes = free_bytes  # free on that filesystem just after (-1: unknown)
+        super().__init__(
+            f"no space left on the filesystem of {directory} ({free_bytes} bytes free): {what} of {nbytes} bytes"
+            " was refused"
+        )
+
+
 class SnapshotNotFound(StoreError):
     """No snapshot has the requested name."""
 

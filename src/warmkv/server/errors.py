@@ -26,6 +26,8 @@ from ..errors import (
     SessionClosed,
     SessionFatal,
     SessionLimit,
+    StoreFull,
+    StoreNoSpace,
     StreamLimit,
     Unsupported,
     WarmkvError,
@@ -195,6 +197,10 @@ def from_warmkv(e: WarmkvError) -> ApiError:
         return ApiError(503, msg, code="model_unloaded")
     if isinstance(e, RemoteUnavailable):
         return ApiError(503, msg, code="remote_unavailable", retry_in_s=round(e.retry_in_s, 1))
+    if isinstance(e, StoreNoSpace):  # the disk under the store is full: a retry succeeds once space is freed
+        return ApiError(507, msg, code="insufficient_storage", nbytes=e.nbytes, free_bytes=e.free_bytes)
+    if isinstance(e, StoreFull):
+        return ApiError(507, msg, code="store_full", nbytes=e.nbytes, capacity_bytes=e.capacity)
     if isinstance(e, Unsupported):
         return ApiError(400, msg, code="unsupported", feature=e.feature)
     if isinstance(e, InvalidInput):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..cache.disk.store import KVStore
 from ..cache.remote.types import RemoteStats
+from .conversations.store import ResponseStore
 from .state import Hub, ServerState
 
 REMOTE_RESPONSES = (
@@ -96,6 +98,20 @@ def register_gauges(hub: Hub) -> None:
         ("kv_store_pinned_tokens", "disk", "pinned_tokens", "Tokens the disk tier's pinned entries hold"),
     ):
         m.gauge(f"warmkv_{name}", doc, total(pinned(tier, field)))
+
+    def write_failures() -> list[tuple[str, str, str, int]]:
+        """(model, kind, reason, n) of each model's disk store, and of the stored responses (model "*")."""
+        sources: list[tuple[str, KVStore | ResponseStore | None]] = [("*", hub.responses)]
+        sources += [(st.model_id, getattr(st.runtime.tiers, "store", None)) for st in hub.table.states()]
+        return [
+            (model, kind, why, n)
+            for model, store in sources
+            if store is not None
+            for kind, reasons in store.failures.counts().items()
+            for why, n in reasons.items()
+        ]
+
+    m.write_failures(write_failures)
 
     def remote() -> list[tuple[str, RemoteStats]]:
         out = []

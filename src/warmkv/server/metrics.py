@@ -58,6 +58,10 @@ class ServerMetrics:
         """Export the remote KV tier's counters and rates (stats: each loaded model's, by model id)."""
         self.registry.register(_RemoteCollector(stats))
 
+    def write_failures(self, counts: Callable[[], list[tuple[str, str, str, int]]]) -> None:
+        """Export the writes the stores refused (counts: (model, kind, reason, n) for each)."""
+        self.registry.register(_WriteFailures(counts))
+
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         Gauge(name, doc, registry=self.registry).set_function(fn)
 
@@ -160,3 +164,21 @@ class _RemoteCollector(Collector):
                 if getattr(st, attr) is not None:
                     family.add_metric([model], getattr(st, attr))
             yield family
+
+
+class _WriteFailures(Collector):
+    """Writes the disk store and the stored responses refused, read from their counts at each scrape."""
+
+    def __init__(self, counts: Callable[[], list[tuple[str, str, str, int]]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "warmkv_store_write_failures",
+            "Writes a store refused, by kind (prefix, snapshot: the KV store; responses, conversations) and reason "
+            "(no_space: the filesystem is full; over_budget: larger than the kind's budget; io); serving goes on",
+            labels=["model", "kind", "reason"],
+        )
+        for model, kind, reason, n in self._counts():
+            family.add_metric([model, kind, reason], n)
+        yield family

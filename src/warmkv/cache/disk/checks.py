@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
-from ...errors import InvalidInput
+from ...errors import InvalidInput, StoreCorrupt
 from ..memory.block_hash import token_bytes
+from .blobs import read_blob
 from .container import BlobHeader, ContainerError, read_container
 from .index import Row
+from .types import StoreConfig
 
 _MAX_NAME = 512
 
@@ -49,6 +52,29 @@ def check_blob(data: bytes, row: Row, kind: str) -> tuple[BlobHeader, bytes] | s
     if found != (kind, row.key, row.manifest_digest, row.n_tokens):
         return f"header ({header.kind}, {header.key[:16]}, {header.n_tokens} tokens) does not match the index row"
     return header, payload
+
+
+def check_store(directory: Path, config: StoreConfig, rows: list[tuple[Row, str]], orphans: int, pinned: int) -> None:
+    """KVStore.check_integrity: the budgets, the block rows, then every blob (rows: each with its kind,
+    "prefix" or "snapshot") read and checked against its row; StoreCorrupt on the first failure."""
+    where = str(directory)
+    if orphans:
+        raise StoreCorrupt(where, f"{orphans} block rows point to no entry")
+    if pinned > config.pin_budget:
+        raise StoreCorrupt(where, f"{pinned} bytes pinned > pin budget {config.pin_budget}")
+    total = sum(r.size for r, _ in rows)
+    if total > config.capacity_bytes:
+        raise StoreCorrupt(where, f"{total} bytes stored > capacity {config.capacity_bytes}")
+    snap_bytes = sum(r.size for r, kind in rows if kind == "snapshot")
+    if snap_bytes > config.snapshot_budget:
+        raise StoreCorrupt(where, f"{snap_bytes} snapshot bytes > budget {config.snapshot_budget}")
+    for row, kind in rows:
+        try:
+            got = check_blob(read_blob(directory / "blobs", row.file), row, kind)
+        except FileNotFoundError:
+            got = "blob file is missing"
+        if isinstance(got, str):
+            raise StoreCorrupt(str(directory / "blobs" / row.file), got)
 
 
 def manifest_diff(stored: Mapping[str, object], current: Mapping[str, object]) -> str:

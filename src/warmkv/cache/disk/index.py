@@ -96,10 +96,12 @@ class StoreIndex:
         self._conn.execute("BEGIN IMMEDIATE")
         try:
             yield self._conn
+            self._conn.execute("COMMIT")
         except BaseException:
-            self._conn.execute("ROLLBACK")
+            # A failed COMMIT (a full disk) may have rolled back already, or may not: never leave one open.
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
             raise
-        self._conn.execute("COMMIT")
 
     def close(self) -> None:
         self._conn.close()

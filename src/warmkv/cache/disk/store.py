@@ -21,11 +21,15 @@ blob: snapshots have a budget of their own within it and prefix entries the rest
 (StoreConfig), each kind evicted least recently used first within its own budget, so
 snapshots never push prefix entries out; a snapshot unused past the age limit is deleted.
 Entries that hold a client's pinned prefix (pins.py) are evicted after every other entry.
+A write the filesystem refuses (full: StoreNoSpace) leaves the store as it was; it is counted by kind
+and reason in stats().write_failures and warned about once per streak (write_failures.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -44,10 +48,15 @@ from ...errors import (
 from ...prompt.tokens import common_prefix_len
 from . import pins
 from .blobs import read_blob, remove_leftovers, unlink_quiet, write_blob
-from .checks import check_blob, check_name, check_payload, check_tokens, manifest_diff
+from .checks import check_blob, check_name, check_payload, check_store, check_tokens, manifest_diff
 from .container import BlobHeader, json_object, make_header
 from .index import Row, StoreIndex
 from .types import Snapshot, SnapshotInfo, StoreConfig, StoreEntry, StoreMatch, StoreStats, default_store_dir
+from .write_failures import WriteFailures, typed
+
+log = logging.getLogger(__name__)
+
+Insert = Callable[[sqlite3.Connection, Row, int], None]  # commits a written blob's row (and evicts)
 
 
 class KVStore:
@@ -75,7 +84,11 @@ class KVStore:
         self._clock = clock
         self._hits = self._misses = self._corrupt = self._evictions = self._snapshot_evictions = 0
         self._pin_lapses = 0
-        self.gc()
+        self.failures = WriteFailures(f"KV store {self.directory}", log)
+        try:
+            self.gc()
+        except StoreError as e:  # a full disk cannot even delete rows: what is stored still serves
+            log.warning("KV store %s: clean-up at open failed: %s", self.directory, e)
 
     def gc(self) -> int:
         """Remove temp files of dead writers, stale unindexed blobs, snapshots past the age limit and
@@ -227,7 +240,8 @@ class KVStore:
         """The verified snapshot. SnapshotNotFound; ManifestMismatch when manifest_digest differs
         (manifest, if given, names the differing fields); StoreCorrupt when its blob failed a check."""
         name = check_name(name, "snapshot name")
-        self.expire_snapshots()  # one past the age limit is gone, whether or not gc ran since
+        with contextlib.suppress(StoreError):  # a full disk refuses the delete: the snapshot is intact
+            self.expire_snapshots()  # one past the age limit is gone, whether or not gc ran since
         with self._lock:
             found = self._index.snapshot(name)
             count = self._index.totals()[2]
@@ -260,16 +274,22 @@ class KVStore:
 
     # -- shared machinery ----------------------------------------------------
 
-    def _install(
-        self, header: BlobHeader, payload: bytes | memoryview, insert: Callable[[sqlite3.Connection, Row, int], None]
-    ) -> Row:
-        """Write the blob durably, then commit its row, evicting LRU rows of its kind to stay in its budget."""
+    def _install(self, header: BlobHeader, payload: bytes | memoryview, insert: Insert) -> Row:
+        """Write the blob durably, then commit its row; a refused write is counted and warned about."""
+        with self.failures.watch(header.kind):
+            return self._commit(header, payload, insert)
+
+    def _commit(self, header: BlobHeader, payload: bytes | memoryview, insert: Insert) -> Row:
+        """_install's work: the blob, then its row, evicting LRU rows of its kind to stay in its budget."""
         snapshot = header.kind == "snapshot"
         budget = self.config.snapshot_budget
         cap = budget if snapshot else self.config.capacity_bytes - budget
         if header.payload_len > cap:  # cheap early refusal before touching the disk
             raise StoreFull(header.payload_len, 0, cap)
-        name, size, crc = write_blob(self._blobs, header, payload)
+        try:  # write_blob removes its temp file on any failure
+            name, size, crc = write_blob(self._blobs, header, payload)
+        except OSError as e:
+            raise typed(e, self.directory, header.payload_len, f"a {header.kind} blob") from None
         row = Row(header.key, header.manifest_digest, header.n_tokens, name, size, crc, self._clock())
         delete = self._index.delete_snapshot if snapshot else self._index.delete_entry
         doomed: list[str] = []
@@ -302,8 +322,8 @@ class KVStore:
                     self._evictions += len(victims)
         except BaseException as e:
             unlink_quiet(self._blobs / name)
-            if isinstance(e, sqlite3.Error):
-                raise StoreError(f"KV store index {self.directory} failed: {e}") from None
+            if isinstance(e, sqlite3.Error):  # rolled back: the rows and files before stand
+                raise typed(e, self.directory, size, f"the index commit of a {header.kind} blob") from None
             raise
         for f in doomed:  # rows are gone: no reader can reach these files any more
             unlink_quiet(self._blobs / f)
@@ -355,34 +375,15 @@ class KVStore:
                 str(self.directory), n, eb, sn, sb, self.config.capacity_bytes, *counts,
                 snapshot_budget=self.config.snapshot_budget, snapshot_evictions=self._snapshot_evictions,
                 pins=len(h.pins), pinned_entries=len(h.entries), pinned_bytes=h.bytes, pinned_tokens=h.tokens,
-                pin_lapses=self._pin_lapses,
+                pin_lapses=self._pin_lapses, write_failures=self.failures.counts(),
             )  # fmt: skip
 
     def check_integrity(self) -> bool:
         """Read and verify every blob without changing anything; StoreCorrupt on the first failure."""
         with self._lock:
             rows = [(r, "prefix") for r in self._index.entries()] + [(r, "snapshot") for r in self._index.snapshots()]
-            orphans = self._index.orphan_blocks()
-            total = sum(self._index.totals()[1::2])
-            pinned = pins.held(self._index.conn, self._clock()).bytes
-        if orphans:
-            raise StoreCorrupt(str(self.directory), f"{orphans} block rows point to no entry")
-        if pinned > self.config.pin_budget:
-            raise StoreCorrupt(str(self.directory), f"{pinned} bytes pinned > pin budget {self.config.pin_budget}")
-        if total > self.config.capacity_bytes:
-            raise StoreCorrupt(str(self.directory), f"{total} bytes stored > capacity {self.config.capacity_bytes}")
-        snap_bytes = sum(r.size for r, kind in rows if kind == "snapshot")
-        if snap_bytes > self.config.snapshot_budget:
-            raise StoreCorrupt(
-                str(self.directory), f"{snap_bytes} snapshot bytes > budget {self.config.snapshot_budget}"
-            )
-        for row, kind in rows:
-            try:
-                got = check_blob(read_blob(self._blobs, row.file), row, kind)
-            except FileNotFoundError:
-                got = "blob file is missing"
-            if isinstance(got, str):
-                raise StoreCorrupt(str(self._blobs / row.file), got)
+            orphans, pinned = self._index.orphan_blocks(), pins.held(self._index.conn, self._clock()).bytes
+        check_store(self.directory, self.config, rows, orphans, pinned)
         return True
 
     def close(self) -> None:

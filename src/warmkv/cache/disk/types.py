@@ -153,6 +153,8 @@ class StoreStats:
     pinned_bytes: int = 0
     pinned_tokens: int = 0
     pin_lapses: int = 0  # pins let go before their time to fit the pin share, by this process
+    # writes refused by this process, kind ("prefix", "snapshot") -> reason ("no_space", "over_budget", "io") -> n
+    write_failures: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def bytes(self) -> int:

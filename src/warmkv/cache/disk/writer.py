@@ -349,7 +349,7 @@ class StoreWriter:
                 self._written += 1
             except WarmkvError as e:  # a spilled prefix that cannot be stored only costs a later prefill
                 self._failed += 1
-                log.warning("kv store write failed: %s", e)
+                log.debug("kv store write failed: %s", e)  # the store counts and warns (once per streak)
             except Exception:
                 self._failed += 1
                 log.exception("kv store write failed")

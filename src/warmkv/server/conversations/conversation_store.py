@@ -115,7 +115,7 @@ class ConversationStore:
 
     def create(self, conv: Conversation, items: list[dict[str, Any]]) -> Conversation:
         """Keep a new conversation with its first items (each with an id)."""
-        with self._store.transaction() as db:
+        with self._store.transaction("conversations") as db:
             size = self._add(db, conv.id, items)
             self._write(db, conv, size + len(conv.encode().encode()))
         return conv
@@ -128,7 +128,7 @@ class ConversationStore:
 
     def update(self, cid: str, owner: str | None, metadata: dict[str, str]) -> Conversation | None:
         """Replace its metadata; None when it is not there."""
-        with self._store.transaction() as db:
+        with self._store.transaction("conversations") as db:
             found = self._row(db, cid, owner)
             if found is None:
                 return None
@@ -139,7 +139,7 @@ class ConversationStore:
 
     def delete(self, cid: str, owner: str | None) -> bool:
         """Forget the conversation and its items (the responses made in it stay); False when it is not there."""
-        with self._store.transaction() as db:
+        with self._store.transaction("conversations") as db:
             return self._row(db, cid, owner) is not None and drop(db, cid)
 
     def append(
@@ -147,7 +147,7 @@ class ConversationStore:
     ) -> Conversation | None:
         """Add items after its last; tip: the stored response they end with (None: the conversation then
         has no tip). None when the conversation is not there (deleted meanwhile: nothing is written)."""
-        with self._store.transaction() as db:
+        with self._store.transaction("conversations") as db:
             found = self._row(db, cid, owner)
             if found is None:
                 return None
@@ -199,7 +199,7 @@ class ConversationStore:
     def delete_item(self, cid: str, owner: str | None, item_id: str) -> Conversation | None:
         """Remove one item (the conversation then has no tip: its history changed); None when the
         conversation or the item is not there."""
-        with self._store.transaction() as db:
+        with self._store.transaction("conversations") as db:
             found = self._row(db, cid, owner)
             if found is None:
                 return None

@@ -18,13 +18,15 @@ leave copies on other nodes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import sqlite3
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ...cache.remote.records import RecordStats, RemoteRecords
 from ...cache.remote.types import RemoteConfig
-from ...errors import RemoteUnavailable
+from ...errors import RemoteUnavailable, StoreError
 from .record import StoredResponse
 from .store import ResponseStore, StoreLimits
 
@@ -81,7 +83,8 @@ class SharedResponses(ResponseStore):
         body = self.remote.get(rid)
         found = None if body is None else _record(rid, body)
         if found is not None:
-            super().put(found)  # later lookups (a chain's links) stay local
+            with contextlib.suppress(sqlite3.Error, StoreError):  # a full disk: served from Redis again next time
+                super().put(found)  # later lookups (a chain's links) stay local
         return found
 
     def delete(self, rid: str) -> bool:

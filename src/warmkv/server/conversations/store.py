@@ -6,10 +6,13 @@ whole record or none (SQLite's atomic commit; a crash mid-write rolls back on th
 Without a path the store lives in memory and ends with the process. Thread-safe: routes
 call it from the event loop and worker threads; one connection, one lock (a leaf).
 Conversations (conversation_store.py) share the connection, the lock and the eviction.
+A write the filesystem refuses (full) rolls back and raises StoreNoSpace; failed writes are
+counted by kind and reason and warned about once per streak (cache/disk/write_failures.py).
 """
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 import time
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from ...cache.disk.write_failures import WriteFailures, is_full, typed
 from ...errors import InvalidConfig
 from ...prompt.tokens import common_prefix_len
 from . import conversation_store
@@ -38,6 +42,7 @@ CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
 """
 
 
+log = logging.getLogger("warmkv.server")
 RECENT = 32  # records kept as objects beside the database (see ResponseStore._recent)
 
 
@@ -79,6 +84,7 @@ class ResponseStore:
             ":memory:" if self.path is None else str(self.path), check_same_thread=False, isolation_level=None
         )
         self._lock = threading.Lock()
+        self.failures = WriteFailures(f"stored responses {self.path or '(in memory)'}", log)
         # The latest records as objects (with when they were written): a chain's next turn continues
         # the last one, and reading it back (a 32K-token prompt: SQLite, then its ids as ints) took ~1 ms.
         self._recent: OrderedDict[str, tuple[StoredResponse, float, bytes]] = OrderedDict()
@@ -92,18 +98,30 @@ class ResponseStore:
         self.conversations = conversation_store.ConversationStore(self)
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """The connection inside one write transaction (the lock held): committed at the end, rolled back
-        on any error, so a failed write leaves the store as it was."""
-        with self._lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                yield db
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
+    def transaction(self, kind: str = "responses", nbytes: int = 0) -> Iterator[sqlite3.Connection]:
+        """The connection inside one write transaction (the lock held) of kind ("responses", "conversations";
+        nbytes: what it adds): committed at the end, rolled back on any error, so a failed write leaves the
+        store as it was. StoreNoSpace when the filesystem is full; a failed write is counted."""
+        try:
+            with self._lock:
+                db = self._db
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield db
+                    db.execute("COMMIT")
+                except BaseException:
+                    # A full disk's COMMIT may have rolled back already: a ROLLBACK then fails and hid its error.
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as e:
+            if not is_full(e):
+                self.failures.failed(kind, e)
                 raise
+            full = typed(e, self.path.parent if self.path else ":memory:", nbytes, f"a {kind} write")
+            self.failures.failed(kind, full)
+            raise full from e
+        self.failures.written()
 
     @contextmanager
     def reading(self) -> Iterator[sqlite3.Connection]:
@@ -120,7 +138,7 @@ class ResponseStore:
         size = len(doc.encode()) + len(tokens)
         if size > self.limits.max_bytes:
             return 0  # larger than the whole store: not kept (a later lookup is the API's not-found)
-        with self.transaction() as db:
+        with self.transaction("responses", size) as db:
             written = time.time()
             db.execute(
                 "INSERT OR REPLACE INTO responses (id, created, bytes, doc, tokens) VALUES (?, ?, ?, ?, ?)",

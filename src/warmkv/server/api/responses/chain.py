@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 from starlette.concurrency import run_in_threadpool
 
-from ....errors import InvalidInput
+from ....errors import InvalidInput, StoreError
 from ....tools import ToolSpec
 from ...conversations.record import StoredResponse
 from ...conversations.store import Lookup, ResponseStore
@@ -160,8 +160,8 @@ def keeper(
         )
         try:
             store.put(record)
-        except sqlite3.Error as e:  # the reply stands; only its continuation is lost (the API's not-found)
-            log.warning("response %s was not stored: %s", record.id, e)
+        except (sqlite3.Error, StoreError) as e:  # the reply stands; only its continuation is lost (a not-found)
+            log.debug("response %s was not stored: %s", record.id, e)  # the store warns (once per streak)
             return False
         return True
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from ....errors import InvalidInput
+from ....errors import InvalidInput, StoreError
 from ...conversations.conversation import Conversation, item_form
 from ...conversations.conversation_store import ConversationStore
 from ...conversations.record import StoredResponse
@@ -107,7 +107,7 @@ def appender(
         try:
             if store.append(cont.conv.id, cont.owner, new, body["id"] if stored else None) is None:
                 log.info("conversation %s was deleted during response %s: not appended", cont.conv.id, body["id"])
-        except (sqlite3.Error, InvalidInput) as e:  # the reply stands; the conversation goes without it
+        except (sqlite3.Error, StoreError, InvalidInput) as e:  # the reply stands; the conversation goes without it
             log.warning("response %s was not appended to conversation %s: %s", body["id"], cont.conv.id, e)
 
     return append
