@@ -257,27 +257,57 @@ def chat(
 
 def stats(
     store_dir: Annotated[str | None, typer.Option("--dir", help="KV store directory (default: user cache dir)")] = None,
+    server: Annotated[
+        str | None, typer.Option("--server", help="a running server's URL: every kind it keeps, from its /metrics")
+    ] = None,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="WARMKV_API_KEY", help="the server's key")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """Show the persistent KV store: entries, bytes, snapshots."""
+    """Show the state kept for users, each kind's count and bytes: on disk (the KV store's prefix entries
+    and snapshots, stored responses, conversations), or with --server all a running server keeps."""
     from dataclasses import asdict
 
     from ..cache import KVStore
+    from .kept import on_disk, on_server
 
+    if server is not None:
+        try:
+            rows, failures = on_server(server, api_key)
+        except WarmkvError as e:
+            fail(e)
+        if as_json:
+            out = [{"model": m, "kind": k, "reason": r, "count": int(n)} for m, k, r, n in failures]
+            console.print_json(json.dumps({"server": server, "kept": [asdict(r) for r in rows], "write_failures": out}))
+            return
+        _kept_table(f"Kept by {server}", rows)
+        for model, kind, reason, n in failures:
+            console.print(f"write failures: {int(n)} {kind} writes of {model} refused ({reason})")
+        return
     try:
         store = KVStore(store_dir)
     except WarmkvError as e:
         fail(e)
     with store:
-        st, snaps = asdict(store.stats()), [asdict(s) for s in store.list_snapshots()]
+        st, snaps, kept = asdict(store.stats()), [asdict(s) for s in store.list_snapshots()], on_disk(store)
     if as_json:
-        console.print_json(json.dumps({"store": st, "snapshots": snaps}))
+        console.print_json(json.dumps({"store": st, "snapshots": snaps, "kept": [asdict(r) for r in kept]}))
         return
     t = Table(title=f"KV store {st['directory']}", show_header=False)
     for k in ("entries", "entry_bytes", "snapshots", "snapshot_bytes", "snapshot_budget", "capacity_bytes"):
         t.add_row(k, f"{st[k]:,}")
     console.print(t)
+    _kept_table("Kept on disk", kept)
     for s in snaps:
         console.print(
             f"snapshot {s['name']}: {s['n_tokens']} tokens, {s['size']:,} bytes, manifest {s['manifest_digest'][:16]}"
         )
+
+
+def _kept_table(title: str, rows: list[Any]) -> None:
+    t = Table(title=title)
+    for col in ("kind", "model", "count", "bytes", "budget", ""):
+        t.add_column(col)
+    for r in rows:
+        budget = "" if r.budget_bytes is None else f"{r.budget_bytes:,}"
+        t.add_row(r.kind, r.model, f"{r.count:,}", f"{r.bytes:,}", budget, r.note)
+    console.print(t)

@@ -36,6 +36,7 @@ from .gauges import register_gauges
 from .http.guard import Guard
 from .http.leases import Leases
 from .http.node import NodeGate
+from .kept_kinds import KEPT_IN_TIERS, Conversations, DiskPrefixes, MemoryPrefixes, StoredResponses
 from .lifecycle import KeptRegistry
 from .metrics import ServerMetrics
 from .models import routes as model_routes
@@ -100,6 +101,8 @@ def create_app(
         limits = StoreLimits(cfg.responses_mb << 20, cfg.responses_max_age_s)
         responses = await asyncio.to_thread(_responses, cfg.responses_path, limits, runtime)
         hub = Hub(cfg, metrics, admission, models_table, drain=drain, kept=kept, responses=responses)
+        kept.add("*", StoredResponses(responses))
+        kept.add("*", Conversations(responses))
         app.state.warmkv = hub
         if runtime is not None:
             models_table.adopt(models_table.default, await build(runtime, specs[0]))
@@ -220,8 +223,11 @@ async def _serve_model(rt: Runtime, spec: ModelSpec, hub: Hub) -> ServerState:
         table_default=spec is hub.table.default.spec,
     )
     tiers = rt.tiers
+    if tiers is not None and tiers.memory is not None:
+        hub.kept.add(spec.id, MemoryPrefixes(tiers.memory))
     if tiers is not None and tiers.store is not None:
         hub.kept.add(spec.id, StoredSnapshots(tiers.store))
+        hub.kept.add(spec.id, DiskPrefixes(tiers.store))
     if shares(st):
         assert tiers is not None and tiers.remote is not None and tiers.writer is not None
         hub.kept.add(spec.id, RemoteCopies(tiers.remote, tiers.writer, cfg.session_ttl_s, lambda: digests(st)))
@@ -231,8 +237,8 @@ async def _serve_model(rt: Runtime, spec: ModelSpec, hub: Hub) -> ServerState:
 async def _unload_model(st: ServerState, hub: Hub) -> None:
     """Keep a model's warm context on disk, then close it: the same offload as a drain (pooled
     sessions parked, named ones snapshotted under their id, the memory tier written to disk)."""
-    hub.kept.remove(st.model_id, "snapshots")  # the runtime's store and tiers close below
-    hub.kept.remove(st.model_id, "remote_sessions")
+    for kind in KEPT_IN_TIERS:  # the runtime's store and tiers close below; its reasoning store stays
+        hub.kept.remove(st.model_id, kind)
     try:
         await asyncio.to_thread(st.scheduler.close)
         done = await offload(st.pool, st.registry, st.runtime, hub.settings.queue_timeout_s)

@@ -1,6 +1,7 @@
 """What the server keeps for its users, and the one contract every kind of it follows.
 
-Each kind (disk snapshots, parked sessions, remote session copies, stored reasoning) has one
+Each kind (prefix entries in the memory and disk tiers, disk snapshots, parked sessions, remote
+session copies, stored reasoning, stored responses and conversations: kept_kinds.py) has one
 owner, which implements `Kept`: its `Limits` (a byte budget and an age limit), its `usage()`
 (count and bytes, exported in /metrics as warmkv_kept_items / warmkv_kept_bytes by kind and
 model), `forget(key)`, which deletes one item on every tier the owner reaches (memory, disk,
@@ -8,7 +9,7 @@ the remote tier: through the store writer's queue, so a queued write cannot brin
 and `expire()`, which the server's sweep calls to delete what is past the age limit. A
 transient failure (a full pool, a busy store) keeps an item; a permanent one deletes it.
 
-A new kind (stored responses) joins by implementing Kept and calling `KeptRegistry.add`.
+A new kind joins by implementing Kept and calling `KeptRegistry.add`.
 """
 
 from __future__ import annotations

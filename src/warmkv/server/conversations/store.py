@@ -192,6 +192,11 @@ class ResponseStore:
             self._recent.clear()
         return n
 
+    def expire(self) -> int:
+        """Delete the responses and conversations past the age limit (and the oldest over the cap); how many."""
+        with self.transaction() as db:
+            return self.evict(db)
+
     def get(self, rid: str) -> StoredResponse | None:
         """The record, or None when it is unknown, deleted, evicted or older than the age limit."""
         oldest = self.oldest_kept()
