@@ -64,20 +64,25 @@ def expire(c: sqlite3.Connection, now: int) -> int:
     return c.execute("DELETE FROM pins WHERE until <= ?", (now,)).rowcount
 
 
+# Each live pin with the smallest entry (of its model) that has its block at its depth, or no entry:
+# one query, not one per pin, since it runs on every prefix write (fit) and every stats call.
+_HELD = """SELECT md, bk, ek, sz, nt FROM (
+    SELECT p.manifest_digest AS md, p.block_key AS bk, p.since AS since, e.key AS ek, e.size AS sz,
+        e.n_tokens AS nt, row_number() OVER (PARTITION BY p.manifest_digest, p.block_key
+            ORDER BY e.key IS NULL, e.size, e.key) AS rn
+    FROM pins p LEFT JOIN entry_blocks b ON b.block_key = p.block_key AND b.depth = p.depth
+    LEFT JOIN entries e ON e.key = b.entry_key AND e.manifest_digest = p.manifest_digest
+    WHERE p.until > ?) WHERE rn = 1 ORDER BY since, md, bk"""
+
+
 def held(c: sqlite3.Connection, now: int) -> Held:
     """The entries the pins live at `now` hold (a read: an expired pin is skipped, not deleted)."""
     entries: dict[str, tuple[int, int]] = {}
     out: list[tuple[tuple[str, str], str | None]] = []
-    q = "SELECT manifest_digest, block_key, depth FROM pins WHERE until > ? ORDER BY since"
-    for md, bkey, depth in c.execute(q, (now,)).fetchall():
-        r = c.execute(
-            "SELECT e.key, e.size, e.n_tokens FROM entry_blocks b JOIN entries e ON e.key = b.entry_key "
-            "WHERE b.block_key = ? AND b.depth = ? AND e.manifest_digest = ? ORDER BY e.size, e.key LIMIT 1",
-            (bkey, depth, md),
-        ).fetchone()
-        out.append(((md, bkey), r[0] if r else None))
-        if r:
-            entries[r[0]] = (r[1], r[2])
+    for md, bkey, key, size, n in c.execute(_HELD, (now,)).fetchall():
+        out.append(((md, bkey), key))
+        if key is not None:
+            entries[key] = (size, n)
     return Held(entries, out)
 
 
