@@ -16,6 +16,7 @@ import pytest
 import warmkv
 from redis_server import RedisServer
 from server_harness import free_port, live_app, live_server
+from warmkv.cache.disk.container import read_container
 from warmkv.cache.disk.pending import LazyBlob
 from warmkv.cache.disk.store import KVStore
 from warmkv.cache.disk.types import Snapshot
@@ -218,5 +219,52 @@ def test_delete_reaches_the_remote_copy_of_a_live_session(redis_server: RedisSer
                 time.sleep(0.1)
             assert 0 < client.pttl(names[0]) <= 600_000  # the session TTL
             assert _kept(c, "remote_sessions")[0] == 1
+    finally:
+        rt.close()
+
+
+def test_a_turn_makes_one_remote_copy_and_a_drain_sends_the_pending_one(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A copy is the session's whole KV: a turn's prefix, suffix and decode used to send three; the
+    copy now waits until the session has had no call for session_copy_delay_s. A drain does not wait."""
+    rt = warmkv.Runtime.load(
+        backend="llamacpp", num_ctx=512, n_seq_max=4, kv_store_mb=64, kv_store_dir=str(tmp_path / "kv"),
+        kv_remote=redis_server.url, kv_remote_timeout_ms=2000,
+    )  # fmt: skip
+    client = redis_server.client()
+    assert rt.tiers is not None and rt.tiers.remote is not None and rt.tiers.writer is not None
+    remote, writer = rt.tiers.remote, rt.tiers.writer
+
+    def copied_tokens(sid: str) -> int | None:
+        names = list(client.scan_iter(match=f"*:s:{session_key(sid)}", count=1000))
+        value = client.get(names[0]) if names else None
+        return None if value is None else read_container(value)[0].n_tokens
+
+    try:
+        with live_server(rt, pool_size=2, session_copy_delay_s=2.0) as base, httpx.Client(base_url=base) as c:
+            sid = c.post("/v1/sessions").json()["id"]
+            before = remote.stats().sessions_written
+            assert c.post(f"/v1/sessions/{sid}/prefix", json={"text": TEXT}).status_code == 200
+            assert c.post(f"/v1/sessions/{sid}/suffix", json={"text": " Which module is m3?"}).status_code == 200
+            assert c.post(f"/v1/sessions/{sid}/suffix", json={"text": " And m4?", "append": True}).status_code == 200
+            r = c.post(f"/v1/sessions/{sid}/decode", json={"max_tokens": 4, "temperature": 0, "stream": False})
+            assert r.status_code == 200, r.text
+            resident = c.get(f"/v1/sessions/{sid}").json()["resident_tokens"]
+            assert copied_tokens(sid) is None  # nothing yet: the session was busy a moment ago
+            deadline = time.monotonic() + 30
+            while copied_tokens(sid) != resident:
+                assert time.monotonic() < deadline, "the session's copy never reached Redis"
+                time.sleep(0.1)
+            time.sleep(2.5)  # past another delay: nothing more is sent for the same turn
+            assert remote.stats().sessions_written - before == 1
+
+            again = c.post(f"/v1/sessions/{sid}/suffix", json={"text": " And m5?", "append": True})
+            assert again.status_code == 200, again.text
+            resident = c.get(f"/v1/sessions/{sid}").json()["resident_tokens"]
+            assert c.post("/admin/drain", json={"timeout_s": 60}).status_code == 200  # within the delay
+            assert writer.flush(30)
+            assert copied_tokens(sid) == resident  # sent by the drain, not 2 s later
+            assert remote.stats().sessions_written - before == 2
     finally:
         rt.close()

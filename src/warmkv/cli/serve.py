@@ -131,6 +131,15 @@ def serve(
             "--stream-keepalive", min=0.01, help="seconds of silence before a stream sends a keep-alive (default 1)"
         ),
     ] = 1.0,
+    session_copy_delay: Annotated[
+        float,
+        typer.Option(
+            "--session-copy-delay",
+            min=0,
+            max=3600,
+            help="with --kv-remote: seconds a named session has no call before its copy is sent (default 1)",
+        ),
+    ] = 1.0,
     *,
     opts: RuntimeOptions,
 ) -> None:
@@ -170,6 +179,7 @@ def serve(
             responses_mb=responses_mb,
             responses_max_age_s=responses_max_age,
             stream_keepalive_s=stream_keepalive,
+            session_copy_delay_s=session_copy_delay,
         )
         table = TableSettings(models_max=models_max, sleep_idle_s=sleep_idle_seconds, memory_mb=models_memory_mb)
         specs = serve_specs(

@@ -240,6 +240,7 @@ async def _unload_model(st: ServerState, hub: Hub) -> None:
     for kind in KEPT_IN_TIERS:  # the runtime's store and tiers close below; its reasoning store stays
         hub.kept.remove(st.model_id, kind)
     try:
+        await st.pending_copies.flush(st)  # other nodes continue these sessions from their last call
         await asyncio.to_thread(st.scheduler.close)
         done = await offload(st.pool, st.registry, st.runtime, hub.settings.queue_timeout_s)
         kept = {name.removeprefix(SNAPSHOT_PREFIX) for name in done.snapshots}

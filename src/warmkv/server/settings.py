@@ -91,6 +91,9 @@ class ServerSettings:
     # A silent stream (a long prompt filling, a queue) sends the API's keep-alive this often, so
     # clients and proxies that give up after a silence (60 s in some harnesses) keep waiting.
     stream_keepalive_s: float = 1.0
+    # With --kv-remote, a named session is copied once it has had no call for this long: a turn's
+    # prefix, suffix and decode make one copy of its whole KV, not three (sessions/share.py).
+    session_copy_delay_s: float = 1.0
 
     @property
     def node(self) -> str:
@@ -151,6 +154,9 @@ class ServerSettings:
             )
         for name in ("session_ttl_s", "queue_timeout_s", "responses_max_age_s", "stream_keepalive_s"):
             _positive(name, getattr(self, name), integer=False)
+        d = self.session_copy_delay_s
+        if isinstance(d, bool) or not isinstance(d, int | float) or not 0 <= d <= 3600:
+            raise InvalidConfig(f"session_copy_delay_s must be in [0, 3600] seconds, got {d!r}")
         for name in ("pool_size", "max_step_tokens", "max_output_tokens"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))

@@ -33,7 +33,7 @@ from .sessions.admission import Admission
 from .sessions.parked import ParkedSessions, transient
 from .sessions.pool import SessionPool
 from .sessions.registry import SessionRegistry
-from .sessions.share import restore_shared, shares
+from .sessions.share import PendingCopies, restore_shared, shares
 from .settings import ServerSettings
 from .turn.message_log import MessageLog
 from .turn.reasoning_store import ReasoningStore
@@ -60,6 +60,7 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
     names: tuple[str, ...] = ()  # more names of this model (a model table's aliases)
     table_default: bool = True  # the table's default model: names no model answers to may reach it
+    pending_copies: PendingCopies = field(default_factory=PendingCopies)  # named sessions not yet in Redis
 
     @property
     def aliases(self) -> tuple[str, ...]:

@@ -147,7 +147,7 @@ class RemoteStats:
     read_errors: int
     write_errors: int
     read_bytes: int
-    sessions_written: int  # session copies sent (one per operation that changed a session)
+    sessions_written: int  # session copies sent (one once a changed session is quiet: server/sessions/share.py)
     sessions_read: int  # session copies read by a node that did not know the session
     sessions_rejected: int  # session copies that failed a check (deleted, not restored)
     untrusted: int  # values and session copies refused for their fleet-key tag (never parsed nor imported)

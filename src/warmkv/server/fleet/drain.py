@@ -151,6 +151,7 @@ class Drain:
         for slot in hub.table.loaded():
             st = await hub.table.acquire(slot)  # a lease: the table unloads no model under it
             try:
+                await st.pending_copies.flush(st)  # another node continues each named session from its last call
                 done = await offload(st.pool, st.registry, st.runtime, max(timeout_s - (time.monotonic() - t0), 0.001))
             finally:
                 hub.table.release(slot)

@@ -31,7 +31,7 @@ from ..turn.wire import KEEPALIVE, Frame, Turn, chunk_steps
 from .copies import StoredSnapshots
 from .registry import Entry, session_snapshot_name
 from .schemas import DecodeRequest, PrefixRequest, SessionCreated, SnapshotRequest, SuffixRequest
-from .share import forget, share, shares
+from .share import forget, shares
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERRORS)
 
@@ -159,9 +159,14 @@ async def ensure_prefix(sid: str, req: PrefixRequest, st: State, after: Backgrou
 
 
 def _share_after(st: ServerState, sid: str, after: BackgroundTasks) -> None:
-    """With a remote tier, copy the session there once the response is sent (session_share)."""
+    """With a remote tier, copy the session there once it is quiet, counted from when the response
+    has been sent (sessions/share.py)."""
     if shares(st):
-        after.add_task(run_in_threadpool, share, st, sid)
+        after.add_task(_touch, st, sid)
+
+
+async def _touch(st: ServerState, sid: str) -> None:
+    st.pending_copies.touch(st, sid)
 
 
 @router.post("/{sid}/suffix", operation_id="session_suffix", openapi_extra=_SAME_SESSION)
@@ -278,6 +283,7 @@ async def close_session(sid: str, st: State, request: Request) -> dict[str, Any]
     if store is not None:
         await run_in_threadpool(StoredSnapshots(store).forget, session_snapshot_name(sid))
     if shares(st):
+        st.pending_copies.cancel(sid)
         await run_in_threadpool(forget, st, sid)
     return {"id": sid, "object": "session.deleted", "deleted": True}
 

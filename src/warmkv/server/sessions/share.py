@@ -1,11 +1,13 @@
-"""Named sessions that move between nodes: a copy in the remote tier after each change.
+"""Named sessions that move between nodes: a copy in the remote tier once a changed session is quiet.
 
-With `--kv-remote`, each /v1/sessions operation that changes a session (prefix, suffix,
-decode) is followed, once its response has been sent, by a copy of the session's resident
-context (tokens, KV, manifest) queued for the remote tier's writer thread, which replaces a
-copy of it still queued. A node that does not know a session id it is asked about reads the
-copy under its own model's manifest, restores it under the same id and serves the request:
-a session whose node was drained, stopped or killed continues on another node, from its last
+With `--kv-remote`, a named session whose operations (prefix, suffix, decode) changed it is
+copied once it has had no call for `session_copy_delay_s` (PendingCopies): its resident context
+(tokens, KV, manifest) is captured then and queued for the remote tier's writer thread, which
+replaces a copy of it still queued. A copy is the whole KV, so a turn's three calls make one, not
+three; a drain or an unload sends the pending ones at once. A node killed within the delay of a
+call leaves the copy of the call before. A node that does not know a session id it is asked
+about reads the copy under its own model's manifest, restores it under the same id and serves
+the request: a session whose node was drained or stopped continues on another node from its last
 finished operation. Copies are stored under the id's hash (registry ids are capabilities, and
 whoever lists the server's keys must not learn them), with a TTL of the session TTL; closing a
 session deletes its copy through the writer's queue, so a copy queued before cannot outlive it.
@@ -50,6 +52,45 @@ def share(st: ServerState, sid: str) -> None:
     # Redis keeps the copy as long as the session may stay idle: past that it is closed here too.
     if snap is not None and not tiers.writer.submit_session(sid, snap, st.settings.session_ttl_s):
         log.info("session %s not copied to the remote tier: the writer's queue is full or it was deleted", sid[:6])
+
+
+class PendingCopies:
+    """The named sessions changed since their last copy, each with its timer: every call re-arms it,
+    so the copy is taken once the session is quiet (a turn's decode runs past the timer: the copy is
+    then skipped as busy, and the decode's end re-arms it). One per model (ServerState)."""
+
+    def __init__(self) -> None:
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._running: set[asyncio.Future[None]] = set()
+
+    def touch(self, st: ServerState, sid: str) -> None:
+        """The session changed: copy it once it has had no call for session_copy_delay_s (event loop)."""
+        self.cancel(sid)
+        loop = asyncio.get_running_loop()
+        self._timers[sid] = loop.call_later(st.settings.session_copy_delay_s, self._start, st, sid)
+
+    def cancel(self, sid: str) -> None:
+        """Drop the session's pending copy (it was closed)."""
+        timer = self._timers.pop(sid, None)
+        if timer is not None:
+            timer.cancel()
+
+    def _start(self, st: ServerState, sid: str) -> asyncio.Future[None]:
+        self._timers.pop(sid, None)
+        task = asyncio.ensure_future(asyncio.to_thread(share, st, sid))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return task
+
+    async def flush(self, st: ServerState) -> int:
+        """Copy every pending session now and wait for the copies taken (a drain, an unload); how many."""
+        pending = list(self._timers)
+        for sid in pending:
+            self.cancel(sid)
+            self._start(st, sid)
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        return len(pending)
 
 
 def forget(st: ServerState, sid: str, wait_s: float = FORGET_WAIT_S) -> None:
