@@ -1,6 +1,6 @@
 """Warm == cold on a sliding-window model (Gemma 3 270M: window 512, 5 window layers in 6).
 
-A ~3,400-token prompt has one line changed at two depths. A partial hit cuts the
+A ~1,900-token prompt has one line changed at two depths. A partial hit cuts the
 resident KV back to the divergence; the window layers no longer hold the window there,
 so the cut goes to the nearest exact point (a checkpoint, or the window itself near the
 end) and prefills from it. Greedy tokens must equal a cold session's, for both cache
@@ -29,12 +29,12 @@ pytestmark = [
     pytest.mark.skipif(GEMMA is None, reason="Gemma 3 270M is not assembled (scripts/setup/setup.sh)"),
 ]
 
-# The changed line: divergences at about 1,150 and 3,330 tokens, past two and six 512-token
+# The changed line: divergences at 1,120 and 1,791 tokens of 1,884, past two and three 512-token
 # checkpoints and windows, each at a different offset from the last one, the second within a
-# window of the prompt's end. Each depth is a cold prefill of ~3,400 tokens per cache choice and
-# the module took 148 s with two against 175 s with a third between them (2,270), which covered
-# no other case.
-CHANGED = (24, 70)
+# window of the prompt's end. Each depth is a cold prefill per cache choice; a 3,418-token
+# prompt (72 lines, divergences at 1,120 and 3,324) covered the same cases in 178 s a module.
+LINES = 40
+CHANGED = (24, 38)
 N = 8
 GREEDY = warmkv.DecodeConfig(max_tokens=N, temperature=0.0, ignore_eos=True)
 MODES = ("window", "full")
@@ -69,7 +69,7 @@ def cold(request: pytest.FixtureRequest) -> Iterator[tuple[str, warmkv.Runtime, 
         out = {}
         for line in CHANGED:
             with rt.session() as s:
-                assert s.ensure_prefix(prompt(line)).reused_tokens == 0
+                assert s.ensure_prefix(prompt(line, LINES)).reused_tokens == 0
                 out[line] = greedy(s)
         yield request.param, rt, out
     finally:
@@ -87,10 +87,10 @@ def check_hit(st: warmkv.PrefixStatus, warm: list[int], cold: list[int], line: i
 def test_resident_partial_hits_equal_cold(cold: tuple[str, warmkv.Runtime, dict[int, list[int]]]) -> None:
     _, rt, want = cold
     with rt.session() as s:
-        s.ensure_prefix(prompt())
+        s.ensure_prefix(prompt(None, LINES))
         greedy(s)  # generated tokens past the prompt, as in a loop
         for line in reversed(CHANGED):  # deepest first: each prompt diverges from the last at its line
-            st = s.ensure_prefix(prompt(line))
+            st = s.ensure_prefix(prompt(line, LINES))
             assert st.divergence is not None
             check_hit(st, greedy(s), want[line], line)
 
@@ -99,12 +99,12 @@ def test_memory_tier_partial_hits_equal_cold(cold: tuple[str, warmkv.Runtime, di
     mode, _, want = cold
     with load(mode, tiers=True) as rt:
         with rt.session() as s:
-            s.ensure_prefix(prompt())  # kept in the memory tier, checkpoints included
+            s.ensure_prefix(prompt(None, LINES))  # kept in the memory tier, checkpoints included
         for line in CHANGED:
             with rt.session() as s:
-                st = s.ensure_prefix(prompt(line))
+                st = s.ensure_prefix(prompt(line, LINES))
                 assert st.reuse_source == "memory", st.reason
                 warm = greedy(s)
-                d = divergence(rt.tokenize, line)
+                d = divergence(rt.tokenize, line, LINES)
                 assert warm == want[line], f"line {line}: warm {warm} != cold {want[line]} ({st.reason})"
                 assert 0 < st.reused_tokens <= d, st.reason
