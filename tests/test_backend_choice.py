@@ -88,7 +88,7 @@ def test_each_engine_makes_its_own_kv_type_of_auto() -> None:
 def test_the_header_walk_reads_what_the_gguf_reader_reads(tmp_path: Path) -> None:
     import gguf
 
-    from warmkv.backends.native.load.gguf_header import NotGGUF, read_header
+    from warmkv.backends.gguf_header import NotGGUF, read_header
 
     path = Path(warmkv.default_model_path())
     header = read_header(path)

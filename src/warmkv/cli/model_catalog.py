@@ -50,7 +50,7 @@ class Found:
             if self.path.is_dir():
                 cfg = json.loads((self.path / "config.json").read_text(encoding="utf-8"))
                 return str(cfg.get("model_type") or (cfg.get("architectures") or ["?"])[0])
-            from ..backends.native.load.gguf_header import NotGGUF, read_header
+            from ..backends.gguf_header import NotGGUF, read_header
 
             # the scalars up to the architecture only: gguf's reader parses every array first
             # (a 262K-token vocabulary took 22 s), and the architecture comes first in the file

@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 from ...errors import Unsupported
+from ..gguf_header import NotGGUF, read_header
 from .cpp import decode_ext
-from .load.gguf_header import NotGGUF, read_header
 from .load.tokenizer import check_gguf_tokenizer
 from .model.args import ARCHITECTURES
 from .setup import INT4_NATIVE_TYPES

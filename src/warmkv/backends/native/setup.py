@@ -21,13 +21,13 @@ from ...config import RuntimeConfig
 from ...errors import BackendUnavailable, InvalidConfig, InvalidModelFile, ModelNotFound, Unsupported, WarmkvError
 from ...manifest import file_digest
 from ..base import ModelInfo
+from ..gguf_header import GGUF_MAGIC
 from ..load_cache import LoadCache
 from ..options import NATIVE_KV_STORAGE, NativeOptions
 from .cpp import decode_ext
 from .kv.layout import KVLayout
 from .load import cached_build
 from .load.checkpoint import Checkpoint
-from .load.gguf_header import GGUF_MAGIC
 from .load.gguf_loader import load_gguf
 from .load.hf_loader import load_hf
 from .load.tokenizer import TextTokenizer
