@@ -34,15 +34,21 @@ def _short(snap: Snapshot, missing: int = 3) -> Snapshot:
     return dataclasses.replace(snap, blob=json.dumps(kv[:-missing]).encode())
 
 
+def _captured(rt: warmkv.Runtime, name: str) -> Snapshot:
+    """A closed session's capture of TEXT."""
+    s = rt.session()
+    s.ensure_prefix(TEXT)
+    snap = s.capture(name)
+    assert snap is not None
+    s.close()
+    return snap
+
+
 def test_a_restore_whose_kv_is_short_of_its_tokens_is_refused() -> None:
     """Before the check the restore succeeded: the context said n tokens over a sequence of n - 3."""
     with _runtime() as rt:
-        s = rt.session()
-        s.ensure_prefix(TEXT)
-        snap = s.capture("short")
-        assert snap is not None
+        snap = _captured(rt, "short")
         n = len(snap.tokens)
-        s.close()
         backend: ScriptedBackend = rt.backend  # type: ignore[assignment]
         with pytest.raises(warmkv.RestoreMismatch) as got:
             rt.restore_snapshot(_short(snap))
@@ -58,11 +64,7 @@ def test_a_restore_whose_kv_is_short_of_its_tokens_is_refused() -> None:
 def test_a_failed_restore_leaves_the_session_as_it_was() -> None:
     """Session._restore on a fresh session: the refused import is undone, the session stays usable."""
     with _runtime() as rt:
-        s = rt.session()
-        s.ensure_prefix(TEXT)
-        snap = s.capture("x")
-        assert snap is not None
-        s.close()
+        snap = _captured(rt, "x")
         fresh = rt.session()
         manifest = rt.manifest()
         with pytest.raises(warmkv.RestoreMismatch):
