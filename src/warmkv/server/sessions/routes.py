@@ -166,6 +166,7 @@ def _share_after(st: ServerState, sid: str, after: BackgroundTasks) -> None:
 
 
 async def _touch(st: ServerState, sid: str) -> None:
+    # async: BackgroundTasks runs it on the event loop, whose timer it arms (a plain function runs in a thread)
     st.pending_copies.touch(st, sid)
 
 
