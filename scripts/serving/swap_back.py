@@ -1,13 +1,14 @@
 """The first turn after a model swap, reload included, against the same prompt sent cold.
 
-    .venv/bin/python scripts/serving/swap_back.py --rounds 3
+    .venv/bin/python scripts/serving/swap_back.py --rounds 3 [-- --swa-cache full]
 
 Serves the default model (native) and Gemma 3 270M (llama.cpp) with --models-max 1, holds a
 ~3,600-token conversation with each in turn (each turn unloads the other model), and for every
 turn after the first round prints: the swap (unloading the other model and reloading this one,
 timed apart through /models/load; the server's own load times are printed at the end), the
 turn's time to its first token, the same prompt sent cold to the loaded model (every workspace
-line changed: nothing to reuse), and the ratio (swap + warm TTFT) / cold TTFT.
+line changed: nothing to reuse), and the ratio (swap + warm TTFT) / cold TTFT. The KV store
+is a new folder; options after `--` go to `warmkv serve`.
 """
 
 from __future__ import annotations
@@ -40,10 +41,14 @@ WORKSPACE = "\n".join(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("serve_args", nargs="*", help="more `warmkv serve` options, after --")
     args = ap.parse_args()
     server_args = ["-m", "smollm2-135m", "-m", GEMMA, "--models-max", "1", "--num-ctx", "8192", "--n-seq-max", "2"]
     rows = []
-    log = Path(tempfile.mkdtemp()) / "serve.log"
+    work = Path(tempfile.mkdtemp())
+    log = work / "serve.log"
+    # a store of its own: the user's holds earlier runs' prompts, and the cold turns would hit them
+    server_args += ["--kv-store-dir", str(work / "kv"), *args.serve_args]
     with serve(server_args, start_timeout_s=300, log=log) as server:
         client = OpenAI(base_url=f"{server.base}/v1", api_key="none", max_retries=0, timeout=600)
         convs = {
