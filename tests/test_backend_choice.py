@@ -83,24 +83,3 @@ def test_each_engine_makes_its_own_kv_type_of_auto() -> None:
         assert rt.config.kv_cache_type == "f16" and rt.backend.numerics()["kv_dtype"] == "float16"
     with warmkv.Runtime.load(backend="llamacpp", **small) as rt:
         assert rt.config.kv_cache_type == "f16" and rt.config.flash_attn == "off"
-
-
-def test_the_header_walk_reads_what_the_gguf_reader_reads(tmp_path: Path) -> None:
-    import gguf
-
-    from warmkv.backends.gguf_header import NotGGUF, read_header
-
-    path = Path(warmkv.default_model_path())
-    header = read_header(path)
-    reader = gguf.GGUFReader(str(path))
-    assert header.complete and header.tensor_types == {t.name: t.tensor_type.name for t in reader.tensors}
-    assert header.tensor_dims == {t.name: len(t.shape) for t in reader.tensors}
-    scalars = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.") and len(f.data) == 1}
-    scalars = {k: v for k, v in scalars.items() if not isinstance(v, list)}
-    assert header.meta == pytest.approx(scalars) and header.meta["general.architecture"] == "llama"
-    early = read_header(path, stop=lambda m: "general.architecture" in m)
-    assert not early.complete and early.meta["general.architecture"] == "llama" and not early.tensor_types
-    cut = tmp_path / "cut.gguf"
-    cut.write_bytes(path.read_bytes()[: 1 << 16])  # ends inside the vocabulary
-    with pytest.raises(NotGGUF, match="ends inside its header"):
-        read_header(cut)

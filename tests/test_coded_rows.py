@@ -4,6 +4,7 @@ quarter of its bytes or less."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,8 +15,15 @@ from warmkv.errors import ModelNotFound
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
+from warmkv.backends.gguf_header import read_header  # noqa: E402
 from warmkv.backends.native.load.coded_rows import CodedRows  # noqa: E402
-from warmkv.backends.native.load.gguf_loader import hf_name, load_gguf  # noqa: E402
+from warmkv.backends.native.load.gguf_loader import hf_name, load_gguf, mapped_tensors  # noqa: E402
+
+
+def _tensors(path: str | Path) -> tuple[str, list]:
+    """(architecture, tensors): the file's tensors read as gguf's reader reads them (test_gguf_header.py)."""
+    header = read_header(Path(path))
+    return str(header.meta["general.architecture"]), mapped_tensors(Path(path), header)
 
 
 def _files() -> list[str]:
@@ -28,12 +36,11 @@ def _files() -> list[str]:
 @pytest.mark.parametrize("path", _files())
 def test_rows_are_the_dequantized_tables_rows(path: str) -> None:
     """One tensor of each type in the file: looked-up rows equal the whole tensor dequantized."""
-    reader = gguf.GGUFReader(path)
-    arch = str(reader.fields["general.architecture"].contents())
+    arch, tensors = _tensors(path)
     rows = load_gguf(path).rows
     seen = set()
     gen = np.random.default_rng(0)
-    for t in reader.tensors:
+    for t in tensors:
         name, kind = hf_name(t.name, arch), t.tensor_type.name
         # llama's attn_q/attn_k rows come back in RoPE order: the loader reorders them
         permuted = arch == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k")
@@ -57,8 +64,7 @@ def test_the_engine_looks_up_the_codes() -> None:
         model = rt.backend._model  # type: ignore[attr-defined]
         assert isinstance(model.embed, CodedRows) and model.embed.qtype.name == "Q8_0"
         assert model.embed.nbytes < model.embed.numel() * 4 // 3  # under a third of float32
-        reader = gguf.GGUFReader(str(warmkv.default_model_path()))
-        t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        t = next(t for t in _tensors(warmkv.default_model_path())[1] if t.name == "token_embd.weight")
         whole = gguf.quants.dequantize(t.data, t.tensor_type)
         ids = torch.tensor([0, 1, 2, 100, 49151, 100])
         assert np.array_equal(model._embed(ids).numpy(), whole[ids.numpy()])

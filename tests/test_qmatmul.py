@@ -108,11 +108,13 @@ def test_gguf_codes_come_through_exactly() -> None:
     """The default model's Q4_1 layers and Q8_0 embeddings: the packed blocks dequantize to gguf's own floats."""
     import gguf
 
+    from warmkv.backends.gguf_header import read_header
+    from warmkv.backends.native.load.gguf_loader import mapped_tensors
     from warmkv.backends.native.load.qweights import from_gguf
 
-    reader = gguf.GGUFReader(str(warmkv.default_model_path()))
+    path = warmkv.default_model_path()
     seen = set()
-    for t in reader.tensors:
+    for t in mapped_tensors(path, read_header(path)):
         kind = t.tensor_type.name
         if kind in ("Q4_1", "Q8_0") and kind not in seen and len(t.shape) == 2:
             seen.add(kind)

@@ -127,22 +127,25 @@ def _copy_tokenizer(writer: object, extra_control: tuple[str, ...] = ()) -> None
     """The default model's tokenizer, with extra control tokens appended."""
     import gguf
 
-    reader = gguf.GGUFReader(str(default_model_path()))
-    for key, field in reader.fields.items():
+    from ..backends.gguf_header import read_header
+
+    header = read_header(default_model_path(), arrays=True)
+    for key, value in header.meta.items():
         if not key.startswith("tokenizer."):
             continue
-        kind = field.types[0]
+        kind = gguf.GGUFValueType(header.types[key][0])
         if kind == gguf.GGUFValueType.ARRAY:
-            value = list(field.contents())
+            value = list(value)  # type: ignore[call-overload]
             if key == "tokenizer.ggml.tokens":
                 value += list(extra_control)
             elif key == "tokenizer.ggml.token_type":
                 value += [CONTROL] * len(extra_control)
             elif key == "tokenizer.ggml.scores":
                 value += [0.0] * len(extra_control)
-            writer.add_key_value(key, value, kind, sub_type=field.types[-1])  # type: ignore[attr-defined]
+            sub_type = gguf.GGUFValueType(header.types[key][1])
+            writer.add_key_value(key, value, kind, sub_type=sub_type)  # type: ignore[attr-defined]
         else:
-            writer.add_key_value(key, field.contents(), kind)  # type: ignore[attr-defined]
+            writer.add_key_value(key, value, kind)  # type: ignore[attr-defined]
 
 
 def _tensors(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -188,7 +191,10 @@ def write_f16(shape: Shape, path: Path, seed: int = 0, extra_control: tuple[str,
     """
     import gguf
 
-    vocab = len(gguf.GGUFReader(str(default_model_path())).fields["tokenizer.ggml.tokens"].data) + len(extra_control)
+    from ..backends.gguf_header import read_header
+
+    tokens = read_header(default_model_path(), arrays=True).meta["tokenizer.ggml.tokens"]
+    vocab = len(tokens) + len(extra_control)  # type: ignore[arg-type]
     w = gguf.GGUFWriter(str(path), shape.arch)
     w.add_name(f"random {shape.name}")
     w.add_context_length(shape.context_length)

@@ -40,11 +40,11 @@ def kv_heads(b: LlamaCppBackend) -> list[int]:
         n = lc.llama_model_n_head_kv(b._model) if b._model else 0
         b._heads = [n] * b.info.n_layer
         if b._ckpt is not None and b._ckpt.recurrent:
-            import gguf
+            from ..gguf_header import read_header
 
-            field = gguf.GGUFReader(str(b._path)).fields.get(f"{b.info.architecture}.attention.head_count_kv")
-            if field is not None:
-                got = [int(v) for v in field.contents()] if len(field.data) > 1 else [int(field.contents())]
+            value = read_header(b._path, arrays=True).meta.get(f"{b.info.architecture}.attention.head_count_kv")
+            if value is not None:
+                got = [int(v) for v in value] if isinstance(value, list) else [int(value)]  # type: ignore[call-overload]
                 b._heads = got if len(got) == b.info.n_layer else [got[0]] * b.info.n_layer
     return b._heads
 
