@@ -3,6 +3,7 @@ own GGUFReader reads: every metadata value with its Python type, every tensor's 
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -118,3 +119,54 @@ def test_cut_and_malformed_files_are_typed_errors(tmp_path: Path) -> None:
     bad.write_bytes(bytes(raw))
     with pytest.raises(NotGGUF, match="not UTF-8"):
         read_header(bad, arrays=True)
+
+
+def _s(text: str) -> bytes:
+    return struct.pack("<Q", len(text.encode())) + text.encode()
+
+
+def _kv(key: str, kind: int, payload: bytes) -> bytes:
+    return _s(key) + struct.pack("<I", kind) + payload
+
+
+def _tensor(name: str, dims: tuple[int, ...], kind: int = 0, offset: int = 0) -> bytes:
+    return _s(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, kind, offset)
+
+
+def _raw(tmp_path: Path, kvs: list[bytes], tensors: list[bytes] = ()) -> Path:  # type: ignore[assignment]
+    path = tmp_path / "raw.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(kvs)) + b"".join(kvs) + b"".join(tensors))
+    return path
+
+
+U32 = struct.pack("<I", 1)
+NESTED = struct.pack("<IQ", V.ARRAY, 1)
+
+
+@pytest.mark.parametrize(
+    ("kvs", "tensors", "message"),
+    [
+        ([_kv("a", V.UINT32, U32), _kv("a", V.UINT32, U32)], [], "the key 'a' appears twice"),
+        ([], [_tensor("t", (4,)), _tensor("t", (4,))], "the tensor 't' appears twice"),
+        ([], [_tensor("t", (1, 1, 1, 1, 1))], "has 5 dimensions"),
+        ([_kv("general.alignment", V.UINT64, struct.pack("<Q", 64))], [], "not uint32"),
+        ([_kv("general.alignment", V.UINT32, struct.pack("<I", 48))], [], "not a power of two"),
+        ([_kv("a", V.ARRAY, struct.pack("<IQ", V.UINT64, 1 << 40))], [], "ends inside its header"),
+        ([_kv("a", V.ARRAY, struct.pack("<IQ", V.STRING, 1) + struct.pack("<Q", 1 << 40))], [], "ends inside"),
+        ([_kv("a", V.ARRAY, NESTED * 9 + struct.pack("<IQ", V.UINT8, 1) + b"\0")], [], "nested deeper than 8"),
+    ],
+)
+def test_malformed_headers_are_typed_errors(
+    tmp_path: Path, kvs: list[bytes], tensors: list[bytes], message: str
+) -> None:
+    """What gguf's reader and llama.cpp refuse, or a header whose arrays run past the file's end."""
+    path = _raw(tmp_path, kvs, tensors)
+    for arrays in (False, True):
+        with pytest.raises(NotGGUF, match=message):
+            read_header(path, arrays=arrays)
+
+
+def test_a_dimension_past_2_to_the_32_maps(tmp_path: Path) -> None:
+    path = _raw(tmp_path, [], [_tensor("t", (1 << 32, 0))])
+    (t,) = mapped_tensors(path, read_header(path))
+    assert list(t.shape) == [1 << 32, 0] and t.n_bytes == 0

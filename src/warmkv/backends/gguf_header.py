@@ -24,6 +24,9 @@ _FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?"
 _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32
+_MAX_NESTING = 8  # arrays of arrays; none in practice
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_UINT32 = 4
 
 
 class NotGGUF(ValueError):
@@ -67,7 +70,7 @@ class _Cursor:
         n = int(self.unpack("<Q"))  # type: ignore[call-overload]
         if self.at + n > len(self.buf):
             raise struct.error(f"a string of {n} bytes at offset {self.at}")
-        s = self.buf[self.at : self.at + n].decode("utf-8", errors="replace")
+        s = self.buf[self.at : self.at + n].decode("utf-8")  # strict, as gguf and llama.cpp read it
         self.at += n
         return s
 
@@ -95,7 +98,7 @@ class _Cursor:
             (n,) = struct.unpack_from("<Q", self.buf, self.at)
             self.at += 8 + n
 
-    def value(self, kind: int) -> object:
+    def value(self, kind: int, depth: int = 0) -> object:
         if kind in _FIXED:
             return self.unpack(_FIXED[kind])
         if kind == _STRING:
@@ -111,7 +114,9 @@ class _Cursor:
             elif elem in _FIXED:
                 self.at += struct.calcsize(_FIXED[elem]) * count
             else:
-                items = [self.value(elem) for _ in range(count)]  # arrays of arrays: none in practice
+                if depth >= _MAX_NESTING:
+                    raise NotGGUF(f"arrays nested deeper than {_MAX_NESTING} at offset {self.at}")
+                items = [self.value(elem, depth + 1) for _ in range(count)]  # arrays of arrays: none in practice
                 return items if self.arrays else None
             return None
         raise NotGGUF(f"unknown GGUF value type {kind}")
@@ -136,6 +141,8 @@ def read_header(
         try:
             for _ in range(n_kv):
                 key = c.string()
+                if key in out.types:
+                    raise NotGGUF(f"{path.name}: the key {key!r} appears twice")
                 kind = int(c.unpack("<I"))  # type: ignore[call-overload]
                 out.types[key] = (kind, *struct.unpack_from("<I", buf, c.at)) if kind == _ARRAY else (kind,)
                 v = c.value(kind)
@@ -146,7 +153,11 @@ def read_header(
                     return out
             for _ in range(n_tensors):
                 name = c.string()
+                if name in out.tensor_types:
+                    raise NotGGUF(f"{path.name}: the tensor {name!r} appears twice")
                 n_dims = int(c.unpack("<I"))  # type: ignore[call-overload]
+                if n_dims > _MAX_DIMS:
+                    raise NotGGUF(f"{path.name}: tensor {name!r} has {n_dims} dimensions (at most {_MAX_DIMS})")
                 dims = struct.unpack_from(f"<{n_dims}Q", buf, c.at)
                 c.at += 8 * n_dims
                 kind = int(c.unpack("<I"))  # type: ignore[call-overload]
@@ -157,11 +168,17 @@ def read_header(
                     out.tensor_types[name] = f"type {kind}"
                 out.tensor_dims[name] = n_dims
                 out.tensors.append(TensorInfo(name, tuple(dims), kind, offset))
+            if c.at > len(buf):  # a skipped array ran past the end
+                raise struct.error(f"the header runs to offset {c.at}, past the file's {len(buf)} bytes")
         except struct.error as e:
             raise NotGGUF(f"{path.name} ends inside its header: {e}") from None
         except UnicodeDecodeError as e:
             raise NotGGUF(f"{path.name}: a string in its header is not UTF-8: {e}") from None
         align = out.meta.get("general.alignment", DEFAULT_ALIGNMENT)
+        if out.types.get("general.alignment", (_UINT32,)) != (_UINT32,):
+            raise NotGGUF(
+                f"{path.name}: general.alignment is of GGUF type {out.types['general.alignment']}, not uint32"
+            )
         if not isinstance(align, int) or align <= 0 or align & (align - 1):
             raise NotGGUF(f"{path.name}: general.alignment {align!r} is not a power of two")
         out.data_start = -(-c.at // align) * align

@@ -42,8 +42,9 @@ def kv_heads(b: LlamaCppBackend) -> list[int]:
         if b._ckpt is not None and b._ckpt.recurrent:
             from ..gguf_header import read_header
 
-            value = read_header(b._path, arrays=True).meta.get(f"{b.info.architecture}.attention.head_count_kv")
-            if value is not None:
+            key = f"{b.info.architecture}.attention.head_count_kv"
+            value = read_header(b._path, lambda meta: key in meta, arrays=True).meta.get(key)
+            if value:
                 got = [int(v) for v in value] if isinstance(value, list) else [int(value)]  # type: ignore[call-overload]
                 b._heads = got if len(got) == b.info.n_layer else [got[0]] * b.info.n_layer
     return b._heads

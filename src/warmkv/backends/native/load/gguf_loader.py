@@ -141,7 +141,7 @@ def mapped_tensors(path: Path, header: GGUFHeader) -> list[gguf.ReaderTensor]:
         block, size = gguf.GGML_QUANT_SIZES[kind]
         n_bytes = n * size // block
         start = header.data_start + t.offset
-        if start + n_bytes > data.size:
+        if n_bytes and start + n_bytes > data.size:  # an empty tensor reads nothing, wherever it lies
             raise InvalidModelFile(
                 f"{path.name}: tensor {t.name} ({n_bytes} bytes at {start}) runs past the end of the file"
             )
@@ -151,7 +151,7 @@ def mapped_tensors(path: Path, header: GGUFHeader) -> list[gguf.ReaderTensor]:
             view = raw.view(_ELEMENTS[kind]).reshape(shape)
         else:
             view = raw.reshape(quant_shape_to_byte_shape(shape, kind))
-        dims = np.array(t.dims, dtype=np.uint32)
+        dims = np.array(t.dims, dtype=np.uint64)
         out.append(gguf.ReaderTensor(t.name, kind, dims, n, n_bytes, start, view, None))  # type: ignore[arg-type]
     return out
 
