@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types (gguf.GGUFValueType): fixed sizes; 8 is a string, 9 an array
+# (struct's format codes, which numpy reads as the same dtypes)
 _FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 DEFAULT_ALIGNMENT = 32
 _MAX_NESTING = 8  # arrays of arrays; none in practice
@@ -43,18 +43,28 @@ class TensorInfo:
     kind: int  # GGMLQuantizationType's value
     offset: int
 
+    @property
+    def type_name(self) -> str:
+        """GGMLQuantizationType's name ("type N" for one gguf does not know)."""
+        try:
+            return GGMLQuantizationType(self.kind).name
+        except ValueError:
+            return f"type {self.kind}"
+
 
 @dataclass
 class GGUFHeader:
     """Metadata (arrays as lists where asked for, else left out) and the tensors."""
 
     meta: dict[str, object] = field(default_factory=dict)
-    tensor_types: dict[str, str] = field(default_factory=dict)
-    tensor_dims: dict[str, int] = field(default_factory=dict)
     types: dict[str, tuple[int, ...]] = field(default_factory=dict)  # GGUFValueType per key; arrays: (9, element's)
     tensors: list[TensorInfo] = field(default_factory=list)
     data_start: int = 0  # where the tensors' data begins in the file
     complete: bool = True  # False: stopped early, at the caller's request
+
+    @property
+    def tensor_types(self) -> dict[str, str]:
+        return {t.name: t.type_name for t in self.tensors}
 
 
 class _Cursor:
@@ -86,7 +96,7 @@ class _Cursor:
         return out
 
     def numbers(self, kind: int, count: int) -> list[object]:
-        dtype = np.dtype(_NUMPY[kind])
+        dtype = np.dtype(_FIXED[kind])
         if self.at + dtype.itemsize * count > len(self.buf):
             raise struct.error(f"an array of {count} x {dtype.itemsize} bytes at offset {self.at}")
         out = np.frombuffer(self.buf, dtype, count, self.at).tolist()
@@ -107,7 +117,7 @@ class _Cursor:
             elem, count = int(self.unpack("<I")), int(self.unpack("<Q"))  # type: ignore[call-overload]
             if self.arrays and elem == _STRING:
                 return self.strings(count)
-            if self.arrays and elem in _NUMPY:
+            if self.arrays and elem in _FIXED:
                 return self.numbers(elem, count)
             if elem == _STRING:
                 self.skip_strings(count)
@@ -138,6 +148,7 @@ def read_header(
             raise NotGGUF(f"GGUF version {version}")
         n_tensors, n_kv = int(c.unpack("<Q")), int(c.unpack("<Q"))  # type: ignore[call-overload]
         out = GGUFHeader()
+        names: set[str] = set()
         try:
             for _ in range(n_kv):
                 key = c.string()
@@ -153,8 +164,9 @@ def read_header(
                     return out
             for _ in range(n_tensors):
                 name = c.string()
-                if name in out.tensor_types:
+                if name in names:
                     raise NotGGUF(f"{path.name}: the tensor {name!r} appears twice")
+                names.add(name)
                 n_dims = int(c.unpack("<I"))  # type: ignore[call-overload]
                 if n_dims > _MAX_DIMS:
                     raise NotGGUF(f"{path.name}: tensor {name!r} has {n_dims} dimensions (at most {_MAX_DIMS})")
@@ -162,11 +174,6 @@ def read_header(
                 c.at += 8 * n_dims
                 kind = int(c.unpack("<I"))  # type: ignore[call-overload]
                 offset = int(c.unpack("<Q"))  # type: ignore[call-overload]
-                try:
-                    out.tensor_types[name] = GGMLQuantizationType(kind).name
-                except ValueError:
-                    out.tensor_types[name] = f"type {kind}"
-                out.tensor_dims[name] = n_dims
                 out.tensors.append(TensorInfo(name, tuple(dims), kind, offset))
             if c.at > len(buf):  # a skipped array ran past the end
                 raise struct.error(f"the header runs to offset {c.at}, past the file's {len(buf)} bytes")

@@ -40,9 +40,7 @@ def native_unfit(path: Path) -> str | None:
     if arch not in CPP_LOOP_ARCHITECTURES:
         runs = ", ".join(sorted(CPP_LOOP_ARCHITECTURES))
         return f"architecture {arch!r}: the native engine's C++ loop runs {runs}"
-    layer_types = {
-        t for name, t in header.tensor_types.items() if name.startswith("blk.") and header.tensor_dims[name] == 2
-    }
+    layer_types = {t.type_name for t in header.tensors if t.name.startswith("blk.") and len(t.dims) == 2}
     if not layer_types or not layer_types <= INT4_NATIVE_TYPES:
         found = ", ".join(sorted(layer_types)) or "none"
         return f"layer weights {found}: the native engine runs 4-bit codes from {', '.join(sorted(INT4_NATIVE_TYPES))}"
