@@ -16,12 +16,16 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..cache.disk.types import cache_root
 from ..errors import InvalidConfig
 from ..models import default_model_path
+
+if TYPE_CHECKING:
+    from ..backends.gguf_header import GGUFHeader
 
 log = logging.getLogger(__name__)
 
@@ -123,13 +127,10 @@ def shape_gguf(name: str | Shape, quant: str = "q4_0", directory: Path | None = 
 CONTROL = 3  # GGUF token type of a control token
 
 
-def _copy_tokenizer(writer: object, extra_control: tuple[str, ...] = ()) -> None:
-    """The default model's tokenizer, with extra control tokens appended."""
+def _copy_tokenizer(writer: object, header: GGUFHeader, extra_control: tuple[str, ...] = ()) -> None:
+    """The tokenizer in header (the default model's), with extra control tokens appended."""
     import gguf
 
-    from ..backends.gguf_header import read_header
-
-    header = read_header(default_model_path(), arrays=True)
     for key, value in header.meta.items():
         if not key.startswith("tokenizer."):
             continue
@@ -193,8 +194,8 @@ def write_f16(shape: Shape, path: Path, seed: int = 0, extra_control: tuple[str,
 
     from ..backends.gguf_header import read_header
 
-    tokens = read_header(default_model_path(), arrays=True).meta["tokenizer.ggml.tokens"]
-    vocab = len(tokens) + len(extra_control)  # type: ignore[arg-type]
+    tokenizer = read_header(default_model_path(), arrays=True)
+    vocab = len(tokenizer.meta["tokenizer.ggml.tokens"]) + len(extra_control)  # type: ignore[arg-type]
     w = gguf.GGUFWriter(str(path), shape.arch)
     w.add_name(f"random {shape.name}")
     w.add_context_length(shape.context_length)
@@ -212,7 +213,7 @@ def write_f16(shape: Shape, path: Path, seed: int = 0, extra_control: tuple[str,
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_file_type(1)  # mostly F16
-    _copy_tokenizer(w, extra_control)
+    _copy_tokenizer(w, tokenizer, extra_control)
     tensors = _tensors(shape, vocab)
     for name, shp in tensors:
         dtype = np.float32 if _f32(name, shp) else np.float16
