@@ -39,6 +39,7 @@ import anthropic
 import httpx
 import openai
 
+from warmkv.bench.live.server_proc import serve_command, wait_healthy
 from warmkv.cache.disk.store import KVStore
 from warmkv.models import default_model_path
 
@@ -63,21 +64,10 @@ class Server:
         self.restarting = False  # killed on purpose and not up yet
 
     def start(self) -> None:
-        cmd = [sys.executable, "-c", "from warmkv.cli import main; main()", "serve", "--port", str(self.port)]
         with self.log.open("a") as out:
-            self.proc = subprocess.Popen([*cmd, *self.args], stdout=out, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"warmkv serve exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    self.starts.append(time.monotonic())
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise RuntimeError("warmkv serve did not start within 300 s")
+            self.proc = subprocess.Popen(serve_command(self.port, self.args), stdout=out, stderr=subprocess.STDOUT)
+        wait_healthy(self.proc, self.base, 300, lambda: self.log.read_text()[-2000:])
+        self.starts.append(time.monotonic())
 
     def kill(self) -> None:
         assert self.proc is not None

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,26 @@ def serve_has_option(option: str) -> bool:
     return any(word.strip(",") == option for word in out.stdout.split())
 
 
+def serve_command(port: int, args: Sequence[str] = ()) -> list[str]:
+    """The command line of `warmkv serve --port PORT ARGS` in this interpreter."""
+    return [sys.executable, "-c", _CLI, "serve", "--port", str(port), *args]
+
+
+def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float, output: Callable[[], str]) -> dict[str, Any]:
+    """/health's answer once the server at base gives one; RuntimeError (with output()) if proc exits
+    first or timeout_s passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"warmkv serve exited: {output()}")
+        try:
+            return httpx.get(f"{base}/health", timeout=2).json()
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"warmkv serve did not start within {timeout_s:.0f} s") from None
+            time.sleep(0.2)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,7 +79,7 @@ def serve(
     log: a file for the server's output (stdout and stderr), which a long run can fill without
     blocking; without it stderr is kept for the start-up error and stdout dropped."""
     port = _free_port()
-    cmd = [sys.executable, "-c", _CLI, "serve", "--port", str(port), *args]
+    cmd = serve_command(port, args)
     full_env = {**os.environ, **(env or {})}
     if log is None:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env)
@@ -74,18 +94,7 @@ def serve(
 
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"warmkv serve exited: {output()}")
-            try:
-                health = httpx.get(f"{base}/health", timeout=2).json()
-                break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"warmkv serve did not start within {start_timeout_s:.0f} s") from None
-                time.sleep(0.2)
-        yield LiveServer(base, health)
+        yield LiveServer(base, wait_healthy(proc, base, start_timeout_s, output))
     finally:
         proc.terminate()
         try:
