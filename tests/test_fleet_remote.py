@@ -295,7 +295,7 @@ def test_a_named_session_is_restored_on_another_node(fleet: Fleet) -> None:
         deadline = time.monotonic() + 60
         while True:
             resident = cb.get(f"/v1/sessions/{sid}").json()["resident_tokens"]
-            names = list(client.scan_iter(match=f"*:s:{digest}", count=1000))
+            names = list(client.scan_iter(match=f"*:c:{digest}", count=1000))
             value = client.get(names[0]) if names else None
             if value is not None and read_container(value)[0].n_tokens == resident:
                 break  # the copy of its last call (an earlier call's copy is replaced)
@@ -310,4 +310,4 @@ def test_a_named_session_is_restored_on_another_node(fleet: Fleet) -> None:
         assert again["prefilled_tokens"] <= 1 and again["reused_tokens"] >= again["prefix_tokens"] - 1, again
         assert cc.get("/v1/sessions/not-a-session-id").status_code == 404
         assert cc.delete(f"/v1/sessions/{sid}").status_code == 200
-    assert not list(client.scan_iter(match=f"*:s:{digest}", count=1000))  # closing deleted the copy
+    assert not list(client.scan_iter(match=f"*:c:{digest}", count=1000))  # closing deleted the copy

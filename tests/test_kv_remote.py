@@ -26,7 +26,7 @@ from warmkv.cache import block_keys
 from warmkv.cache.disk.container import read_container
 from warmkv.cache.disk.types import Snapshot
 from warmkv.cache.remote.rates import RemoteRates
-from warmkv.cache.remote.sessions import session_key
+from warmkv.cache.remote.sessions import record_name
 from warmkv.cache.remote.store import RemoteStore, namespace
 from warmkv.cache.remote.types import PASSWORD_ENV, RemoteConfig, parse_remote_url
 from warmkv.cli import app
@@ -262,7 +262,7 @@ def test_session_copies_are_checked_and_keyed_by_the_ids_hash(redis_server: Redi
     ours, sid = "c" * 64, "Nm4s3cr3t-session-id"
     snap = Snapshot("", ours, {"digest": ours}, tuple(range(100)), os.urandom(4096), {"prefix_len": 100}, 0.0)
     store, client = RemoteStore(RemoteConfig(redis_server.url)), redis_server.client()
-    name = f"{namespace(ours)}:s:{session_key(sid)}"
+    name = record_name(namespace(ours), sid)
     try:
         assert store.put_session(sid, snap)
         assert not any(sid in k.decode() for k in client.scan_iter(count=1000))  # the id is never stored
@@ -270,11 +270,13 @@ def test_session_copies_are_checked_and_keyed_by_the_ids_hash(redis_server: Redi
         assert got is not None and (got.tokens, got.blob, dict(got.meta)) == (snap.tokens, snap.blob, snap.meta)
         assert store.get_session(sid, "d" * 64) is None  # another model's manifest: not found
         assert store.get_session("another-id", ours) is None
-        client.setrange(name, client.strlen(name) // 2, b"\x5a\x5a\x5a\x5a")  # a few bytes of the KV
+        (piece,) = client.scan_iter(match=f"{name}:p:*")
+        client.setrange(piece, client.strlen(piece) // 2, b"\x5a\x5a\x5a\x5a")  # a few bytes of the KV
         assert store.get_session(sid, ours) is None and not client.exists(name)  # dropped, never restored
+        assert not client.exists(piece)
         assert store.put_session(sid, snap)
         store.delete_session(sid, ours)
-        assert not client.exists(name)
+        assert not client.exists(name) and not list(client.scan_iter(match=f"{name}*"))
         st = store.stats()
         assert (st.sessions_written, st.sessions_read, st.sessions_rejected) == (2, 1, 1)
     finally:

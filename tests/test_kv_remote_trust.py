@@ -202,9 +202,9 @@ def test_session_copies_are_sealed(redis_server: RedisServer) -> None:
         assert theirs.stats().untrusted == theirs.stats().sessions_rejected == 1
         assert ours.get_session("s-1", md) is None
         assert ours.put_session("s-1", snap)
-        names = list(redis_server.client().scan_iter(match=f"{namespace(md)}:s:*"))
+        names = [n for n in redis_server.client().scan_iter(match=f"{namespace(md)}:c:*") if b":p:" not in n]
         assert len(names) == 1
-        redis_server.client().setrange(names[0], HEAD_LEN + 200, b"\x00")  # one byte of the copy
+        redis_server.client().setrange(names[0], HEAD_LEN + 200, b"\x00")  # one byte of the record
         assert ours.get_session("s-1", md) is None and ours.stats().untrusted == 1
     finally:
         ours.close()

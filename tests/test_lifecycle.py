@@ -17,12 +17,12 @@ import warmkv
 from redis_server import RedisServer
 from server_harness import free_port, live_app, live_server
 from warmkv.cache.disk.container import read_container
-from warmkv.cache.disk.pending import LazyBlob
+from warmkv.cache.disk.pending import KVPieces, LazyBlob
 from warmkv.cache.disk.store import KVStore
 from warmkv.cache.disk.types import Snapshot
 from warmkv.cache.disk.writer import StoreWriter
 from warmkv.cache.memory.block_hash import block_keys
-from warmkv.cache.remote.sessions import session_key
+from warmkv.cache.remote.sessions import record_name, session_key
 from warmkv.cache.remote.store import RemoteStore, namespace
 from warmkv.cache.remote.types import RemoteConfig
 from warmkv.models import default_model_path
@@ -38,6 +38,12 @@ TEXT = "Notes on the repository: " + " ".join(f"module m{i} is tested by test_m{
 
 def _snap(n: int) -> Snapshot:
     return Snapshot("", MD, {"digest": MD}, tuple(range(n)), os.urandom(4096), {"prefix_len": n}, 0.0)
+
+
+def _copy(n: int) -> tuple[Snapshot, KVPieces]:
+    """A session copy as capture() hands it to the writer: the snapshot and its KV in one piece."""
+    snap = _snap(n)
+    return snap, KVPieces.whole(snap.blob, n)
 
 
 def _busy_writer(writer: StoreWriter) -> threading.Event:
@@ -57,24 +63,24 @@ def test_a_deleted_session_is_gone_from_redis_within_one_flush(redis_server: Red
     remote, client = RemoteStore(RemoteConfig(redis_server.url)), redis_server.client()
     writer = StoreWriter(None, max_pending_bytes=1 << 20, remote=remote)
     sid, other = "deleted-session-id", "kept-session-id"
-    name = f"{namespace(MD)}:s:{session_key(sid)}"
+    name = record_name(namespace(MD), sid)
     try:
         release = _busy_writer(writer)
-        assert writer.submit_session(sid, _snap(10), ttl_s=60)  # queued behind the busy write
-        assert writer.submit_session(other, _snap(20), ttl_s=60)
+        assert writer.submit_session(sid, *_copy(10), ttl_s=60)  # queued behind the busy write
+        assert writer.submit_session(other, *_copy(20), ttl_s=60)
         assert writer.delete_session(sid, [MD]) is not None  # DELETE /v1/sessions/{id} while the copy waits
-        assert not writer.submit_session(sid, _snap(11), ttl_s=60)  # a late copy: refused (tombstone)
+        assert not writer.submit_session(sid, *_copy(11), ttl_s=60)  # a late copy: refused (tombstone)
         release.set()
         assert writer.flush(30)
         assert not client.exists(name)  # before: the queued copy was written after the delete
-        kept = f"{namespace(MD)}:s:{session_key(other)}"
+        kept = record_name(namespace(MD), other)
         assert 0 < client.pttl(kept) <= 60_000  # copies expire in Redis with their session
         assert remote.sessions.held()[0] == 1
         # A copy just submitted, whether or not the writer has taken it yet, is gone after the flush.
-        assert writer.submit_session("third-id", _snap(5), ttl_s=60)
+        assert writer.submit_session("third-id", *_copy(5), ttl_s=60)
         done = writer.delete_session("third-id", [MD])
         assert done is not None and done.wait(30)
-        assert not client.exists(f"{namespace(MD)}:s:{session_key('third-id')}")
+        assert not client.exists(record_name(namespace(MD), "third-id"))
     finally:
         writer.close()
         remote.close()
@@ -84,7 +90,7 @@ def test_remote_copies_get_the_default_ttl(redis_server: RedisServer) -> None:
     remote, client = RemoteStore(RemoteConfig(redis_server.url)), redis_server.client()
     try:
         assert remote.put_session("ttl-id", _snap(3))
-        ttl = client.pttl(f"{namespace(MD)}:s:{session_key('ttl-id')}")
+        ttl = client.pttl(record_name(namespace(MD), "ttl-id"))
         assert 0 < ttl <= 86_400_000
         count, nbytes = remote.sessions.held()
         assert count == 1 and nbytes > 4096
@@ -209,12 +215,12 @@ def test_delete_reaches_the_remote_copy_of_a_live_session(redis_server: RedisSer
                 assert rt.tiers is not None and rt.tiers.writer is not None
                 time.sleep(0.3)  # the response's background copy has run by now
                 assert rt.tiers.writer.flush(30)
-                assert not list(client.scan_iter(match=f"*:s:{session_key(sid)}", count=1000))
+                assert not list(client.scan_iter(match=f"*:c:{session_key(sid)}", count=1000))
                 assert c.get(f"/v1/sessions/{sid}").status_code == 410
             kept = c.post("/v1/sessions").json()["id"]
             assert c.post(f"/v1/sessions/{kept}/prefix", json={"text": TEXT}).status_code == 200
             deadline = time.monotonic() + 30
-            while not (names := list(client.scan_iter(match=f"*:s:{session_key(kept)}", count=1000))):
+            while not (names := list(client.scan_iter(match=f"*:c:{session_key(kept)}", count=1000))):
                 assert time.monotonic() < deadline, "the session's copy never reached Redis"
                 time.sleep(0.1)
             assert 0 < client.pttl(names[0]) <= 600_000  # the session TTL
@@ -237,7 +243,7 @@ def test_a_turn_makes_one_remote_copy_and_a_drain_sends_the_pending_one(
     remote, writer = rt.tiers.remote, rt.tiers.writer
 
     def copied_tokens(sid: str) -> int | None:
-        names = list(client.scan_iter(match=f"*:s:{session_key(sid)}", count=1000))
+        names = list(client.scan_iter(match=f"*:c:{session_key(sid)}", count=1000))
         value = client.get(names[0]) if names else None
         return None if value is None else read_container(value)[0].n_tokens
 

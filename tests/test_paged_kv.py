@@ -304,3 +304,42 @@ def test_a_background_export_of_a_head_major_pool_takes_blob_sized_memory() -> N
         tracemalloc.stop()
     # np.take on the pool's transposed view copied the whole 24 MB K pool first
     assert peak < 2 * len(blob) < c.k.numel() // 50, (peak, len(blob))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+@pytest.mark.parametrize("head_major", [False, True])
+def test_pieces_of_a_sequence_join_into_its_blob(dtype: str, head_major: bool) -> None:
+    """A remote copy's pieces (positions [a, b) each, PinnedKV.piece_unlocked) join into the blob of
+    the whole sequence, byte for byte; a piece keeps its bytes when the sequence grows past it."""
+    from warmkv.backends.native.kv.blob import export_seq, import_seq, join_pieces
+    from warmkv.backends.native.kv.pin import PinnedKV
+
+    layout = KVLayout(3, 2, 8, num_blocks=32, block_size=BS, dtype=dtype, head_major=head_major)
+    assert layout.bytes_per_token() == layout.n_layers * sum(layout.part_widths())
+    c = PagedKVCache(layout)
+    gen = torch.Generator().manual_seed(5)
+    slots = c.append(0, 37)
+    for layer in range(3):
+        c.write(layer, slots, torch.randn(37, 2, 8, generator=gen), torch.randn(37, 2, 8, generator=gen))
+    whole = bytes(export_seq(c, 0))
+    kept = PinnedKV(c, 0)
+    bounds = [(0, 16), (16, 32), (32, 37)]
+    pieces = [bytes(kept.piece_unlocked(a, b)) for a, b in bounds]
+    assert bytes(join_pieces(layout, pieces, 64)) == whole
+    assert join_pieces(layout, pieces[:1], 64) is pieces[0]  # one piece is the blob itself
+    import_seq(c, 1, join_pieces(layout, pieces, 64), 64)
+    assert bytes(export_seq(c, 1)) == whole
+    more = c.append(0, 5)[37:]  # the sequence grows (copy on write of its pinned partial block)
+    for layer in range(3):
+        c.write(layer, more, torch.randn(5, 2, 8, generator=gen), torch.randn(5, 2, 8, generator=gen))
+    assert [bytes(export_seq(c, 0, start=a, end=b)) for a, b in bounds[:2]] == pieces[:2]
+    assert bytes(kept.piece_unlocked(32, 37)) == pieces[2]  # the pin still holds what it pinned
+    with pytest.raises(warmkv.InvalidInput, match="outside"):
+        export_seq(c, 0, start=40, end=50)
+    with pytest.raises(warmkv.InvalidInput, match="more than num_ctx"):
+        join_pieces(layout, pieces, 36)
+    other = KVLayout(3, 2, 8, num_blocks=16, block_size=BS, dtype="float16" if dtype == "float32" else "float32")
+    with pytest.raises(warmkv.InvalidInput, match="made for"):
+        join_pieces(other, pieces, 64)
+    kept.release()
+    c.check_integrity()

@@ -107,8 +107,10 @@ def test_a_capture_while_a_turn_runs_returns_nothing() -> None:
             runner.resume()
             runner.end()
             s.let_go(runner)
-        snap = s.capture()
-        assert snap is not None and json.loads(snap.blob) == list(snap.tokens) == list(s.ctx.tokens)
+        captured = s.capture()
+        assert captured is not None
+        snap, pieces = captured
+        assert json.loads(pieces.get(0)) == list(snap.tokens) == list(s.ctx.tokens)
 
 
 def test_a_turn_preempted_after_its_row_ran_keeps_its_kv_and_context_together() -> None:

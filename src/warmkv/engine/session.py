@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..cache.disk.pending import KVPieces
 from ..cache.disk.types import Snapshot
 from ..config import DecodeConfig
 from ..errors import (
@@ -354,9 +355,10 @@ class Session:
         durable. `Runtime.restore(name)` brings it back, also in another process after a crash."""
         return session_copies.snapshot(self, name)
 
-    def capture(self, name: str = "") -> Snapshot | None:
-        """The resident context as an in-memory snapshot (tokens, KV, manifest), for a copy kept
-        elsewhere (the remote tier); None when the session is empty, closed or failed, or a turn of it runs."""
+    def capture(self, name: str = "") -> tuple[Snapshot, KVPieces] | None:
+        """The resident context for a copy kept elsewhere (the remote tier): its snapshot (tokens,
+        manifest, meta) and its KV as pieces made without the model lock; None when the session is
+        empty, closed or failed, or a turn of it runs (session_copies.py)."""
         return session_copies.capture(self, name)
 
     def _restore(

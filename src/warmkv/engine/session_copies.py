@@ -10,11 +10,13 @@ capture, _restore; Runtime.restore, restore_snapshot): copying is about a sessio
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ..cache.disk.pending import KVPieces
 from ..cache.disk.types import Snapshot
 from ..errors import ContextOverflow, InvalidInput, ManifestMismatch, NoPrefix, RestoreMismatch, Unsupported
 from ..manifest import ContextManifest, hash_token_ids
@@ -77,20 +79,32 @@ def snapshot(session: Session, name: str) -> SnapshotInfo:
         )
 
 
-def capture(session: Session, name: str = "") -> Snapshot | None:
-    """The resident context as an in-memory snapshot (tokens, KV, manifest), for a copy kept
-    elsewhere (the remote tier); None when the session is empty, closed or failed, or while a turn
-    of it runs: its KV is then the turn's (a prompt half loaded, a held turn's KV swapped out of the
-    sequence), and waiting could take a whole reply; the caller copies again after its next call.
-    The KV is copied under the model lock; storing it is the caller's, without the lock."""
+def capture(session: Session, name: str = "") -> tuple[Snapshot, KVPieces] | None:
+    """The resident context for a copy kept elsewhere (the remote tier): a snapshot of its tokens,
+    manifest and meta (blob empty) and its KV as pieces (KVPieces), kept by the tiers (keep_seq:
+    pinned pool blocks, nothing copied under the lock on the native engine) and made by whoever
+    reads them, without the model lock. None when the session is empty, closed or failed, or while
+    a turn of it runs: its KV is then the turn's (a prompt half loaded, a held turn's KV swapped
+    out of the sequence), and waiting could take a whole reply; the caller copies again after its
+    next call. Without tiers the KV is copied here, one piece."""
     with session._op, session._model_lock:
         if session.busy or session._closed or session.ctx.fatal or session._manifest is None or not session.ctx.tokens:
             return None
-        return _copy(session, name)
+        snap = _settled(session, name)
+        tiers, n = session._rt.tiers, len(snap.tokens)
+        if tiers is None:
+            return snap, KVPieces.whole(session._backend.export_seq(session._seq), n)
+        return snap, tiers.keep_copy(session._backend.keep_seq(session._seq), n)
 
 
 def _copy(session: Session, name: str) -> Snapshot:
     """Settle and copy the resident context (op lock and model lock held)."""
+    snap = _settled(session, name)
+    return dataclasses.replace(snap, blob=bytes(session._backend.export_seq(session._seq)))
+
+
+def _settled(session: Session, name: str) -> Snapshot:
+    """Settle the resident context: its snapshot, without its KV (op lock and model lock held)."""
     ctx, m = session.ctx, session._manifest
     assert m is not None
     ctx.settle()
@@ -103,8 +117,7 @@ def _copy(session: Session, name: str) -> Snapshot:
     }
     if session.cache_salt is not None:  # a restore reuses it only under the same salt
         meta["cache_salt"] = session.cache_salt
-    blob = session._backend.export_seq(session._seq)
-    return Snapshot(name, m.digest, m.to_dict(), tuple(ctx.tokens), bytes(blob), meta, time.time())
+    return Snapshot(name, m.digest, m.to_dict(), tuple(ctx.tokens), b"", meta, time.time())
 
 
 def restore(rt: Runtime, name: str) -> Session:

@@ -8,6 +8,8 @@ to copy on a slow VM; under the lock every stream would wait. When the pool runs
 (reclaim), the copy runs there and then, since the blocks are needed now. A memory entry written
 through to the remote tier stays kept the same way until the writer has copied it. Closing, the
 bytes are copied at once and held back for close to write (hold_back, take_held_back).
+A named session's remote copy is kept the same way (keep_copy): its KV pinned when it is taken,
+read in pieces by the writer (KVPieces), let go once the writer is done with it.
 
 Apart from KVTiers (tiers.py) because this is the writer's side of the tiers alone: what is kept
 for it, and when it is let go. Every method but take_held_back runs with the model lock held.
@@ -20,7 +22,9 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
+from ..backends.base import KeptKV
 from ..cache import EvictedEntry
+from ..cache.disk.pending import KVPieces
 from ..cache.disk.writer import LazyBlob, PendingEntry, StoreWriter
 from ..errors import WarmkvError
 from .warm_hit import CachedKV
@@ -38,6 +42,15 @@ class Spills:
         self._spilling: deque[tuple[CachedKV, LazyBlob]] = deque()
         # Memory entries being written through to the remote tier, by id(CachedKV): let go only once copied.
         self._through: dict[int, tuple[CachedKV, LazyBlob]] = {}
+        # Sessions' remote copies, their KV kept until the writer is done with their pieces.
+        self._copies: deque[tuple[KeptKV, KVPieces]] = deque()
+
+    def keep_copy(self, kept: KeptKV, n_tokens: int) -> KVPieces:
+        """A session's KV, kept (keep_seq) for its remote copy, as the pieces the writer makes without the
+        lock; let go once they are dropped (sent, replaced, refused), or at once when the pool runs short."""
+        pieces = kv_pieces(kept, n_tokens)
+        self._copies.append((kept, pieces))
+        return pieces
 
     def write_through(self, keys: Sequence[str], cached: CachedKV, tokens: Sequence[int]) -> None:
         """Send an entry the memory tier just took to the remote tier; its KV stays kept until copied."""
@@ -48,11 +61,17 @@ class Spills:
 
     def reclaim(self) -> bool:
         """Give pool blocks back: spills already copied first, then the oldest spill still copying
-        (copied here, now); False when there is none."""
+        (copied here, now), then the oldest session copy (not sent: the session's next call copies it
+        again); False when there is none."""
         if self.release_copied():
             return True
         if self._spilling:
             self._finish_spill()
+            return True
+        if self._copies:
+            kept, pieces = self._copies.popleft()
+            pieces.drop()  # waits for a piece being made
+            kept.release()
             return True
         return False
 
@@ -70,7 +89,11 @@ class Spills:
             self._spilling.remove(s)
             self._let_go(s[0])
         self._through = {k: v for k, v in self._through.items() if not v[1].done}
-        return len(done)
+        copied = [c for c in self._copies if c[1].done]
+        for c in copied:
+            self._copies.remove(c)
+            c[0].release()
+        return len(done) + len(copied)
 
     def _let_go(self, cached: CachedKV, *, now: bool = False) -> None:
         """Release cached's KV (model lock held), unless its write-through has not been copied yet:
@@ -124,8 +147,21 @@ class Spills:
             self._held_back = []
         while self._spilling:
             self._finish_spill()
+        while self._copies:  # copies queued by a drain are made now, written by close
+            kept, pieces = self._copies.popleft()
+            pieces.hold()
+            kept.release()
 
     def take_held_back(self) -> list[PendingEntry]:
         """The spills copied since hold_back, for close to write (an empty list from then on)."""
         held, self._held_back = self._held_back or [], []
         return held
+
+
+def kv_pieces(kept: KeptKV, n_tokens: int) -> KVPieces:
+    """Kept KV as pieces at fixed positions where the engine makes pieces (the native engine), else one."""
+    piece = getattr(kept, "piece_unlocked", None)
+    if piece is None or n_tokens == 0:
+        return KVPieces([(0, n_tokens)], lambda _a, _b: kept.to_bytes_unlocked(), kept.nbytes)
+    step: int = kept.piece_tokens  # type: ignore[attr-defined]
+    return KVPieces([(a, min(a + step, n_tokens)) for a in range(0, n_tokens, step)], piece, kept.nbytes)

@@ -33,7 +33,7 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from ..backends.base import Backend, BlobKV, kept_cut
+from ..backends.base import Backend, BlobKV, KeptKV, kept_cut
 from ..cache import (
     CacheEntry,
     KVStore,
@@ -42,6 +42,7 @@ from ..cache import (
     SnapshotInfo,
     StoreConfig,
 )
+from ..cache.disk.pending import KVPieces
 from ..cache.disk.writer import StoreWriter, blob_bytes
 from ..cache.memory.key_memo import KeyMemo
 from ..cache.remote.types import RemoteConfig
@@ -327,6 +328,11 @@ class KVTiers:
         if self.memory is None or self.writer is None:
             return 0
         return sum(len(cached.tokens) for cached in (e.payload for e in self.memory.clear()))  # type: ignore[attr-defined]
+
+    def keep_copy(self, kept: KeptKV, n_tokens: int) -> KVPieces:
+        """A session's kept KV (keep_seq) as the pieces of its remote copy, made by the writer without
+        the model lock; let go at a later tiers call once the writer is done (model lock held)."""
+        return self._spills.keep_copy(kept, n_tokens)
 
     def release_written(self) -> int:
         """Let go of the KV of spills already on disk (model lock held): how many."""

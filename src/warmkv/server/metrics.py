@@ -121,6 +121,9 @@ _REMOTE_COUNTS = (
     ("present", "Entries the remote KV tier held already: neither copied nor sent again"),
     ("sessions_written", "Named sessions' copies written to the remote KV tier"),
     ("sessions_read", "Named sessions restored from the remote KV tier by a node that did not know them"),
+    ("session_pieces_sent", "Pieces of named sessions' copies sent to the remote KV tier"),
+    ("session_pieces_held", "Pieces of named sessions' copies the remote KV tier held already: not sent again"),
+    ("session_bytes_sent", "Bytes of named sessions' copies sent to the remote KV tier"),
     ("skipped", "Remote KV tier operations not tried while the link was down"),
 )
 

@@ -14,7 +14,7 @@ from ..base import Blob, ForwardRow, KVMemory, ModelState, TokenSampler, check_e
 from ..compute_thread import ComputeThread, compute_thread, on_compute_thread
 from ..options import NATIVE_KV_STORAGE, NativeOptions
 from ..slots import SeqSlots
-from .kv.blob import export_seq, import_seq
+from .kv.blob import export_seq, import_seq, join_pieces
 from .kv.layout import KVLayout
 from .kv.move import MovedKV, place, stash
 from .kv.paged_kv import PagedKVCache
@@ -201,6 +201,13 @@ class NativeBackend:
         cache = self._activate()
         self._check_seq(seq)
         import_seq(cache, seq, blob, self.config.num_ctx)
+
+    def join_kv(self, pieces: Sequence[Blob]) -> Blob:
+        """One export_seq blob of a copy's pieces (PinnedKV.piece_unlocked, in order), checked."""
+        if self._state is ModelState.UNLOADED:
+            raise SessionFatal("the model was unloaded")
+        cache = self._cache
+        return join_pieces(cache.layout if cache is not None else self._pool_layout(), pieces, self.config.num_ctx)
 
     def make_sampler(self, config: DecodeConfig) -> TokenSampler:
         # Logits reach the host as numpy (the Backend contract): sample there, on the compute thread.

@@ -9,6 +9,7 @@ queue: these are the values the queue holds, and the tiers build them.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from typing import Any
 from ...errors import WarmkvError
 from ...prompt.tokens import common_prefix_len
 from .types import Blob, Snapshot, SnapshotInfo
+
+log = logging.getLogger(__name__)
 
 
 class LazyBlob:
@@ -54,6 +57,61 @@ class LazyBlob:
         with self._lock:
             self._make, self._blob, self.done = None, None, True
             self._error = self._error or "the spilled KV has left the queue for the store"
+
+
+class KVPieces:
+    """A session's KV as pieces of consecutive positions (bounds), each made when asked for by the
+    thread that needs it (the writer), from kept KV without the model lock: pinned pool blocks are
+    never written. Pieces sit at fixed positions, so after a turn only the last ones hold other
+    bytes, and a copy sends only those. `done` once dropped: the tiers then let go of the KV at
+    their next call. One piece (whole) where the engine has only whole blobs (llama.cpp)."""
+
+    def __init__(self, bounds: Sequence[tuple[int, int]], make: Callable[[int, int], Blob], nbytes: int) -> None:
+        self.bounds = tuple(bounds)
+        self._make: Callable[[int, int], Blob] | None = make
+        self._lock = threading.Lock()
+        self.nbytes = nbytes
+        self.done = False
+
+    @classmethod
+    def whole(cls, blob: Blob, n_tokens: int) -> KVPieces:
+        """One piece: the blob itself."""
+        return cls([(0, n_tokens)], lambda _a, _b: blob, len(blob))
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def get(self, i: int) -> Blob:
+        """Piece i's bytes (made now, on this thread); WarmkvError once dropped or when the copy fails."""
+        with self._lock:
+            if self._make is None:
+                raise WarmkvError("the session's KV was let go before its copy was made")
+            try:
+                return self._make(*self.bounds[i])
+            except WarmkvError:
+                raise
+            except Exception as e:
+                raise WarmkvError(f"the session's KV could not be copied: {e!r}") from e
+
+    def drop(self) -> None:
+        """No more pieces are made (waits for one being made): the KV may be let go."""
+        with self._lock:
+            self._make, self.done = None, True
+
+    def hold(self) -> None:
+        """Make every piece now and keep the bytes, so the KV may be let go before they are sent
+        (closing: the pool goes away). A failed copy drops them."""
+        with self._lock:
+            if self._make is None:
+                return
+            make, self._make = self._make, None
+            try:
+                made = {b: make(*b) for b in self.bounds}
+            except Exception as e:
+                log.warning("a session's copy was not kept for its write: %r", e)
+                self.done = True
+                return
+            self._make, self.done = lambda a, b: made[(a, b)], True
 
 
 def blob_bytes(blob: Blob | LazyBlob) -> Blob:
@@ -103,14 +161,15 @@ class SessionCopy:
     not taken, skipped once cancelled (the session was deleted before the writer reached it)."""
 
     sid: str
-    snap: Snapshot
+    snap: Snapshot  # tokens, manifest and meta; its KV is `pieces`
+    pieces: KVPieces
     ttl_s: float
     taken: bool = False  # the writer has started on it: a newer copy is queued apart
     cancelled: bool = False
 
     @property
     def nbytes(self) -> int:
-        return len(self.snap.blob)
+        return self.pieces.nbytes
 
 
 @dataclass

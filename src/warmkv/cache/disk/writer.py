@@ -24,6 +24,8 @@ may run with the remote tier alone (store None).
                          entry before copying the KV: an entry is never sent twice.
     submit_session(...)  a named session's latest copy, for the remote tier; never waits. A copy
                          still queued for the same session is replaced (only the latest matters).
+                         Its KV comes as pieces made here from kept KV (KVPieces), and the
+                         remote tier sends only the pieces it does not hold already.
     delete_session(...)  an ordered delete of a session's remote copies: a copy still queued is
                          cancelled, one being written is deleted right after, and the id is
                          remembered (a tombstone) so no later copy of it is queued.
@@ -47,6 +49,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import InvalidConfig, WarmkvError
 from .pending import (
+    KVPieces,
     LazyBlob,
     PendingEntry,
     PendingMatch,
@@ -165,22 +168,27 @@ class StoreWriter:
             self._push(PendingEntry(tuple(keys), manifest_digest, tuple(tokens), blob, through=True), blob.nbytes)
         return True
 
-    def submit_session(self, sid: str, snap: Snapshot, ttl_s: float = SESSION_COPY_TTL_S) -> bool:
-        """Queue a session's latest copy for the remote tier, kept there ttl_s; never waits. False (counted)
-        without a remote tier, when closed, when the byte budget is reached or the session was deleted."""
+    def submit_session(self, sid: str, snap: Snapshot, pieces: KVPieces, ttl_s: float = SESSION_COPY_TTL_S) -> bool:
+        """Queue a session's latest copy (snap's tokens and meta, pieces' KV) for the remote tier, kept
+        there ttl_s; never waits. False (counted; the pieces dropped) without a remote tier, when closed,
+        when the byte budget is reached or the session was deleted. A copy replaced before the writer
+        took it has its pieces dropped: the tiers let go of its KV."""
         with self._cond:
             if self.remote is None or self._closed or sid in self._deleted:
+                pieces.drop()
                 return False
             queued = self._sessions.get(sid)
             if queued is not None and not queued.taken:
-                self._bytes += len(snap.blob) - queued.nbytes
-                queued.snap, queued.ttl_s = snap, ttl_s
+                self._bytes += pieces.nbytes - queued.nbytes
+                queued.pieces.drop()
+                queued.snap, queued.pieces, queued.ttl_s = snap, pieces, ttl_s
                 self._session_n["replaced"] += 1
                 return True
-            if not self._fits(len(snap.blob)):
+            if not self._fits(pieces.nbytes):
                 self._session_n["dropped"] += 1
+                pieces.drop()
                 return False
-            job = self._sessions[sid] = SessionCopy(sid, snap, ttl_s)
+            job = self._sessions[sid] = SessionCopy(sid, snap, pieces, ttl_s)
             self._push(job, job.nbytes)
         return True
 
@@ -196,6 +204,7 @@ class StoreWriter:
             queued = self._sessions.pop(sid, None)
             if queued is not None and not queued.taken:
                 queued.cancelled = True
+                queued.pieces.drop()
             job = SessionDelete(sid, tuple(digests))
             self._push(job, 0)
         return job.done
@@ -322,9 +331,14 @@ class StoreWriter:
                         self.remote.delete_session(job.sid, digest)
                     job.done.set()
                 elif not job.cancelled:
-                    self.remote.put_session(job.sid, job.snap, job.ttl_s)
+                    self.remote.put_session(job.sid, job.snap, job.ttl_s, job.pieces)
+            except WarmkvError as e:  # its KV was let go first (the pool ran short, closing): a later copy
+                log.debug("session copy not sent: %s", e)
             except Exception:
                 log.exception("kv remote tier session write failed")
+            finally:
+                if isinstance(job, SessionCopy):
+                    job.pieces.drop()
             return
         if isinstance(job, SnapshotJob):
             try:

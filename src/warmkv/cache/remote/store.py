@@ -8,8 +8,9 @@ models or engines never share a key):
     warmkv:kv1:<manifest digest[:32]>:b:<block key>   block record: JSON {"entry", "size", "tokens"},
                                                       one per full block of the entry
 
-    warmkv:kv1:<manifest digest[:32]>:s:<sha256(session id)>   a named session's latest copy: a
-                                                      "snapshot" container (tokens, KV, manifest, meta)
+    warmkv:kv1:<manifest digest[:32]>:c:<sha256(session id)>   a named session's latest copy: a
+                                                      record (tokens, manifest, meta, piece table) and
+                                                      its KV pieces (`...:p:<sha256>`), sessions.py
 
 Entry and block keys are the tiers' chained block hashes (block_hash.py): a block key covers every
 token before it, so one record says the whole chain up to it exists. Writes (`put`, from the store
@@ -21,7 +22,7 @@ its fleet-key tag first, when a key is configured (seal.py: before any parser or
 byte), then its crc32c, its key, manifest and tokens. A value failing a check is deleted with its records and
 counted, never served; the caller prefills instead.
 
-Named sessions' copies (the `:s:` keys) are read and written by RemoteSessions (sessions.py).
+Named sessions' copies (the `:c:` keys) are read and written by RemoteSessions (sessions.py).
 
 The server evicts: run it with `maxmemory` and `maxmemory-policy allkeys-lru`. A record whose
 value was evicted is deleted when a probe finds it (a miss). Link failures go to RemoteLink:
@@ -44,11 +45,12 @@ from redis.retry import Retry
 
 from ...prompt.tokens import common_prefix_len
 from ..disk.container import ContainerError, make_header, read_container, write_container
+from ..disk.pending import KVPieces
 from ..disk.types import SESSION_COPY_TTL_S, Blob, Snapshot, StoreEntry
 from .link import LINK_ERRORS, RemoteLink, log
 from .rates import RemoteRates
 from .seal import KEY_ENV, seal, unseal
-from .sessions import RemoteSessions
+from .sessions import Join, RemoteSessions
 from .types import RemoteConfig, RemoteStats
 
 PREFIX = "warmkv:kv1"
@@ -138,6 +140,9 @@ class RemoteStore:
                 "sessions_written",
                 "sessions_read",
                 "sessions_rejected",
+                "session_pieces_sent",
+                "session_pieces_held",
+                "session_bytes_sent",
                 "untrusted",
             ),
             0,
@@ -309,13 +314,17 @@ class RemoteStore:
 
     # -- session copies (sessions.py) ---------------------------------------------
 
-    def put_session(self, sid: str, snap: Snapshot, ttl_s: float = SESSION_COPY_TTL_S) -> bool:
-        """Write (replace) a session's copy, deleted by Redis ttl_s later; False when skipped or failed."""
-        return self.sessions.put(namespace(snap.manifest_digest), sid, snap, ttl_s)
+    def put_session(
+        self, sid: str, snap: Snapshot, ttl_s: float = SESSION_COPY_TTL_S, pieces: KVPieces | None = None
+    ) -> bool:
+        """Write (replace) a session's copy, deleted by Redis ttl_s later, sending only the pieces of its KV
+        (None: snap.blob whole) Redis does not hold; False when skipped or failed."""
+        return self.sessions.put(namespace(snap.manifest_digest), sid, snap, ttl_s, pieces)
 
-    def get_session(self, sid: str, manifest_digest: str) -> Snapshot | None:
-        """A session's verified copy under this manifest, named by its id; None when absent, bad or unreachable."""
-        return self.sessions.get(namespace(manifest_digest), sid, manifest_digest)
+    def get_session(self, sid: str, manifest_digest: str, join: Join | None = None) -> Snapshot | None:
+        """A session's verified copy under this manifest, named by its id, its pieces joined by `join` (the
+        engine's; None: a one-piece copy only); None when absent, bad or unreachable."""
+        return self.sessions.get(namespace(manifest_digest), sid, manifest_digest, join)
 
     def delete_session(self, sid: str, manifest_digest: str) -> None:
         """Forget a closed session's copy (best effort)."""

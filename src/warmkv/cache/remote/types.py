@@ -150,6 +150,9 @@ class RemoteStats:
     sessions_written: int  # session copies sent (one once a changed session is quiet: server/sessions/share.py)
     sessions_read: int  # session copies read by a node that did not know the session
     sessions_rejected: int  # session copies that failed a check (deleted, not restored)
+    session_pieces_sent: int  # pieces of session copies sent (Redis did not hold them)
+    session_pieces_held: int  # pieces of session copies Redis held already: not sent again
+    session_bytes_sent: int  # bytes of the pieces sent
     untrusted: int  # values and session copies refused for their fleet-key tag (never parsed nor imported)
     read_bytes_per_s: float | None  # EWMA of real reads, round trip taken out
     rtt_s: float | None  # EWMA of probe round trips

@@ -2,9 +2,11 @@
 
 With `--kv-remote`, a named session whose operations (prefix, suffix, decode) changed it is
 copied once it has had no call for `session_copy_delay_s` (PendingCopies): its resident context
-(tokens, KV, manifest) is captured then and queued for the remote tier's writer thread, which
-replaces a copy of it still queued. A copy is the whole KV, so a turn's three calls make one, not
-three; a drain or an unload sends the pending ones at once. A node killed within the delay of a
+(tokens, manifest; the KV kept by reference, pinned pool blocks on the native engine) is captured
+then and queued for the remote tier's writer thread, which replaces a copy of it still queued,
+copies the KV without the model lock in pieces at fixed positions and sends only the pieces Redis
+does not hold (cache/remote/sessions.py). A turn's three calls make one copy, not three, and it
+sends the turn's new positions; a drain or an unload sends the pending ones at once. A node killed within the delay of a
 call leaves the copy of the call before. A node that does not know a session id it is asked
 about reads the copy under its own model's manifest, restores it under the same id and serves
 the request: a session whose node was drained or stopped continues on another node from its last
@@ -45,12 +47,12 @@ def share(st: ServerState, sid: str) -> None:
     if tiers is None or tiers.writer is None or sid not in st.registry:
         return
     try:
-        snap = st.registry.get(sid).session.capture()
+        captured = st.registry.get(sid).session.capture()
     except WarmkvError as e:  # unloaded or failed meanwhile: nothing to share
         log.debug("session %s not copied to the remote tier: %s", sid[:6], e)
         return
     # Redis keeps the copy as long as the session may stay idle: past that it is closed here too.
-    if snap is not None and not tiers.writer.submit_session(sid, snap, st.settings.session_ttl_s):
+    if captured is not None and not tiers.writer.submit_session(sid, *captured, st.settings.session_ttl_s):
         log.info("session %s not copied to the remote tier: the writer's queue is full or it was deleted", sid[:6])
 
 
@@ -118,7 +120,7 @@ async def _restore(hub: Hub, st: ServerState, sid: str) -> None:
     remote = st.runtime.tiers.remote  # type: ignore[union-attr]
     assert remote is not None
     for digest in digests(st):
-        snap = await asyncio.to_thread(remote.get_session, sid, digest)
+        snap = await asyncio.to_thread(remote.get_session, sid, digest, st.runtime.join_kv)
         if snap is not None:
             break
     else:

@@ -2,30 +2,44 @@
 
 Layout: b"WKV1" | u32 header length | JSON header | K | V [| K scale | V scale], each
 [n_layers, length, n_kv_heads, head_dim] (scales without head_dim), raw little-endian.
+
+A blob of positions [start, end) only (export_seq's range) is a piece: a session's remote copy
+is kept in pieces at fixed positions, so a copy after a turn sends the pieces that changed, and
+join_pieces makes one blob of them again (each tensor's parts laid side by side per layer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 import mmap
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from ....errors import InvalidInput
 from ...base import Blob
+from .layout import KVLayout
 from .paged_kv import PagedKVCache
 
 MAGIC = b"WKV1"
 _ALIGN = 16  # the JSON header is padded with spaces to this
 
 
-def _sizes(cache: PagedKVCache, length: int) -> list[int]:
+def _sizes(lay: KVLayout, length: int) -> list[int]:
     """Bytes of each storage tensor's part of a blob of `length` tokens."""
-    return [cache.layout.n_layers * length * math.prod(t.shape[2:]) * t.element_size() for t in cache.storage()]
+    return [lay.n_layers * length * w for w in lay.part_widths()]
+
+
+def _head(lay: KVLayout, length: int) -> bytes:
+    """A blob's magic, header length and JSON header of `length` positions."""
+    header = {"n_layers": lay.n_layers, "n_kv_heads": lay.n_kv_heads, "head_dim": lay.head_dim}
+    header |= {"dtype": lay.dtype, "length": length}
+    raw = json.dumps(header, sort_keys=True).encode()
+    raw += b" " * (-(len(raw) + 8) % _ALIGN)  # the body starts aligned, so it views as any dtype
+    return MAGIC + struct.pack("<I", len(raw)) + raw
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -62,8 +76,10 @@ def _buffer(n: int) -> memoryview:
     return memoryview(mm)
 
 
-def export_seq(cache: PagedKVCache, seq: int, *, background: bool = False) -> memoryview:
-    """seq's KV as a blob, gathered straight into one buffer.
+def export_seq(
+    cache: PagedKVCache, seq: int, *, background: bool = False, start: int = 0, end: int | None = None
+) -> memoryview:
+    """seq's KV as a blob, gathered straight into one buffer (positions [start, end) only: a piece).
 
     One allocation and one pass: a 3000-token context at a 1.7B shape is 590 MB, and a
     gather, a copy per tensor and a join took 3 s of it, under the model lock.
@@ -73,13 +89,13 @@ def export_seq(cache: PagedKVCache, seq: int, *, background: bool = False) -> me
     """
     lay = cache.layout
     slots = cache.slots(seq)
+    if start or end is not None:
+        if not 0 <= start <= (end if end is not None else slots.shape[0]) <= slots.shape[0]:
+            raise InvalidInput(f"KV range [{start}, {end}) is outside the sequence's {slots.shape[0]} positions")
+        slots = slots[start:end]
     length = int(slots.shape[0])
-    header = {"n_layers": lay.n_layers, "n_kv_heads": lay.n_kv_heads, "head_dim": lay.head_dim}
-    header |= {"dtype": lay.dtype, "length": length}
-    raw = json.dumps(header, sort_keys=True).encode()
-    raw += b" " * (-(len(raw) + 8) % _ALIGN)  # the body starts aligned, so it views as any dtype
-    sizes = _sizes(cache, length)
-    head = MAGIC + struct.pack("<I", len(raw)) + raw
+    sizes = _sizes(lay, length)
+    head = _head(lay, length)
     out = _buffer(len(head) + sum(sizes))
     out[: len(head)] = head
     if not sum(sizes):
@@ -98,9 +114,8 @@ def export_seq(cache: PagedKVCache, seq: int, *, background: bool = False) -> me
     return out
 
 
-def import_seq(cache: PagedKVCache, seq: int, blob: Blob, max_len: int) -> None:
-    """Replace seq's KV with blob; checks everything before touching the cache."""
-    lay = cache.layout
+def _parse(lay: KVLayout, blob: Blob, max_len: int) -> tuple[int, memoryview]:
+    """(length, body) of a blob made for this layout; InvalidInput naming what is wrong."""
     if not isinstance(blob, (bytes, bytearray, memoryview)) or bytes(blob[:4]) != MAGIC:
         raise InvalidInput("KV blob is not a native-engine sequence (bad magic)")
     try:
@@ -115,10 +130,47 @@ def import_seq(cache: PagedKVCache, seq: int, blob: Blob, max_len: int) -> None:
         raise InvalidInput(f"KV blob was made for {got}, this cache is {want}")
     if not 0 <= length <= max_len:
         raise InvalidInput(f"KV blob holds {length} tokens, more than num_ctx={max_len}")
-    sizes = _sizes(cache, length)
+    sizes = _sizes(lay, length)
     body = memoryview(blob)[8 + n :]
     if len(body) != sum(sizes):
         raise InvalidInput(f"KV blob body is {len(body)} bytes, expected {sum(sizes)} for {length} tokens")
+    return length, body
+
+
+def join_pieces(lay: KVLayout, pieces: Sequence[Blob], max_len: int) -> Blob:
+    """One blob of pieces of consecutive positions (export_seq's ranges, in order), each checked
+    as import_seq checks a blob; one piece is returned as it is."""
+    if len(pieces) == 1:
+        return pieces[0]
+    parsed = [_parse(lay, p, max_len) for p in pieces]
+    total = sum(length for length, _ in parsed)
+    if total > max_len:
+        raise InvalidInput(f"KV pieces hold {total} tokens, more than num_ctx={max_len}")
+    head = _head(lay, total)
+    widths = lay.part_widths()
+    out = _buffer(len(head) + lay.n_layers * total * sum(widths))
+    out[: len(head)] = head
+    dst = np.frombuffer(out, dtype=np.uint8)
+    offset = len(head)
+    offsets = [0] * len(parsed)  # where each piece's next tensor part starts in its body
+    for w in widths:
+        whole = dst[offset : offset + lay.n_layers * total * w].reshape(lay.n_layers, total * w)
+        at = 0
+        for i, (length, body) in enumerate(parsed):
+            size = lay.n_layers * length * w
+            part = np.frombuffer(body[offsets[i] : offsets[i] + size], dtype=np.uint8)
+            whole[:, at * w : (at + length) * w] = part.reshape(lay.n_layers, length * w)
+            offsets[i] += size
+            at += length
+        offset += lay.n_layers * total * w
+    return out
+
+
+def import_seq(cache: PagedKVCache, seq: int, blob: Blob, max_len: int) -> None:
+    """Replace seq's KV with blob; checks everything before touching the cache."""
+    lay = cache.layout
+    length, body = _parse(lay, blob, max_len)
+    sizes = _sizes(lay, length)
     bs = lay.block_size
     own = sum(1 for b in cache.table(seq) if cache.refcount(b) == 1)  # blocks free(seq) gives back
     cache.ensure_free(max(0, -(-length // bs) - own))

@@ -37,9 +37,13 @@ class KVLayout:
             raise InvalidInput(f"KV dtype must be one of {', '.join(KV_DTYPES)}; got {self.dtype!r}")
 
     def bytes_per_token(self) -> int:
-        elem = KV_DTYPES[self.dtype].itemsize
-        scale = 4 if self.dtype == "int8" else 0
-        return 2 * self.n_layers * self.n_kv_heads * (self.head_dim * elem + scale)
+        return self.n_layers * sum(self.part_widths())
+
+    def part_widths(self) -> list[int]:
+        """Bytes a position takes in one layer of each storage tensor: K, V (and their float32 scales)."""
+        row = self.n_kv_heads * self.head_dim * KV_DTYPES[self.dtype].itemsize
+        scales = [self.n_kv_heads * 4] * 2 if self.dtype == "int8" else []
+        return [row, row, *scales]
 
 
 # numpy dtypes of the same width: np.zeros is calloc, whose large blocks are zero pages the

@@ -5,6 +5,9 @@ loading shares them again into a session's sequence, which copies on write only 
 partial last block it appends to. The blocks leave the pool only when the pin and
 every sequence sharing them let go, or the pool runs short and the prefix cache
 gives pins back (`PagedKVCache.reclaim`).
+
+A session's remote copy is a pin too, read in pieces of PIECE_BYTES or so at fixed positions
+(piece_unlocked) by the store's writer, without the model lock.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from typing import Any
 from ...base import Blob
 from .blob import export_seq
 from .paged_kv import PagedKVCache
+
+PIECE_BYTES = 8 << 20  # a remote copy's piece: a turn's new tokens change one or two of them
 
 
 class PinnedKV:
@@ -51,6 +56,16 @@ class PinnedKV:
         them copies on write) and the pool's tensors never move, so it only reads memory that
         stays put until release()."""
         return export_seq(self._cache, self._id(), background=True)
+
+    @property
+    def piece_tokens(self) -> int:
+        """Positions per piece of a copy: whole pool blocks, about PIECE_BYTES."""
+        lay = self._cache.layout
+        return max(1, PIECE_BYTES // (lay.bytes_per_token() * lay.block_size)) * lay.block_size
+
+    def piece_unlocked(self, start: int, end: int) -> Blob:
+        """The blob of positions [start, end) only, made as to_bytes_unlocked makes the whole one."""
+        return export_seq(self._cache, self._id(), background=True, start=start, end=end)
 
     def release(self) -> None:
         if self._pin is not None:
