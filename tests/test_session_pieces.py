@@ -6,6 +6,7 @@ Model-free for the tiers' bookkeeping (Spills), the default model on the native 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,10 @@ import pytest
 import warmkv
 from conftest import BACKENDS
 from redis_server import RedisServer
-from warmkv.cache.remote.sessions import record_name
-from warmkv.cache.remote.store import namespace
-from warmkv.cache.remote.types import RemoteStats
+from warmkv.cache.disk.container import make_header, write_container
+from warmkv.cache.remote.sessions import record_name, session_key
+from warmkv.cache.remote.store import RemoteStore, namespace
+from warmkv.cache.remote.types import RemoteConfig, RemoteStats
 from warmkv.engine.spills import Spills
 from warmkv.errors import WarmkvError
 
@@ -32,8 +34,11 @@ class _Kept:
     nbytes = 1000
     piece_tokens = 4
 
-    def __init__(self) -> None:
-        self.released = 0
+    def __init__(self, sole: int = 0) -> None:
+        self.released, self.sole = 0, sole
+
+    def sole_blocks(self) -> int:
+        return self.sole
 
     def piece_unlocked(self, start: int, end: int) -> bytes:
         return bytes(range(start, end))
@@ -55,10 +60,15 @@ def test_a_copys_kept_kv_is_let_go_once_its_pieces_are_done() -> None:
     assert spills.release_copied() == 1 and kept.released == 1
     with pytest.raises(WarmkvError, match="let go"):
         pieces.get(0)
-    # the pool runs short: a copy not made yet is given up, its KV let go at once
-    kept1 = _Kept()
-    short = spills.keep_copy(kept1, 6)  # type: ignore[arg-type]
-    assert spills.reclaim() and short.done and kept1.released == 1
+    # the pool runs short: a copy whose session holds the same blocks frees none and stays; one
+    # holding blocks alone (its session moved on) is made now and kept for the writer, its KV let go
+    shared, alone = _Kept(sole=0), _Kept(sole=2)
+    first, second = spills.keep_copy(shared, 6), spills.keep_copy(alone, 6)  # type: ignore[arg-type]
+    assert not spills.reclaim() and spills.reclaim_copy()
+    assert (shared.released, alone.released) == (0, 1) and second.get(1) == bytes([4, 5])
+    assert not spills.reclaim_copy() and not first.done
+    first.drop()
+    assert spills.release_copied() == 1 and shared.released == 1
     # closing: the pieces are made now and kept for the write, the KV let go
     kept2 = _Kept()
     closing = spills.keep_copy(kept2, 6)  # type: ignore[arg-type]
@@ -125,3 +135,36 @@ def test_a_turns_copy_sends_only_its_new_pieces(redis_server: RedisServer, tmp_p
             assert b.tiers.remote.get_session("sid-1", digest, b.join_kv) is None
             assert b.tiers.remote.stats().sessions_rejected == 1
         s.close()
+
+
+@pytest.mark.parametrize(
+    "table",
+    [
+        b'[[0, Infinity, 10, "' + b"a" * 64 + b'"]]',  # a number int() refuses
+        b"[" * 100_000 + b"]" * 100_000,  # nesting past the parser's depth
+        b'{"pieces": 1}',
+        b'[[0, 5, 10, "not-a-digest"]]',
+        b'[[0, 4, 10, "' + b"a" * 64 + b'"]]',  # covers 4 of its 5 tokens
+    ],
+)
+def test_a_crafted_record_is_a_refused_copy_never_an_error(redis_server: RedisServer, table: bytes) -> None:
+    """Without a fleet key anyone who can write to Redis can plant a record (its crc32c is computable):
+    whatever its piece table holds, a read is a refused copy (deleted, counted), and a delete returns."""
+    md, sid = "ef" * 32, "crafted-session"
+    store, client = RemoteStore(RemoteConfig(redis_server.url)), redis_server.client()
+    name = record_name(namespace(md), sid)
+
+    def plant() -> None:
+        buf = io.BytesIO()
+        write_container(buf, make_header("snapshot", session_key(sid), md, range(5), table, {}, {"digest": md}), table)
+        client.set(name, buf.getvalue())
+
+    try:
+        plant()
+        assert store.get_session(sid, md) is None and not client.exists(name)
+        assert store.stats().sessions_rejected == 1
+        plant()
+        store.delete_session(sid, md)
+        assert not client.exists(name)
+    finally:
+        store.close()

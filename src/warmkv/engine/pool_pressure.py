@@ -50,6 +50,8 @@ def reclaimable_tokens(rt: Runtime, kv: KVMemory) -> int:
     evictable sessions hold, and the memory tier's unlocked entries (an upper bound: their blocks
     may be shared with sessions)."""
     n = sum(len(s.ctx.tokens) for s in parkable(rt))
+    if rt.tiers is not None:
+        rt.tiers.release_written()  # spills and session copies the writer is done with: their blocks are free
     memory = rt.tiers.memory if rt.tiers is not None else None
     if memory is not None:
         st = memory.stats()

@@ -9,7 +9,9 @@ to copy on a slow VM; under the lock every stream would wait. When the pool runs
 through to the remote tier stays kept the same way until the writer has copied it. Closing, the
 bytes are copied at once and held back for close to write (hold_back, take_held_back).
 A named session's remote copy is kept the same way (keep_copy): its KV pinned when it is taken,
-read in pieces by the writer (KVPieces), let go once the writer is done with it.
+read in pieces by the writer (KVPieces), let go once the writer is done with it; when the pool
+runs short and a copy holds blocks its session no longer does, its pieces are made there and then
+(reclaim_copy), after the memory tier's entries.
 
 Apart from KVTiers (tiers.py) because this is the writer's side of the tiers alone: what is kept
 for it, and when it is let go. Every method but take_held_back runs with the model lock held.
@@ -61,18 +63,25 @@ class Spills:
 
     def reclaim(self) -> bool:
         """Give pool blocks back: spills already copied first, then the oldest spill still copying
-        (copied here, now), then the oldest session copy (not sent: the session's next call copies it
-        again); False when there is none."""
+        (copied here, now); False when there is none."""
         if self.release_copied():
             return True
         if self._spilling:
             self._finish_spill()
             return True
-        if self._copies:
-            kept, pieces = self._copies.popleft()
-            pieces.drop()  # waits for a piece being made
-            kept.release()
-            return True
+        return False
+
+    def reclaim_copy(self) -> bool:
+        """Give back the blocks of the oldest session copy that holds some alone (its session moved
+        on): its pieces are made here, now, and kept for the writer, so the copy is not lost; False
+        when no copy would free a block (while its session holds the same blocks, none does)."""
+        for c in self._copies:
+            sole = getattr(c[0], "sole_blocks", None)
+            if sole is not None and sole() > 0:
+                self._copies.remove(c)
+                c[1].hold()
+                c[0].release()
+                return True
         return False
 
     def _finish_spill(self) -> None:

@@ -303,10 +303,13 @@ class KVTiers:
 
     def reclaim(self) -> bool:
         """Give pool blocks back (the backend's KV pool is short): spills already copied first,
-        then the oldest spill still copying (copied here, now), then the LRU memory entry."""
+        then the oldest spill still copying (copied here, now), then the LRU memory entry, then a
+        session copy whose session moved on (its pieces made now)."""
         if self._spills.reclaim():
             return True
-        return self.memory is not None and bool(self.memory.evict(1))
+        if self.memory is not None and self.memory.evict(1):
+            return True
+        return self._spills.reclaim_copy()
 
     def write_snapshot(
         self,

@@ -328,8 +328,10 @@ class StoreWriter:
             try:  # the remote tier counts and logs its own failures
                 if isinstance(job, SessionDelete):
                     for digest in job.digests:
-                        self.remote.delete_session(job.sid, digest)
-                    job.done.set()
+                        try:
+                            self.remote.delete_session(job.sid, digest)
+                        except Exception:
+                            log.exception("kv remote tier session delete failed")
                 elif not job.cancelled:
                     self.remote.put_session(job.sid, job.snap, job.ttl_s, job.pieces)
             except WarmkvError as e:  # its KV was let go first (the pool ran short, closing): a later copy
@@ -339,6 +341,8 @@ class StoreWriter:
             finally:
                 if isinstance(job, SessionCopy):
                     job.pieces.drop()
+                else:
+                    job.done.set()  # tried: the DELETE waiting on it answers
             return
         if isinstance(job, SnapshotJob):
             try:

@@ -8,6 +8,9 @@ Layout, under a manifest's namespace `<ns>` (store.py):
                                          [[start, end, size, sha256 hex], ...]
     <ns>:c:<session key>:p:<sha256 hex>  one piece: the engine's KV blob of positions [start, end)
 
+Copies written by a version before pieces (`<ns>:s:<session key>`, one container) are not read:
+a session continues on a node of the version that copied it; a delete removes those too.
+
 The session key is the hash of the session id: the id is the capability to use it, and whoever
 can list the server's keys must not learn it. Pieces sit at fixed positions (KVPieces), so after
 a turn only the last ones hold other bytes: a copy sends a piece only when Redis does not hold
@@ -146,11 +149,12 @@ class RemoteSessions:
                 if not isinstance(got, _Missing):
                     break
             else:
-                self._delete([name])  # still missing pieces: evicted, the record names nothing readable
-                return None
+                return None  # still missing pieces (evicted): a miss; the record goes with its TTL
         except (RedisError, OSError) as e:
             self._failed("read", e)
             return None
+        except Exception as e:  # a crafted record that no check above names (a parser's own error)
+            got = f"it could not be read: {e!r}"
         self.link.ok()
         if got is None:
             return None
@@ -252,8 +256,8 @@ def _table(payload: bytes, n_tokens: int | None) -> list[tuple[int, int, int, st
     try:
         rows = json.loads(payload)
         table = [(int(a), int(b), int(size), str(d)) for a, b, size, d in rows]
-    except (ValueError, TypeError) as e:
-        return f"its piece table is unreadable: {e}"
+    except Exception as e:  # not JSON, not rows of four, numbers int() refuses (inf), nesting too deep
+        return f"its piece table is unreadable: {e!r}"
     if len(table) > MAX_PIECES:
         return f"its piece table names {len(table)} pieces, more than {MAX_PIECES}"
     at = 0

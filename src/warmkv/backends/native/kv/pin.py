@@ -57,6 +57,10 @@ class PinnedKV:
         stays put until release()."""
         return export_seq(self._cache, self._id(), background=True)
 
+    def sole_blocks(self) -> int:
+        """Blocks only this pin holds: what release() gives back to the pool now."""
+        return sum(1 for b in self.blocks if self._cache.refcount(b) == 1)
+
     @property
     def piece_tokens(self) -> int:
         """Positions per piece of a copy: whole pool blocks, about PIECE_BYTES."""
