@@ -15,8 +15,9 @@ with SIGKILL while the clients run and started again on the same port and store.
 Every 10 s it samples the server's RSS and the store folder's bytes. At the end it prints each
 outcome's count (an answer; a clear error: an HTTP status with an error body; the server down:
 a refused connection while it was killed), RSS and store bytes over the run's last swap cycle
-against where they settled (the cycle from 3 minutes after each start), and the store's integrity
-check (every blob, and SQLite's own) with the server stopped. --json writes the report.
+against where they settled (the cycle from 3 minutes after each start), each swap phase's RSS
+(its model's plateau, phase after phase), and the store's integrity check (every blob, and
+SQLite's own) with the server stopped. --json writes the report.
 """
 
 from __future__ import annotations
@@ -223,6 +224,18 @@ def _window(samples: list[tuple[float, float | None, int]], t0: float, t1: float
     }
 
 
+def _phases(samples: list[tuple[float, float | None, int]], swap_s: float, duration: float) -> list[dict[str, Any]]:
+    """Each swap phase's model and its RSS (mean and peak, MB) over the phase's second half, when the
+    model has loaded and served a while: one model's plateaus over the run tell a leak (a trend)
+    from the allocator (a spread without one)."""
+    out = []
+    for k in range(int(duration // swap_s)):
+        t0 = k * swap_s
+        w = _window(samples, t0 + swap_s / 2, t0 + swap_s)
+        out.append({"start_s": t0, "model": MODELS[k % 2], "rss_mb": w["rss_mb"], "peak_rss_mb": w["peak_rss_mb"]})
+    return out
+
+
 def _check_store(root: Path) -> list[str]:
     import sqlite3
 
@@ -306,6 +319,7 @@ def main() -> None:
         "settled": settled,
         "end": end,
         "end_vs_settled_after_last_start": {k: end[k] / settled[-1][k] for k in end},
+        "phases": _phases(samples, args.swap_s, duration),
         "store_check": _check_store(store),
         "work": str(work),
         "samples": samples,
