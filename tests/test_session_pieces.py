@@ -125,14 +125,14 @@ def test_a_turns_copy_sends_only_its_new_pieces(redis_server: RedisServer, tmp_p
 
         with load("b") as b:
             assert b.tiers is not None and b.tiers.remote is not None
-            snap = b.tiers.remote.get_session("sid-1", digest, b.join_kv)
+            snap = b.tiers.remote.get_session("sid-1", digest, b.backend.join_kv)
             assert snap is not None and snap.tokens == s.token_ids()[: len(snap.tokens)]
             with b.restore_snapshot(snap) as back:
                 assert [t for c in back.decode(GREEDY) for t in c.token_ids] == expected
             # one byte of a piece altered in Redis: refused before any import, the copy deleted
             piece = next(k for k in names if b":p:" in k)
             client.setrange(piece, client.strlen(piece) // 2, b"\x01")
-            assert b.tiers.remote.get_session("sid-1", digest, b.join_kv) is None
+            assert b.tiers.remote.get_session("sid-1", digest, b.backend.join_kv) is None
             assert b.tiers.remote.stats().sessions_rejected == 1
         s.close()
 

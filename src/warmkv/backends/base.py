@@ -211,8 +211,6 @@ class KeptKV(Protocol):
         """to_bytes on any thread, without the model lock: kept KV never changes until released.
 
         A spill copies hundreds of MB; done under the lock, every stream would wait for it.
-        An engine may also offer `piece_tokens` and `piece_unlocked(start, end)`: the blob of
-        positions [start, end) only, joined again by its backend's `join_kv` (join_kv below).
         """
         ...
 
@@ -235,17 +233,6 @@ def kept_cut(kv: KeptKV, n: int) -> int:
     """exact_cut for kept KV (a tier entry), before it is loaded."""
     cut = getattr(kv, "cut", None)
     return n if cut is None else cut(n)
-
-
-def join_kv(backend: Backend, pieces: Sequence[Blob]) -> Blob:
-    """One export_seq blob of a copy's pieces of consecutive positions (a kept KV's piece_unlocked,
-    where the engine offers it; else the copy is one piece, the blob itself)."""
-    join = getattr(backend, "join_kv", None)
-    if join is not None:
-        return join(pieces)
-    if len(pieces) != 1:
-        raise InvalidInput(f"this engine keeps a copy in one piece, not {len(pieces)}")
-    return pieces[0]
 
 
 class BlobKV:

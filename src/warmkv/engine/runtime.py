@@ -48,9 +48,8 @@ from typing import Any
 import numpy as np
 
 from ..backends import Backend, BackendOptions, KVMemory, ModelInfo, ModelState, load_backend
-from ..backends.base import join_kv
 from ..backends.choose import AUTO, BackendChoice
-from ..cache.disk.types import Blob, Snapshot
+from ..cache.disk.types import Snapshot
 from ..config import DecodeConfig, ResolvedConfig, RuntimeConfig
 from ..errors import InvalidConfig, ModelUnloaded, Unsupported
 from ..manifest import ContextManifest
@@ -219,10 +218,6 @@ class Runtime:
         """A new session holding a verified snapshot's context (read from the disk store or the remote
         tier); ManifestMismatch unless it was taken under this runtime's manifest. Not under the model lock."""
         return session_copies.restore_snapshot(self, snap)
-
-    def join_kv(self, pieces: Sequence[Blob]) -> Blob:
-        """One KV blob of a session copy's pieces (Session.capture's, read back from the remote tier)."""
-        return join_kv(self.backend, pieces)
 
     @property
     def sessions(self) -> list[Session]:

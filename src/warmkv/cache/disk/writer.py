@@ -22,10 +22,8 @@ may run with the remote tier alone (store None).
                          `max_through` wait at a time, within the same byte budget; more are
                          dropped and counted. The writer asks the remote tier whether it holds the
                          entry before copying the KV: an entry is never sent twice.
-    submit_session(...)  a named session's latest copy, for the remote tier; never waits. A copy
-                         still queued for the same session is replaced (only the latest matters).
-                         Its KV comes as pieces made here from kept KV (KVPieces), and the
-                         remote tier sends only the pieces it does not hold already.
+    submit_session(...)  a named session's latest copy (its KV as pieces made here, KVPieces) for the
+                         remote tier; never waits. A copy still queued for it is replaced.
     delete_session(...)  an ordered delete of a session's remote copies: a copy still queued is
                          cancelled, one being written is deleted right after, and the id is
                          remembered (a tombstone) so no later copy of it is queued.
@@ -328,10 +326,7 @@ class StoreWriter:
             try:  # the remote tier counts and logs its own failures
                 if isinstance(job, SessionDelete):
                     for digest in job.digests:
-                        try:
-                            self.remote.delete_session(job.sid, digest)
-                        except Exception:
-                            log.exception("kv remote tier session delete failed")
+                        self.remote.delete_session(job.sid, digest)
                 elif not job.cancelled:
                     self.remote.put_session(job.sid, job.snap, job.ttl_s, job.pieces)
             except WarmkvError as e:  # its KV was let go first (the pool ran short, closing): a later copy

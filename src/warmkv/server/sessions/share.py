@@ -119,8 +119,9 @@ async def restore_shared(hub: Hub, st: ServerState, sid: str) -> None:
 async def _restore(hub: Hub, st: ServerState, sid: str) -> None:
     remote = st.runtime.tiers.remote  # type: ignore[union-attr]
     assert remote is not None
+    join = getattr(st.runtime.backend, "join_kv", None)  # an engine whose copies come in pieces joins them
     for digest in digests(st):
-        snap = await asyncio.to_thread(remote.get_session, sid, digest, st.runtime.join_kv)
+        snap = await asyncio.to_thread(remote.get_session, sid, digest, join)
         if snap is not None:
             break
     else:
