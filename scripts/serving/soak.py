@@ -255,6 +255,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--swap-s", type=float, default=90, help="seconds each model is asked for in turn")
     ap.add_argument("--store-mb", type=int, default=512)
+    ap.add_argument("--no-kill", action="store_true", help="no SIGKILL: one start, for RSS phase by phase")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="warmkv-soak-"))
@@ -275,6 +276,8 @@ def main() -> None:
     for t in threads:
         t.start()
     events = [(0.3, "restart redis"), (0.5, "kill server"), (0.7, "restart redis")]
+    if args.no_kill:
+        events = [e for e in events if e[1] != "kill server"]
     samples: list[tuple[float, float | None, int]] = []
     log: list[str] = []
     try:
