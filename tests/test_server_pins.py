@@ -19,12 +19,15 @@ import warmkv  # noqa: E402
 from server_harness import live_server  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-PROMPT_WORDS = 150  # ~420 tokens: ~8.8 MB of KV on the default model, so the 20 MiB tier holds two
+PROMPT_WORDS = 150  # ~420 tokens: ~8.8 MB of llama.cpp's f16 KV on the default model: the 20 MiB tier holds two
 
 
 @pytest.fixture(scope="module")
 def base() -> Iterator[str]:
+    # The engine is named: "auto" takes the native one on some CPUs, whose q8_0 KV is half the bytes
+    # a token, and the tier would then hold four prompts.
     opts = {"num_ctx": 2048, "n_seq_max": 3, "prefix_cache_mb": 20, "kv_store_mb": 0, "pin_share": 0.5}
+    opts["backend"] = "llamacpp"
     with warmkv.Runtime.load(**opts) as rt, live_server(rt, pool_size=1) as url:
         yield url
 
