@@ -206,8 +206,7 @@ class NativeBackend:
         """One export_seq blob of a copy's pieces (PinnedKV.piece_unlocked, in order), checked."""
         if self._state is ModelState.UNLOADED:
             raise SessionFatal("the model was unloaded")
-        cache = self._cache
-        return join_pieces(cache.layout if cache is not None else self._pool_layout(), pieces, self.config.num_ctx)
+        return join_pieces(self._pool_layout(), pieces, self.config.num_ctx)
 
     def make_sampler(self, config: DecodeConfig) -> TokenSampler:
         # Logits reach the host as numpy (the Backend contract): sample there, on the compute thread.

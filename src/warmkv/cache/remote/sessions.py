@@ -60,7 +60,15 @@ def session_key(sid: str) -> str:
 
 def record_name(ns: str, sid: str) -> str:
     """The Redis key of a session's copy record under a manifest namespace (its pieces' names start with it)."""
-    return f"{ns}:c:{session_key(sid)}"
+    return _record(ns, session_key(sid))
+
+
+def _record(ns: str, key: str) -> str:
+    return f"{ns}:c:{key}"
+
+
+def _piece(record: str, digest: str) -> str:
+    return f"{record}:p:{digest}"
 
 
 def _one(pieces: Sequence[Blob]) -> Blob:
@@ -100,7 +108,7 @@ class RemoteSessions:
             return False
         parts = pieces if pieces is not None else KVPieces.whole(snap.blob, len(snap.tokens))
         key = session_key(sid)
-        name = f"{ns}:c:{key}"
+        name = _record(ns, key)
         px = max(1, int(ttl_s * 1000))
         table: list[list[int | str]] = []
         sent = sent_bytes = total = 0
@@ -108,8 +116,8 @@ class RemoteSessions:
             for i, (start, end) in enumerate(parts.bounds):
                 blob = parts.get(i)
                 digest = hashlib.sha256(blob).hexdigest()
-                if not self._write.pexpire(f"{name}:p:{digest}", px):  # held already: its clock restarts
-                    self._write.set(f"{name}:p:{digest}", blob, px=px)
+                if not self._write.pexpire(_piece(name, digest), px):  # held already: its clock restarts
+                    self._write.set(_piece(name, digest), blob, px=px)
                     sent, sent_bytes = sent + 1, sent_bytes + len(blob)
                 table.append([start, end, len(blob), digest])
                 total += len(blob)
@@ -119,7 +127,7 @@ class RemoteSessions:
             write_container(buf, header, payload)
             value = seal(self._key, name, buf.getbuffer())
             self._write.set(name, value, px=px)
-            names = frozenset(f"{name}:p:{row[3]}" for row in table)
+            names = frozenset(_piece(name, str(row[3])) for row in table)
             with self._lock:
                 before = self._held.get(name)
                 self._held[name] = (len(value) + total, time.monotonic() + ttl_s, names)
@@ -142,7 +150,7 @@ class RemoteSessions:
         if not self.link.ready():
             return None
         key = session_key(sid)
-        name = f"{ns}:c:{key}"
+        name = _record(ns, key)
         try:
             for _ in range(2):  # a copy replaced between the record's read and its pieces': read it again
                 got = self._read_copy(name, key, manifest_digest)
@@ -184,12 +192,12 @@ class RemoteSessions:
         table = _table(payload, len(header.tokens))
         if isinstance(table, str):
             return table
-        blobs = self._read.mget([f"{name}:p:{digest}" for *_, digest in table]) if table else []
+        blobs = self._read.mget([_piece(name, digest) for *_, digest in table]) if table else []
         if any(b is None for b in blobs):
             return _Missing()
         for (start, end, size, digest), blob in zip(table, blobs, strict=True):
             if len(blob) != size or hashlib.sha256(blob).hexdigest() != digest:
-                self._delete([f"{name}:p:{digest}"])
+                self._delete([_piece(name, digest)])
                 return f"its piece of positions [{start}, {end}) is not the one its record names"
         return header, blobs
 
@@ -209,7 +217,7 @@ class RemoteSessions:
         """Forget a closed session's copy and its pieces (best effort: an unreachable link leaves them
         to their TTL): the pieces this node wrote, and those the copy in Redis names."""
         key = session_key(sid)
-        name = f"{ns}:c:{key}"
+        name = _record(ns, key)
         with self._lock:
             held = self._held.pop(name, None)
         if not self.link.ready():
@@ -223,7 +231,7 @@ class RemoteSessions:
         if value is not None and not isinstance(container := unseal(self._key, name, value), str):
             checked = _checked(container, key, None)
             if not isinstance(checked, str) and not isinstance(table := _table(checked[1], None), str):
-                names.update(f"{name}:p:{row[3]}" for row in table)
+                names.update(_piece(name, row[3]) for row in table)
         self._delete(sorted(names))
 
     def held(self) -> tuple[int, int]:
