@@ -149,10 +149,11 @@ def serve(
     request names them (and unload when idle or to make room, keeping their warm context on disk)."""
     import uvicorn
 
-    from ..server import ServerSettings, create_app
+    from ..server import ServerSettings, create_app, heap
     from ..server.settings import TableSettings
     from .model_catalog import serve_specs
 
+    heap.settle()  # before the first model's bytes are allocated
     try:
         settings = ServerSettings(
             host=host,

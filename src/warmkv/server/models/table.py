@@ -16,9 +16,6 @@ slot failed, with the file and the reason, and the next request tries again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -27,6 +24,7 @@ from typing import Any
 
 from ...engine.runtime import Runtime
 from ...errors import InvalidConfig
+from .. import heap
 from ..errors import ApiError
 from ..state import ServerState
 from .slot import ModelSlot, ModelSpec, ModelStatus
@@ -277,7 +275,7 @@ class ModelTable:
             finally:
                 slot.status = ModelStatus.SLEEPING if sleeping else ModelStatus.UNLOADED
                 slot.keep_alive_s = None
-                await asyncio.to_thread(_trim_heap)
+                await asyncio.to_thread(heap.trim)
             log.info("model %s unloaded (%s) in %.2f s", slot.id, why, time.perf_counter() - t0)
             return True
 
@@ -368,12 +366,3 @@ def _ollama_names(slot: ModelSlot) -> set[str]:
 def _untagged(name: str) -> str:
     """Ollama-style names carry a tag ("smollm2:latest"): the name without it."""
     return name.rsplit(":", 1)[0] if ":" in name else name
-
-
-def _trim_heap() -> None:
-    """Give freed heap pages back to the OS (glibc keeps them otherwise): an unloaded model's
-    weights and KV should leave the process's resident memory. Its objects in reference cycles
-    are freed by a collection first."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
