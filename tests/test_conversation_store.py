@@ -3,6 +3,7 @@ cap and age limit with stored responses, a delete that a late append cannot undo
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 
@@ -118,3 +119,41 @@ def test_metadata_limits() -> None:
     for bad in ({str(i): "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}, ["k"]):
         with pytest.raises(InvalidInput):
             check_metadata(bad)
+
+
+def test_the_counted_totals_follow_every_write(tmp_path: Path) -> None:
+    """The cap is checked against totals the triggers keep (no SUM over the rows per write): they
+    equal the rows after writes, replacements, deletes, evictions and an older writer's changes."""
+
+    def counted(store: ResponseStore) -> tuple[tuple[int, int], tuple[int, int]]:
+        with store.reading() as db:
+            rows = tuple(
+                tuple(db.execute(f"SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM {kind}").fetchone())
+                for kind in ("responses", "conversations")
+            )
+        assert (store.stats(), store.conversations.stats()) == rows
+        return rows
+
+    one = len(_rec("x").encode()[0].encode()) + len(_rec("x").encode()[1])
+    path = tmp_path / "r.sqlite3"
+    store = ResponseStore(path, StoreLimits(max_bytes=6 * one))
+    for rid in "abc":
+        store.put(_rec(rid))
+    store.put(_rec("b", n_tokens=300))  # the same id again: replaced, counted once
+    conv = store.conversations.create(Conversation.new({}, None), _items("c"))
+    store.conversations.append(conv.id, None, _items("d", "e"))
+    assert counted(store)[0][0] == 3
+    store.delete("a")
+    store.conversations.delete_item(conv.id, None, "msg_d")
+    for rid in "fghij":  # past the cap: the oldest go
+        store.put(_rec(rid))
+    assert counted(store)[0][1] <= 6 * one
+    store.close()
+    raw = sqlite3.connect(path)  # a writer without the triggers' totals, as an older version was
+    raw.execute("DROP TRIGGER responses_gone")
+    raw.execute("DELETE FROM responses WHERE id = 'j'")
+    raw.commit()
+    raw.close()
+    store = ResponseStore(path, StoreLimits(max_bytes=6 * one))  # counted again on open
+    counted(store)
+    store.close()

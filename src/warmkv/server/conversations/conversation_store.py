@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidInput
 from .conversation import Conversation
+from .usage import usage
 
 if TYPE_CHECKING:
     from .store import ResponseStore
@@ -216,5 +217,4 @@ class ConversationStore:
     def stats(self) -> tuple[int, int]:
         """(conversations, bytes) held now."""
         with self._store.reading() as db:
-            n, size = db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM conversations").fetchone()
-        return int(n), int(size)
+            return usage(db, "conversations")

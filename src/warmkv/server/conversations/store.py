@@ -29,6 +29,7 @@ from ...errors import InvalidConfig
 from ...prompt.tokens import common_prefix_len
 from . import conversation_store
 from .record import StoredResponse
+from .usage import USAGE, usage
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -94,7 +95,8 @@ class ResponseStore:
                 # commits reach the file without an fsync each: a crash of the process loses none, a
                 # power loss may lose the last ones, never corrupts; an fsync per turn cost ~5 ms at 32K tokens
                 self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(SCHEMA + conversation_store.SCHEMA)
+            self._db.execute("PRAGMA recursive_triggers=ON")
+            self._db.executescript(f"BEGIN; {SCHEMA}{conversation_store.SCHEMA}{USAGE} COMMIT;")
         self.conversations = conversation_store.ConversationStore(self)
 
     @contextmanager
@@ -173,10 +175,7 @@ class ResponseStore:
         oldest = self.oldest_kept()
         n = db.execute("DELETE FROM responses WHERE created < ?", (oldest,)).rowcount
         n += conversation_store.expire(db, oldest)
-        total = db.execute(
-            "SELECT (SELECT COALESCE(SUM(bytes), 0) FROM responses)"
-            " + (SELECT COALESCE(SUM(bytes), 0) FROM conversations)"
-        ).fetchone()[0]
+        total = usage(db)[1]
         while total > self.limits.max_bytes:
             kind, rid, size = db.execute(
                 "SELECT 'r', id, bytes, created FROM responses UNION ALL "
@@ -224,8 +223,7 @@ class ResponseStore:
     def stats(self) -> tuple[int, int]:
         """(records, bytes) held now."""
         with self._lock:
-            n, size = self._db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM responses").fetchone()
-        return int(n), int(size)
+            return usage(self._db, "responses")
 
     def close(self) -> None:
         with self._lock:
