@@ -30,32 +30,36 @@ libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 settled = heap.settle() if sys.argv[1] == "settle" else None
+before = libc.mallinfo2().hblks
+small = libc.malloc(1 << 20)  # under the settled threshold: a heap block (glibc's own 128 KiB maps it)
+small_mapped = libc.mallinfo2().hblks - before
+libc.free(small)
 size = 6 << 20  # an exported llama.cpp state's size
 libc.free(libc.malloc(size))  # glibc's dynamic threshold rises past it here
 before = libc.mallinfo2().hblks
 block = libc.malloc(size)
 mapped = libc.mallinfo2().hblks - before
 libc.free(block)
-print(settled, mapped)
+print(settled, small_mapped, mapped)
 """
 
 
-def _probe(mode: str, tunables: str | None = None) -> tuple[str, int]:
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    if tunables is not None:
-        env["GLIBC_TUNABLES"] = tunables
+def _probe(mode: str, **users: str) -> tuple[str, int, int]:
+    """(settle's answer, whether a 1 MiB block was mapped, whether a 6 MiB one after a freed one was)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_")} | users
     out = subprocess.run(
         [sys.executable, "-c", PROBE, mode], env=env, capture_output=True, text=True, check=True, timeout=60
     )
-    settled, mapped = out.stdout.split()
-    return settled, int(mapped)
+    settled, small, mapped = out.stdout.split()
+    return settled, int(small), int(mapped)
 
 
 def test_a_freed_large_block_leaves_the_next_one_mapped() -> None:
-    assert _probe("default") == ("None", 0)  # glibc's own: the second block comes from the heap
-    assert _probe("settle") == ("True", 1)  # settled: mapped, and unmapped again when freed
+    # glibc's own: 1 MiB is past its 128 KiB start, and the second 6 MiB block comes from the heap
+    assert _probe("default") == ("None", 1, 0)
+    assert _probe("settle") == ("True", 0, 1)  # 4 MiB: 1 MiB from the heap, 6 MiB mapped (and unmapped when freed)
 
 
 def test_the_users_own_threshold_wins() -> None:
-    settled, mapped = _probe("settle", "glibc.malloc.mmap_threshold=67108864")
-    assert (settled, mapped) == ("False", 0)
+    assert _probe("settle", GLIBC_TUNABLES="glibc.malloc.mmap_threshold=67108864") == ("False", 0, 0)
+    assert _probe("settle", MALLOC_MMAP_THRESHOLD_="65536") == ("False", 1, 1)

@@ -12,7 +12,7 @@ blocks below it are too small to leave much behind, and the mappings cost a page
 4 KiB touched, a few milliseconds in a prefill chunk of seconds.
 
 `warmkv serve` calls settle() once at start, before the first model loads; an embedding process
-keeps its own malloc settings. The user's own GLIBC_TUNABLES threshold wins.
+keeps its own malloc settings. A threshold the user set (GLIBC_TUNABLES, MALLOC_MMAP_THRESHOLD_) wins.
 """
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import logging
 import os
-
-log = logging.getLogger(__name__)
 
 MMAP_THRESHOLD = 4 << 20
 _M_MMAP_THRESHOLD = -3  # malloc.h
@@ -38,15 +35,12 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def settle(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Fix malloc's mmap threshold at `threshold` bytes; False where there is no glibc or the user
-    set one in GLIBC_TUNABLES."""
-    if "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+    """Fix malloc's mmap threshold at `threshold` bytes; False where there is no glibc's mallopt or
+    the user set a threshold (GLIBC_TUNABLES or MALLOC_MMAP_THRESHOLD_)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "glibc.malloc.mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     libc = _libc()
-    if libc is None or libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)) != 1:
-        log.info("malloc's mmap threshold left as it is (not glibc)")
-        return False
-    return True
+    return libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(threshold)) == 1
 
 
 def trim() -> None:
