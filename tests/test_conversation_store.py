@@ -149,7 +149,22 @@ def test_the_counted_totals_follow_every_write(tmp_path: Path) -> None:
         store.put(_rec(rid))
     assert counted(store)[0][1] <= 6 * one
     store.close()
-    raw = sqlite3.connect(path)  # a writer without the triggers' totals, as an older version was
+    raw = sqlite3.connect(path)  # another writer, with SQLite's defaults (an older version, the shell)
+    raw.execute("INSERT OR REPLACE INTO responses SELECT id, created, bytes + 5, doc, tokens FROM responses LIMIT 1")
+    raw.commit()
+    store = ResponseStore(path, StoreLimits(max_bytes=6 * one))
+    counted(store)  # its REPLACE took the old row's bytes off before adding the new row's
+    raw.close()
+    store.close()
+    drifted = ResponseStore(tmp_path / "d.sqlite3", StoreLimits(max_bytes=6 * one))
+    for rid in "ab":
+        drifted.put(_rec(rid))
+    with drifted.reading() as db:  # totals gone wrong (a writer that dropped the triggers), far past the cap
+        db.execute("UPDATE usage SET bytes = bytes + ? WHERE kind = 'responses'", (100 * one,))
+    assert drifted.put(_rec("c")) == 0  # counted again before evicting: nothing is evicted for it
+    assert counted(drifted)[0][0] == 3
+    drifted.close()
+    raw = sqlite3.connect(path)
     raw.execute("DROP TRIGGER responses_gone")
     raw.execute("DELETE FROM responses WHERE id = 'j'")
     raw.commit()

@@ -94,7 +94,7 @@ class ConversationStore:
             "INSERT OR REPLACE INTO conversations (id, written, bytes, doc) VALUES (?, ?, ?, ?)",
             (conv.id, time.time(), size, conv.encode()),
         )
-        self._store.evict(db)
+        self._store.evict(db, size)
 
     def _add(self, db: sqlite3.Connection, cid: str, items: list[dict[str, Any]]) -> int:
         """Append items after the conversation's last; their bytes. InvalidInput for an id it already holds."""

@@ -29,7 +29,8 @@ from ...errors import InvalidConfig
 from ...prompt.tokens import common_prefix_len
 from . import conversation_store
 from .record import StoredResponse
-from .usage import USAGE, usage
+from .usage import AT_OPEN as usage_at_open
+from .usage import recount, usage
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -95,8 +96,13 @@ class ResponseStore:
                 # commits reach the file without an fsync each: a crash of the process loses none, a
                 # power loss may lose the last ones, never corrupts; an fsync per turn cost ~5 ms at 32K tokens
                 self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.execute("PRAGMA recursive_triggers=ON")
-            self._db.executescript(f"BEGIN; {SCHEMA}{conversation_store.SCHEMA}{USAGE} COMMIT;")
+            try:  # IMMEDIATE: a write from the start, so another process's write is waited for, not a failure
+                self._db.executescript(f"BEGIN IMMEDIATE; {SCHEMA}{conversation_store.SCHEMA}{usage_at_open} COMMIT;")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                self._db.close()
+                raise
         self.conversations = conversation_store.ConversationStore(self)
 
     @contextmanager
@@ -146,7 +152,7 @@ class ResponseStore:
                 "INSERT OR REPLACE INTO responses (id, created, bytes, doc, tokens) VALUES (?, ?, ?, ?, ?)",
                 (record.id, written, size, doc, tokens),
             )
-            evicted = self.evict(db)
+            evicted = self.evict(db, size)
         with self._lock:
             self._keep(record, written, tokens)
         return evicted
@@ -169,18 +175,26 @@ class ResponseStore:
         while len(self._recent) > RECENT:
             self._recent.popitem(last=False)
 
-    def evict(self, db: sqlite3.Connection) -> int:
+    def evict(self, db: sqlite3.Connection, added: int = 0) -> int:
         """Drop expired responses and conversations, then the oldest of either until the rest fit (inside
-        a write's transaction); how many."""
+        a write's transaction, after a write of `added` bytes); how many."""
         oldest = self.oldest_kept()
         n = db.execute("DELETE FROM responses WHERE created < ?", (oldest,)).rowcount
         n += conversation_store.expire(db, oldest)
-        total = usage(db)[1]
-        while total > self.limits.max_bytes:
-            kind, rid, size = db.execute(
+        total, cap = usage(db)[1], self.limits.max_bytes
+        if total > cap + added:  # over the cap before this write: a lowered cap, or totals gone wrong
+            recount(db)
+            if (counted := usage(db)[1]) != total:
+                log.warning("stored responses: %d bytes were counted, %d are held; counted again", total, counted)
+            total = counted
+        while total > cap:
+            row = db.execute(
                 "SELECT 'r', id, bytes, created FROM responses UNION ALL "
                 "SELECT 'c', id, bytes, written FROM conversations ORDER BY 4 LIMIT 1"
-            ).fetchone()[:3]
+            ).fetchone()
+            if row is None:
+                break
+            kind, rid, size = row[:3]
             if kind == "r":
                 db.execute("DELETE FROM responses WHERE id = ?", (rid,))
             else:

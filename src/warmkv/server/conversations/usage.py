@@ -5,22 +5,35 @@ from __future__ import annotations
 import sqlite3
 
 # Each kind's row count and bytes, kept by triggers: a write checks the cap against them, where a
-# SUM over the rows took ~3 ms a turn with 10,000 records kept. recursive_triggers makes a REPLACE's
-# deletion fire its trigger; the totals are counted again at every open, so a writer without the
-# triggers (an older version) cannot leave them wrong for longer than a restart.
+# SUM over the rows took ~3 ms a turn with 10,000 records kept. The triggers live in the file, so
+# every writer fires them (an older version, the sqlite3 shell). A REPLACE deletes the row it
+# replaces without firing delete triggers (recursive_triggers is off by default, and stays off):
+# the row it replaces is taken off before the insert instead. The totals are counted again at
+# every open, and whenever the rows run out before the cap is met (store.py, evict).
 USAGE = "".join(
     f"""
 CREATE TABLE IF NOT EXISTS usage (kind TEXT PRIMARY KEY, n INTEGER NOT NULL, bytes INTEGER NOT NULL);
+CREATE TRIGGER IF NOT EXISTS {kind}_replacing BEFORE INSERT ON {kind}
+    WHEN EXISTS (SELECT 1 FROM {kind} WHERE id = NEW.id) BEGIN
+    UPDATE usage SET n = n - 1, bytes = bytes - (SELECT bytes FROM {kind} WHERE id = NEW.id) WHERE kind = '{kind}'; END;
 CREATE TRIGGER IF NOT EXISTS {kind}_added AFTER INSERT ON {kind} BEGIN
     UPDATE usage SET n = n + 1, bytes = bytes + NEW.bytes WHERE kind = '{kind}'; END;
 CREATE TRIGGER IF NOT EXISTS {kind}_gone AFTER DELETE ON {kind} BEGIN
     UPDATE usage SET n = n - 1, bytes = bytes - OLD.bytes WHERE kind = '{kind}'; END;
-CREATE TRIGGER IF NOT EXISTS {kind}_resized AFTER UPDATE OF bytes ON {kind} BEGIN
-    UPDATE usage SET bytes = bytes - OLD.bytes + NEW.bytes WHERE kind = '{kind}'; END;
-INSERT OR REPLACE INTO usage (kind, n, bytes) SELECT '{kind}', COUNT(*), COALESCE(SUM(bytes), 0) FROM {kind};
 """
     for kind in ("responses", "conversations")
 )
+RECOUNT = tuple(
+    f"INSERT OR REPLACE INTO usage (kind, n, bytes) SELECT '{kind}', COUNT(*), COALESCE(SUM(bytes), 0) FROM {kind}"
+    for kind in ("responses", "conversations")
+)
+AT_OPEN = USAGE + "".join(f"{statement};\n" for statement in RECOUNT)  # the schema, then the totals counted
+
+
+def recount(db: sqlite3.Connection) -> None:
+    """Count both kinds' totals again from their rows (inside the caller's transaction)."""
+    for statement in RECOUNT:
+        db.execute(statement)
 
 
 def usage(db: sqlite3.Connection, kind: str | None = None) -> tuple[int, int]:
