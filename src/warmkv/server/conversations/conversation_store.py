@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidInput
+from . import usage
 from .conversation import Conversation
-from .usage import usage
 
 if TYPE_CHECKING:
     from .store import ResponseStore
@@ -217,4 +217,4 @@ class ConversationStore:
     def stats(self) -> tuple[int, int]:
         """(conversations, bytes) held now."""
         with self._store.reading() as db:
-            return usage(db, "conversations")
+            return usage.totals(db, "conversations")

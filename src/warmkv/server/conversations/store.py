@@ -27,10 +27,8 @@ from typing import Protocol
 from ...cache.disk.write_failures import WriteFailures, is_full, typed
 from ...errors import InvalidConfig
 from ...prompt.tokens import common_prefix_len
-from . import conversation_store
+from . import conversation_store, usage
 from .record import StoredResponse
-from .usage import AT_OPEN as usage_at_open
-from .usage import recount, usage
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -97,7 +95,7 @@ class ResponseStore:
                 # power loss may lose the last ones, never corrupts; an fsync per turn cost ~5 ms at 32K tokens
                 self._db.execute("PRAGMA synchronous=NORMAL")
             try:  # IMMEDIATE: a write from the start, so another process's write is waited for, not a failure
-                self._db.executescript(f"BEGIN IMMEDIATE; {SCHEMA}{conversation_store.SCHEMA}{usage_at_open} COMMIT;")
+                self._db.executescript(f"BEGIN IMMEDIATE; {SCHEMA}{conversation_store.SCHEMA}{usage.SCHEMA} COMMIT;")
             except BaseException:
                 if self._db.in_transaction:
                     self._db.execute("ROLLBACK")
@@ -181,10 +179,10 @@ class ResponseStore:
         oldest = self.oldest_kept()
         n = db.execute("DELETE FROM responses WHERE created < ?", (oldest,)).rowcount
         n += conversation_store.expire(db, oldest)
-        total, cap = usage(db)[1], self.limits.max_bytes
+        total, cap = usage.totals(db)[1], self.limits.max_bytes
         if total > cap + added:  # over the cap before this write: a lowered cap, or totals gone wrong
-            recount(db)
-            if (counted := usage(db)[1]) != total:
+            usage.recount(db)
+            if (counted := usage.totals(db)[1]) != total:
                 log.warning("stored responses: %d bytes were counted, %d are held; counted again", total, counted)
             total = counted
         while total > cap:
@@ -237,7 +235,7 @@ class ResponseStore:
     def stats(self) -> tuple[int, int]:
         """(records, bytes) held now."""
         with self._lock:
-            return usage(self._db, "responses")
+            return usage.totals(self._db, "responses")
 
     def close(self) -> None:
         with self._lock:

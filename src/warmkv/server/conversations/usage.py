@@ -10,7 +10,7 @@ import sqlite3
 # replaces without firing delete triggers (recursive_triggers is off by default, and stays off):
 # the row it replaces is taken off before the insert instead. The totals are counted again at
 # every open, and whenever the rows run out before the cap is met (store.py, evict).
-USAGE = "".join(
+_TABLE = "".join(
     f"""
 CREATE TABLE IF NOT EXISTS usage (kind TEXT PRIMARY KEY, n INTEGER NOT NULL, bytes INTEGER NOT NULL);
 CREATE TRIGGER IF NOT EXISTS {kind}_replacing BEFORE INSERT ON {kind}
@@ -27,7 +27,7 @@ RECOUNT = tuple(
     f"INSERT OR REPLACE INTO usage (kind, n, bytes) SELECT '{kind}', COUNT(*), COALESCE(SUM(bytes), 0) FROM {kind}"
     for kind in ("responses", "conversations")
 )
-AT_OPEN = USAGE + "".join(f"{statement};\n" for statement in RECOUNT)  # the schema, then the totals counted
+SCHEMA = _TABLE + "".join(f"{statement};\n" for statement in RECOUNT)  # then the totals counted at open
 
 
 def recount(db: sqlite3.Connection) -> None:
@@ -36,7 +36,7 @@ def recount(db: sqlite3.Connection) -> None:
         db.execute(statement)
 
 
-def usage(db: sqlite3.Connection, kind: str | None = None) -> tuple[int, int]:
+def totals(db: sqlite3.Connection, kind: str | None = None) -> tuple[int, int]:
     """(rows, bytes) of one kind ("responses", "conversations"), or of both, from the triggers' totals."""
     where, args = ("WHERE kind = ?", (kind,)) if kind else ("", ())
     n, size = db.execute(f"SELECT COALESCE(SUM(n), 0), COALESCE(SUM(bytes), 0) FROM usage {where}", args).fetchone()
