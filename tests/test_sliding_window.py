@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 import warmkv
+from warmkv.backends.base import ForwardRow
 from warmkv.bench.engine.changed_lines import divergence, prompt
 from warmkv.errors import ModelNotFound
 from warmkv.models import gemma3_path
@@ -108,3 +110,55 @@ def test_memory_tier_partial_hits_equal_cold(cold: tuple[str, warmkv.Runtime, di
                 d = divergence(rt.tokenize, line, LINES)
                 assert warm == want[line], f"line {line}: warm {warm} != cold {want[line]} ({st.reason})"
                 assert 0 < st.reused_tokens <= d, st.reason
+
+
+def test_a_kept_conversation_goes_on_from_its_own_end(cold: tuple[str, warmkv.Runtime, dict[int, list[int]]]) -> None:
+    """A memory-tier entry of 1,884 tokens continued by a longer prompt: all its whole blocks are
+    reused, off the ring's grid (512 + k x 768), its window laid out as cold's ring
+    (ring_layout.py), and the tokens are a cold session's."""
+    mode, rt, _ = cold
+    first = prompt(None, LINES)
+    longer = first + "\nWhich of these lines changed last?\n"
+    with rt.session() as s:
+        s.ensure_prefix(longer)
+        want = greedy(s)
+    held = len(rt.tokenize(first))
+    assert (held - 512) % 768, "the test needs an end off the grid"
+    with load(mode, tiers=True) as warm_rt:
+        with warm_rt.session() as s:
+            s.ensure_prefix(first)
+        with warm_rt.session() as s:
+            st = s.ensure_prefix(longer)
+            assert st.reuse_source == "memory", st.reason
+            block = warm_rt.tiers.block_tokens  # the memory tier keeps whole blocks
+            assert st.reused_tokens == held // block * block, st.reason
+            assert (st.reused_tokens - 512) % 768, "restored off the grid"
+            assert greedy(s) == want
+
+
+@pytest.mark.parametrize("n", [1792, 2100])  # the window wraps round the ring's end; in its last lap
+def test_an_imported_window_gives_the_logits_bit_for_bit(cold: tuple[str, warmkv.Runtime, dict], n: int) -> None:
+    """A sequence's state imported into another, at an end off the ring's grid, then 30 prompt tokens
+    and 10 decode steps: every logit equals the original sequence's going on (before the window was
+    laid out as cold's ring they were up to 2.4 apart)."""
+    mode, rt, _ = cold
+    if mode != "window":
+        pytest.skip("only the ring lays cells out")
+    b = rt.backend
+    toks = rt.tokenize(prompt(None, LINES) * 2)
+    a, c = b.acquire_seq(), b.acquire_seq()
+
+    def go_on(seq: int) -> list[np.ndarray]:
+        out = [b.forward([ForwardRow(seq, toks[n : n + 30], n, all_logits=True)])[0]]
+        for i in range(n + 30, n + 40):
+            out.append(b.forward([ForwardRow(seq, [toks[i]], i, decode=True)])[0])
+        return out
+
+    try:
+        b.forward([ForwardRow(a, toks[:n], 0, want_logits=False)])
+        b.import_seq(c, b.export_seq(a))
+        for x, y in zip(go_on(a), go_on(c), strict=True):
+            np.testing.assert_array_equal(x, y)
+    finally:
+        b.release_seq(a)
+        b.release_seq(c)

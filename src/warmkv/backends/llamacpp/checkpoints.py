@@ -24,10 +24,13 @@ keep every position, so loading a checkpoint over them and dropping what lies pa
 the KV of that point. A cut that reaches neither falls back to 0 (cold).
 
 The window cache is a ring of `cells` cells: a cold prefill puts position q in cell q % cells,
-and a restored window lands in cells [0, n_swa). The same KV in other cells gave other logits
-(up to 0.76 apart, Gemma 3 270M), so with the ring a checkpoint is taken, and an imported
-state's end is used, only where the two layouts agree, at n_swa + k * cells; and a cut without
-a restore must keep the freed cells in one lap of the ring (llama.cpp then refills from them).
+and llama.cpp puts an imported window in cells [0, n_swa). The same KV in other cells gives
+other logits (up to 2.4 apart, Gemma 3 270M: its attention sums a long row in per-thread
+parts, split by cell), so every window state is laid out as cold's ring before it is read
+(ring_layout.py), and a restore is exact at any length. Where the bytes are not in the layout
+ring_layout reads, a restore is exact only where the two layouts agree (n_swa + k * cells) and
+a checkpoint is taken only there. A cut without a restore must keep the freed cells in one lap
+of the ring (llama.cpp then refills from them).
 
 Checkpoints are taken where a prompt ends and where a prefill passes a multiple of `every`
 tokens (pieces are cold-aligned, so with `every` a multiple of the piece size they sit on the
@@ -46,6 +49,7 @@ from dataclasses import dataclass, field
 import llama_cpp as lc
 
 from ...errors import EngineError, InvalidInput, SessionFatal
+from . import ring_layout
 
 PARTIAL = lc.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 MAGIC = b"WKVSWA01"
@@ -95,15 +99,25 @@ class StateCheckpoints:
         self.recurrent = recurrent
         self.n_swa = n_swa
         self.cells = cells  # the window ring's size; None: a full-size cache (no ring)
-        # 0: checkpoints only where a prompt ends; on a ring, a multiple of its size
-        self.every = every if cells is None or not every else -(-every // cells) * cells
+        self.every = every  # 0: checkpoints only where a prompt ends
         self._ctx = ctx
         self._mem = mem
         self._seqs: dict[int, _Seq] = {}
 
     def aligned(self, c: int) -> bool:
-        """A restored window at c lies where a cold prefill put it."""
+        """A window restored at c as llama.cpp lays it out lies where a cold prefill put it."""
         return self.cells is None or (c >= self.n_swa and (c - self.n_swa) % self.cells == 0)
+
+    def exact_at(self, state: bytes | memoryview, c: int, *, partial: bool) -> bool:
+        """Window state bytes of a sequence c long restore exactly: laid out as cold, or aligned."""
+        return self.aligned(c) or ring_layout.fits(state, self.cells or 0, partial=partial)
+
+    def laid_out(self, state: bytes | memoryview, *, partial: bool) -> bytes | memoryview:
+        """state as llama.cpp should read it: its window in cold's ring cells where it can be."""
+        if self.cells is None:
+            return state
+        relaid = ring_layout.relay(state, self.cells, partial=partial)
+        return state if relaid is None else relaid
 
     def _lap_ok(self, seq: int, n: int) -> bool:
         """Cutting back to n keeps the ring's layout: positions [n, length) freed in one lap."""
@@ -167,6 +181,7 @@ class StateCheckpoints:
         s.ring_ok = True
 
     def _load(self, seq: int, blob: bytes, n: int) -> None:
+        blob = self.laid_out(blob, partial=True)
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         got = lc.llama_state_seq_set_data_ext(self._ctx(), buf, len(blob), seq, PARTIAL)
         if got != len(blob):
@@ -176,21 +191,19 @@ class StateCheckpoints:
     # -- taking checkpoints -------------------------------------------------------------------
 
     def _grid(self, p: int) -> bool:
-        if not self.every:
-            return False
-        return p % self.every == 0 if self.cells is None else self.aligned(p) and (p - self.n_swa) % self.every == 0
+        return bool(self.every) and p % self.every == 0
 
     def after_row(self, seq: int, start: int, end: int, prompt_end: bool) -> None:
         """Note a prefill row [start, end) just evaluated: checkpoint where a prompt ends or a grid line is passed."""
         s = self._seq(seq)
-        if self.cells is not None:  # on a ring: only where a restore lays the window out as cold
-            if not (s.ring_ok and self._grid(end)):
-                return
-        elif not (self.every > 0 and end // self.every > start // self.every) and not prompt_end:
+        if not (self.every > 0 and end // self.every > start // self.every) and not prompt_end:
             return
-        if end in s.blobs:
+        if end in s.blobs or not s.ring_ok:  # a ring laid out unlike cold's holds other numbers
             return
-        s.blobs[end] = self._save(seq)
+        blob = self._save(seq)
+        if self.cells is not None and not self.exact_at(blob, end, partial=True):
+            return
+        s.blobs[end] = blob
         bisect.insort(s.positions, end)
         self._trim(s)
 
@@ -239,14 +252,15 @@ class StateCheckpoints:
         parts.append(state)
         return b"".join(parts)
 
-    def set_from(self, seq: int, checkpoints: dict[int, bytes], length: int) -> None:
-        """An imported state: its window lands in cells [0, n_swa), where cold put it only if aligned."""
-        self._seqs[seq] = _Seq(sorted(checkpoints), dict(checkpoints), self.aligned(length))
+    def set_from(self, seq: int, checkpoints: dict[int, bytes], length: int, exact: bool) -> None:
+        """An imported state (exact: its window lies where a cold prefill put it)."""
+        self._seqs[seq] = _Seq(sorted(checkpoints), dict(checkpoints), exact)
 
     def blob_cut(self, blob: bytes | bytearray | memoryview, n: int) -> int:
         """The longest m <= n a packed state can be cut back to exactly, without loading it."""
-        length, table, _ = _table(memoryview(blob))
-        if n >= length and self.aligned(length):
+        view = memoryview(blob)
+        length, table, at = _table(view)
+        if n >= length and self.exact_at(view[at:], length, partial=False):
             return length
         return max((pos for pos, _, _ in table if pos <= n), default=0)
 

@@ -86,12 +86,7 @@ def kv_memory(b: LlamaCppBackend) -> KVMemory:
             f"swa_cache={config.swa_cache}: {swa} of {info.n_layer} layers attend a "
             f"{ckpt.n_swa}-token window"
             + (f" and keep {win:,} cells" if win is not None else " and keep every position")
-            + (
-                f"; checkpoints every {ckpt.every} tokens from {ckpt.n_swa}"
-                if win is not None
-                else f"; checkpoints every {ckpt.every} tokens and at prompt ends"
-            )
-            + ", "
+            + f"; checkpoints every {ckpt.every} tokens and at prompt ends, "
             f"{swa * per_layer * ckpt.n_swa / 2**20:,.1f} MiB each"
         )
     return KVMemory(
