@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 import warmkv
 from warmkv.backends.choose import choose_backend
+from warmkv.backends.native import fit
 from warmkv.bench.shapes import Shape, write_f16
 from warmkv.models import gemma3_path
 
@@ -83,3 +85,20 @@ def test_each_engine_makes_its_own_kv_type_of_auto() -> None:
         assert rt.config.kv_cache_type == "f16" and rt.backend.numerics()["kv_dtype"] == "float16"
     with warmkv.Runtime.load(backend="llamacpp", **small) as rt:
         assert rt.config.kv_cache_type == "f16" and rt.config.flash_attn == "off"
+
+
+def test_a_file_is_read_once_per_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every load asks native_unfit; its walk of the header skips the vocabulary's strings one by one
+    (~0.1 s of a reload of the default model), so a file is read again only once it changes."""
+    reads: list[Path] = []
+    real = fit.read_header
+    monkeypatch.setattr(fit, "read_header", lambda path, **kw: reads.append(path) or real(path, **kw))
+    f16 = tmp_path / "tiny-f16.gguf"
+    write_f16(Shape("tiny", 64, 2, 4, 2, 128, 10000.0), f16)
+    first = fit.native_unfit(f16)
+    assert first is not None and "layer weights F16" in first
+    assert fit.native_unfit(f16) == first and len(reads) == 1
+    write_f16(Shape("tiny-lfm2", 128, 4, 4, 2, 256, 10000.0, arch="lfm2", attn_layers=(1, 3)), f16)
+    os.utime(f16, ns=(0, f16.stat().st_mtime_ns + 1))  # a rewrite within the clock's tick is still seen
+    again = fit.native_unfit(f16)
+    assert len(reads) == 2 and again is not None and "'lfm2'" in again

@@ -81,8 +81,9 @@ def main() -> None:
                         flush=True,
                     )
                 msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"page_{9 + round_}?"}]
-    loads = [line.split("model ", 1)[1] for line in log.read_text().splitlines() if " loaded in " in line]
-    print("the server's loads (the swap's unload of the other model not included):", *loads, sep="\n  ")
+    lines = log.read_text().splitlines()
+    loads = [line.split("model ", 1)[1] for line in lines if " loaded in " in line or "unloaded (" in line]
+    print("the server's loads and unloads, in order:", *loads, sep="\n  ")
     for model in (DEFAULT, GEMMA):
         ratios = [r[-1] for r in rows if r[0] == model]
         reloads = [r[2] for r in rows if r[0] == model]

@@ -7,6 +7,7 @@ loop runs the layers on 4-bit codes (docs/benchmarks.md: 4.0x prefill and 1.7x d
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -29,9 +30,26 @@ def native_unfit(path: Path) -> str | None:
         except (OSError, ValueError):
             return None  # the native loader names what is wrong with the folder
         return None if arch in ARCHITECTURES else f"architecture {arch!r} is not one the native engine runs"
+    try:
+        st = path.stat()
+    except OSError:
+        return None  # the native loader names what is wrong with it
+    why = _gguf_unfit(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if why is not None:
+        return why
+    if decode_ext.extension("auto") is None:
+        return "the native engine's C++ loop cannot be built here (see the warning above)"
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def _gguf_unfit(path: str, size: int, mtime_ns: int, inode: int) -> str | None:
+    """native_unfit's reading of a GGUF file, once per version of the file: the walk skips the
+    vocabulary's strings one by one (~0.1 s of every reload of the default model)."""
+    del size, mtime_ns, inode  # the cache key: a file written again is read again
     try:  # the architecture comes first in a GGUF file: a model the loop does not run stops there
         header = read_header(
-            path, stop=lambda m: str(m.get("general.architecture", "llama")) not in CPP_LOOP_ARCHITECTURES
+            Path(path), stop=lambda m: str(m.get("general.architecture", "llama")) not in CPP_LOOP_ARCHITECTURES
         )
     except (NotGGUF, OSError, ValueError):
         return None  # not a readable GGUF: the native loader names what is wrong with it
@@ -51,6 +69,4 @@ def native_unfit(path: Path) -> str | None:
         check_gguf_tokenizer(meta)
     except Unsupported as e:
         return str(e)
-    if decode_ext.extension("auto") is None:
-        return "the native engine's C++ loop cannot be built here (see the warning above)"
     return None
