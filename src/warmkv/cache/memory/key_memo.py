@@ -47,6 +47,8 @@ class KeyMemo:
         best, most = None, 0
         for p in reversed(recent):
             if p.block_size == block_size and (seed is None or p.seed == seed):
+                if most and (len(p.tokens) <= most or p.tokens[most] != tokens[most]):
+                    continue  # it cannot share more than the best so far: no compare of the whole history
                 # the same tuple (a plan's tokens: looked up, loaded, then hashed) needs no compare
                 n = len(tokens) if p.tokens is tokens else common_prefix_len(p.tokens, tokens)
                 if n > most:

@@ -13,7 +13,6 @@ absmax scale per token per head (KVLayout and the storage tensors: layout.py).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 
 import torch
@@ -158,7 +157,8 @@ class PagedKVCache:
             table = self._tables.get(seq, [])
             ids = torch.tensor(table, dtype=torch.long, device=self.device)
             flat = (ids[:, None] * self.layout.block_size + self._offsets).reshape(-1)
-            one_range = bool(table) and all(b - a == 1 for a, b in itertools.pairwise(table))
+            # consecutive blocks: compared in C (a generator over a 32K-token table's pairs was ~0.2 ms a build)
+            one_range = bool(table) and table == list(range(table[0], table[0] + len(table)))
             got = (flat, table[0] * self.layout.block_size if one_range else None)
             if seq in self._tables:
                 self._flat[seq] = got
