@@ -8,9 +8,10 @@ on which sequence holds which block.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ....errors import InvalidInput
@@ -46,16 +47,21 @@ class KVLayout:
         return [row, row, *scales]
 
 
-# numpy dtypes of the same width: np.zeros is calloc, whose large blocks are zero pages the
-# kernel commits on first write, so a pool costs RAM only where sequences have grown into it.
-_NP_TWIN = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16, torch.int8: np.int8}
-
-
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeroed storage; on the CPU committed only as it is written (torch.zeros writes every page)."""
+    """Zeroed storage; on the CPU committed only as it is written (torch.zeros writes every page).
+
+    An anonymous mapping: zero pages the kernel commits on first write, so a pool costs RAM only
+    where sequences have grown into it. Not numpy's zeros, which asks for huge pages on large
+    blocks: with THP defrag on `madvise` (the kernel's default) the first write to a huge page may
+    wait for compaction, and a load's warm-up token, which writes one slot of every layer, took
+    0.50-0.55 s instead of 0.13 s after another model's memory was given back (4 KiB pages:
+    0.07-0.13 s, prefill and decode unchanged: docs/benchmarks.md).
+    """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(shape, dtype=_NP_TWIN[dtype])).view(dtype)
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(n, 1))  # the tensor holds the buffer: unmapped with its storage
+    return torch.frombuffer(buf, dtype=torch.uint8, count=n).view(dtype).reshape(shape)
 
 
 def new_storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, head_major: bool) -> torch.Tensor:
