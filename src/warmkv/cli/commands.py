@@ -51,7 +51,6 @@ def sliding_window_rows(rt: Runtime) -> list[tuple[str, str]]:
     if "swa_cache" not in numerics:
         return []
     c = rt.config
-    # the spacing as used: on a window-sized ring it is rounded up to the ring (the KV memory line)
     return [("sliding-window cache", f"{c.swa_cache} (--checkpoint-tokens {c.checkpoint_tokens})")]
 
 
