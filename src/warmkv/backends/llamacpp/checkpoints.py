@@ -112,12 +112,13 @@ class StateCheckpoints:
         """Window state bytes of a sequence c long restore exactly: laid out as cold, or aligned."""
         return self.aligned(c) or ring_layout.fits(state, self.cells or 0, partial=partial)
 
-    def laid_out(self, state: bytes | memoryview, *, partial: bool) -> bytes | memoryview:
-        """state as llama.cpp should read it: its window in cold's ring cells where it can be."""
+    def laid_out(self, state: bytes | memoryview, c: int, *, partial: bool) -> tuple[bytes | memoryview, bool]:
+        """(state as llama.cpp should read it: its window in cold's ring cells where it can be, and
+        whether it then restores exactly; see exact_at) for a sequence c long."""
         if self.cells is None:
-            return state
+            return state, True
         relaid = ring_layout.relay(state, self.cells, partial=partial)
-        return state if relaid is None else relaid
+        return (state, self.aligned(c)) if relaid is None else (relaid, True)
 
     def _lap_ok(self, seq: int, n: int) -> bool:
         """Cutting back to n keeps the ring's layout: positions [n, length) freed in one lap."""
@@ -181,12 +182,12 @@ class StateCheckpoints:
         s.ring_ok = True
 
     def _load(self, seq: int, blob: bytes, n: int) -> None:
-        blob = self.laid_out(blob, partial=True)
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        got = lc.llama_state_seq_set_data_ext(self._ctx(), buf, len(blob), seq, PARTIAL)
-        if got != len(blob):
+        state, _ = self.laid_out(blob, n, partial=True)  # taken only where exact (after_row)
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        got = lc.llama_state_seq_set_data_ext(self._ctx(), buf, len(state), seq, PARTIAL)
+        if got != len(state):
             # The attention layers are intact but the state of the others is unknown.
-            raise SessionFatal(f"llama.cpp read {got} of {len(blob)} bytes of sequence {seq}'s checkpoint at {n}")
+            raise SessionFatal(f"llama.cpp read {got} of {len(state)} bytes of sequence {seq}'s checkpoint at {n}")
 
     # -- taking checkpoints -------------------------------------------------------------------
 

@@ -74,25 +74,14 @@ def _stream(view: memoryview, at: int) -> _Stream:
         raise _Malformed
     p += 8
     rows = []
-    for _ in range(n_layer):
-        if p + _K.size > len(view):
+    for i in range(2 * n_layer):  # K layers, then V layers
+        head = _VT if v_trans and i >= n_layer else _K
+        if p + head.size > len(view):
             raise _Malformed
-        row = _K.unpack_from(view, p)[1]
-        rows.append((p, _K.size, row))
-        p += _K.size + count * row
-    for _ in range(n_layer):
-        if v_trans:
-            if p + _VT.size > len(view):
-                raise _Malformed
-            _, el, n_embd = _VT.unpack_from(view, p)
-            rows.append((p, _VT.size, el * n_embd))
-            p += _VT.size + count * el * n_embd
-        else:
-            if p + _K.size > len(view):
-                raise _Malformed
-            row = _K.unpack_from(view, p)[1]
-            rows.append((p, _K.size, row))
-            p += _K.size + count * row
+        got = head.unpack_from(view, p)
+        row = got[1] * got[2] if head is _VT else got[1]  # a transposed V: n_embd_v elements a cell
+        rows.append((p, head.size, row))
+        p += head.size + count * row
     if p > len(view):
         raise _Malformed
     return _Stream(at, count, bool(v_trans), tuple(rows), p)

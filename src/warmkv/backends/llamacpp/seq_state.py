@@ -71,8 +71,7 @@ def import_state(b: LlamaCppBackend, seq: int, blob: bytes) -> None:
     if not lc.llama_memory_seq_rm(b._mem, seq, -1, -1):
         raise SessionFatal(f"llama.cpp could not clear sequence {seq} to import its state")
     if b._ckpt is not None:
-        exact = b._ckpt.exact_at(blob, length, partial=False)
-        blob = b._ckpt.laid_out(blob, partial=False)
+        blob, exact = b._ckpt.laid_out(blob, length, partial=False)
         b._ckpt.set_from(seq, checkpoints, length, exact)
     buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
     n = lc.llama_state_seq_set_data(b._ctx, buf, len(blob), seq)
