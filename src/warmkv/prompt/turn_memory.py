@@ -16,9 +16,12 @@ This memory keeps, per generated turn:
 
 An agent often makes the same call again ("run the tests"): the same text, sampled in
 another context, may come out as other tokens, and each is resident where it was sampled.
-So a text keeps one spelling per context it was generated in (keyed by the tokens up to
-its opener): a prompt takes, at each place, the spelling sampled after exactly the tokens
-it has so far, else the newest.
+So a text keeps one spelling per context it was generated in: a prompt takes, at each place,
+the spelling sampled after the tokens it has so far, else the newest. A context is keyed by its
+length and its last CONTEXT_TAIL tokens, not all of them: a hash of a 32K-token context took
+~0.2 ms of every turn, and once per remembered turn of a prompt tokenized whole. Two contexts
+that end alike at the same length may take each other's spelling; either spells the same text,
+so that costs the KV reuse past it, never a wrong token.
 
 Bounded (least recently used turns go first) and thread-safe; its lock is a leaf.
 """
@@ -37,6 +40,12 @@ from ..tools.history import Call
 Tokenize = Callable[[str, bool], list[int]]  # (text, add_bos) -> ids, special tokens parsed
 INDEX_CHARS = 16
 SPELLINGS = 16  # per text, the contexts whose own tokens are kept
+CONTEXT_TAIL = 256  # the tokens of a context its key reads, with its length
+
+
+def _context(tokens: Sequence[int], end: int) -> int:
+    """The key of the context tokens[:end]."""
+    return hash((end, tuple(tokens[max(0, end - CONTEXT_TAIL) : end])))
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,7 @@ class TurnMemory:
         self._turns: OrderedDict[str, _Turn] = OrderedDict()
         self._index: dict[str, set[str]] = {}  # first INDEX_CHARS chars after the opener -> turn texts
         self._calls: OrderedDict[tuple[str, ...], tuple[str, tuple[Call, ...]]] = OrderedDict()
-        # text -> hash of the tokens through its opener -> the tokens sampled after them
+        # text -> key of the context through its opener (_context) -> the tokens sampled after it
         self._spellings: dict[str, OrderedDict[int, tuple[int, ...]]] = {}
         self.hits = 0
 
@@ -96,7 +105,7 @@ class TurnMemory:
             return None  # a control token inside the turn would split it differently
         opener = self._control[prompt[opener_at]]
         turn = _Turn(opener + head + raw, opener, tokens)
-        context = hash(tuple(prompt[: opener_at + 1]))
+        context = _context(prompt, opener_at + 1)
         with self._lock:
             self._add(turn)
             spellings = self._spellings.setdefault(turn.text, OrderedDict())
@@ -156,7 +165,7 @@ class TurnMemory:
             out += tokenize(text[at:start], add_bos and at == 0)
             with self._lock:
                 spellings = self._spellings.get(turn.text, {})
-                out += spellings.get(hash(tuple(out)), turn.tokens)
+                out += spellings.get(_context(out, len(out)), turn.tokens)
             at = end
         if at < len(text):
             out += tokenize(text[at:], False)
