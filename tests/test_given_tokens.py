@@ -7,6 +7,7 @@ import pytest
 
 import warmkv
 from scripted_backend import N_VOCAB, ScriptedBackend
+from warmkv.prompt.tokens import continuations
 
 
 def _runtime() -> warmkv.Runtime:
@@ -38,3 +39,23 @@ def test_resident_ids_are_reused_as_they_are() -> None:
         plan = s.plan_prefix(warmkv.PrefixInput("hello there!", tokens=again))
         assert plan.reused == len(resident) and plan.tokens == (*resident, 7, 8)
         assert all(type(t) is int for t in plan.tokens)
+
+
+def test_a_continued_prompt_is_matched_from_its_shared_ids_only_while_they_are_resident() -> None:
+    """A prompt built to continue the resident one takes its shared ids as resident without a compare;
+    once the session's tokens were cut since, it is compared as any prompt."""
+    with _runtime() as rt, rt.session() as s:
+        first = tuple(rt.tokenize("the first prompt of a conversation"))
+        second = continuations.continued(first, len(first) - 1, [9, 10, 11])  # a chained turn's
+        s.ensure_prefix(warmkv.PrefixInput("second", tokens=second))
+        third = continuations.continued(second, len(second) - 1, [12, 13])
+        plan = s.plan_prefix(warmkv.PrefixInput("third", tokens=third))
+        assert plan.tokens is third and plan.reused == len(second) - 1
+        # the session's tokens cut to 3 and others appended (no prompt load): the shared ids are not resident
+        with rt.lock:
+            s.ctx.truncate(3, refill=False)
+            s.ctx.eval([12, 13])
+        plan = s.plan_prefix(warmkv.PrefixInput("third", tokens=third))
+        assert plan.reused == 3
+        out = s.ensure_prefix(warmkv.PrefixInput("third", tokens=third))
+        assert s.token_ids() == third and out.reused_tokens == 3

@@ -78,7 +78,6 @@ class PrefixPlan:
     dropped: int
     reason: str
     divergence: Divergence | None
-    resident: tuple[int, ...]  # the resident tokens it was planned against
     moves: tuple[ChunkMove, ...] = ()  # reuse_mode="chunks": runs moved after the exact prefix, by new_start
     runs: tuple[int, int] | None = None  # reuse_mode="chunks": (chunk_min_tokens, chunk_recompute)
     salt: str | None = None  # the prompt's cache salt: seeds its block keys, marks the KV it leaves resident
@@ -131,7 +130,7 @@ class PrefixLoad:
         # the plan cut `reused` to an exact point already; a memory-tier entry's runs replaced the KV
         self.reused = reused = ctx.begin_prompt(reused, detach=plan.detach and not parked and not self._tier_runs)
         if tiers is not None:
-            tokens = list(plan.tokens)
+            tokens = plan.tokens
             self._keys = tiers.keys(plan.manifest.digest, plan.tokens, plan.salt)  # the tuple: disk_read's too
             if disk is None:
                 disk = tiers.lookup(plan.manifest.digest, tokens, self._keys, reused)

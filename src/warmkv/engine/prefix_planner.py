@@ -20,9 +20,10 @@ from ..config import REUSE_MODES
 from ..errors import ContextOverflow, InvalidInput, ManifestMismatch, Unsupported
 from ..manifest import ContextManifest, validate_segments
 from ..prompt.text import as_text
-from ..prompt.tokens import common_prefix_len, spell
+from ..prompt.tokens import as_tuple, common_prefix_len, continuations, spell
 from ..types import Divergence, PrefixInput, PrefixStatus
 from .prefix_plan import DiskRead, PrefixLoad, PrefixPlan, plan_moves
+from .region_map import CHECK
 
 if TYPE_CHECKING:
     from .session import Session
@@ -74,7 +75,7 @@ def plan_prefix(session: Session, prefix: PrefixInput | str | bytes) -> PrefixPl
             layers = getattr(s._backend, "cut_layers", "window")
             reason += f" (diverged at token {common}; the nearest exact point of the {layers} layers is {reused})"
         return PrefixPlan(
-            tokens=tuple(tokens),
+            tokens=as_tuple(tokens),
             raw=raw,
             manifest=manifest,
             reused=reused,
@@ -82,7 +83,6 @@ def plan_prefix(session: Session, prefix: PrefixInput | str | bytes) -> PrefixPl
             dropped=len(ctx.tokens) + len(ctx.pending) - reused,
             reason=reason,
             divergence=_divergence(s, tokens, common, add_bos) if same and common < len(ctx.tokens) else None,
-            resident=tuple(ctx.tokens),
             moves=moves,
             runs=runs,
             salt=inp.cache_salt,
@@ -111,6 +111,11 @@ def disk_read(session: Session, plan: PrefixPlan) -> Callable[[], DiskRead] | No
 def finish_load(session: Session, load: PrefixLoad) -> PrefixStatus:
     """The plan's prompt is resident: it becomes the session's prefix (model lock held)."""
     status = load.status()
+    ctx, prompt = session.ctx, load.plan.tokens
+    n = min(len(prompt), len(ctx.tokens))  # its last id may wait as the pending token
+    session._line = (prompt, ctx.cuts, n)
+    if CHECK and tuple(ctx.tokens[:n]) != prompt[:n]:
+        raise AssertionError(f"a loaded prompt of {len(prompt)} tokens is not what the session holds")
     session._byte_hash = status.stable_byte_hash
     session._token_hash = status.stable_token_hash
     session._cached_since_decode = status.cached_tokens
@@ -118,20 +123,37 @@ def finish_load(session: Session, load: PrefixLoad) -> PrefixStatus:
     return status
 
 
-def _given_tokens(session: Session, tokens: Sequence[int], resident: Sequence[int]) -> tuple[list[int], int]:
+def _given_tokens(session: Session, tokens: Sequence[int], resident: Sequence[int]) -> tuple[Sequence[int], int]:
     """(the prompt's tokens, how many of them are resident). Those equal to the resident ones are
     taken from them (they are this model's token ids: evaluated); only the rest is checked, one by
     one. A continued conversation's prompt is checked in the time of its new tokens: a check of all
     of a 32K-token history's ints took ~8 ms of every turn (a cold prompt's check is ~0.1% of its
-    prefill)."""
+    prefill). A prompt built to continue another (continuations: ints this process made) is kept as
+    it is: the block keys and the store then compare it with that one in the time of its tail."""
     given = tokens if isinstance(tokens, list | tuple) else list(tokens)
-    k = common_prefix_len(resident, given) if resident else 0
+    known = _known_resident(session, given) if resident else 0
+    if known:
+        k = known + common_prefix_len(resident[known:], given[known:])
+    else:
+        k = common_prefix_len(resident, given) if resident else 0
     n = session._backend.info.n_vocab
     tail = given[k:]
     for i, t in enumerate(tail, k):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < n:
             raise InvalidInput(f"prefix tokens[{i}] = {t!r} is out of range [0, {n})")
+    if continuations.made(given):
+        return given, k
     return [*resident[:k], *tail], k
+
+
+def _known_resident(session: Session, given: Sequence[int]) -> int:
+    """Leading ids of given known to be resident without a compare: it was built to continue the prompt
+    the session last made resident, and since then the session's tokens were only appended to."""
+    line = session._line
+    if line is None or session.ctx.cuts != line[1]:
+        return 0
+    prompt, _, n = line
+    return min(continuations.known(prompt, given), n)
 
 
 def _divergence(session: Session, tokens: Sequence[int], reused: int, add_bos: bool) -> Divergence:

@@ -33,8 +33,8 @@ Lock order (the one place it is written; other modules refer here):
 The decode Scheduler takes the model lock, and its own condition only outside it.
 Lock-free helpers: `Session.cancel`, `Session.resident`; `Session.token_ids` takes
 the model lock only. `Session.hold`/`let_go` (the turn a session runs) take only their own
-small lock, which is taken last and takes nothing: the Scheduler's submit holds its
-condition then, and a step holds the model lock.
+small lock, which is taken last and takes nothing (the Scheduler's submit holds its condition
+then, a step the model lock), as do `KeyMemo`'s and `prompt.tokens.Continuations`' locks.
 """
 
 from __future__ import annotations

@@ -97,6 +97,9 @@ class Session:
         self._byte_hash: str | None = None
         self._token_hash: str | None = None
         self._last_prefix: PrefixStatus | None = None
+        # The last prompt made resident, the context's cuts then and how many of its ids were resident: a
+        # prompt built to continue it is compared from there (prefix_planner, prompt.tokens.continuations)
+        self._line: tuple[tuple[int, ...], int, int] | None = None
         self._cached_since_decode = 0
         self._cancel = threading.Event()
         self._closed = False

@@ -47,7 +47,7 @@ from ..cache.disk.writer import StoreWriter, blob_bytes
 from ..cache.memory.key_memo import KeyMemo
 from ..cache.remote.types import RemoteConfig
 from ..errors import InvalidConfig, WarmkvError
-from ..prompt.tokens import common_prefix_len
+from ..prompt.tokens import as_tuple, common_prefix_len
 from ..types import PinnedPrefix
 from .spills import Spills
 from .warm_hit import CachedKV, DiskRead, WarmHit, cached_kv
@@ -145,7 +145,7 @@ class KVTiers:
         floor = self._floor_below(keys, beat, mem)
         if floor is None:
             return None
-        toks, ks = list(tokens), list(keys)
+        toks, ks = as_tuple(tokens), list(keys)  # a tuple cannot change meanwhile: not copied
         return lambda: self.read_disk(manifest_digest, toks, ks, floor)
 
     def _floor_below(self, keys: Sequence[str], beat: int, mem: WarmHit | None) -> int | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import compress, count
 from operator import ne
@@ -62,6 +64,60 @@ UNSEEN, PARTIAL = -2, -1  # SpelledLengths' marks: not looked at yet; not valid 
 SCAN_TOKENS = 64  # the tail a continued conversation's tokens are expected to part in
 
 
+RECENT_CONTINUATIONS = 16  # a few conversations interleaved, each continuing its last prompt
+
+
+class Continuations:
+    """Which recent prompts were built to continue which: a prompt's tuple, the tuple it continues,
+    and how many leading ids the two share by construction.
+
+    A stored conversation's next prompt continues its last one, and the store, the block-key memo
+    and the planner each compare the two: ~0.3 ms per compare of two 32K-token tuples here.
+    `continued` builds the next prompt and notes what it shares, so common_prefix_len of the two
+    compares only the rest. Entries hold both tuples (an id is never reused while its tuple lives;
+    tuples cannot change): the last RECENT_CONTINUATIONS. Thread-safe; its lock is a leaf.
+    """
+
+    def __init__(self, recent: int = RECENT_CONTINUATIONS) -> None:
+        self._recent: OrderedDict[int, tuple[tuple[int, ...], tuple[int, ...], int]] = OrderedDict()
+        self._max = recent
+        self._lock = threading.Lock()
+
+    def continued(self, base: tuple[int, ...], shared: int, tail: Sequence[int]) -> tuple[int, ...]:
+        """base[:shared] + tail, noted as sharing those ids with base."""
+        if not 0 <= shared <= len(base):
+            raise ValueError(f"continued: shared {shared} of a prompt of {len(base)} tokens")
+        out = (base if shared == len(base) else base[:shared]) + tuple(tail)
+        with self._lock:
+            self._recent[id(out)] = (out, base, shared)
+            while len(self._recent) > self._max:
+                self._recent.popitem(last=False)
+        return out
+
+    def made(self, tokens: Sequence[int]) -> bool:
+        """tokens were built by `continued` (recently): ids this process made, every one an int."""
+        with self._lock:
+            entry = self._recent.get(id(tokens))
+        return entry is not None and entry[0] is tokens
+
+    def known(self, a: Sequence[int], b: Sequence[int]) -> int:
+        """Leading ids a and b share by construction: one was built to continue the other; else 0."""
+        with self._lock:
+            for x, y in ((b, a), (a, b)):
+                entry = self._recent.get(id(x))
+                if entry is not None and entry[0] is x and entry[1] is y:
+                    return entry[2]
+        return 0
+
+
+continuations = Continuations()
+
+
+def as_tuple(seq: Sequence[int]) -> tuple[int, ...]:
+    """seq itself when it is a tuple, else a tuple of it."""
+    return seq if isinstance(seq, tuple) else tuple(seq)
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the longest common prefix of two token sequences.
 
@@ -70,17 +126,17 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     what is resident; a list or tuple compare stops where they part, and tokens that are the same
     objects, a prompt built from the session's own, compare at ~3 ns each), then the first differing
     position, found by a C iterator from there (or from the start when they part before)."""
+    if a is b:
+        return len(a)
+    if k := continuations.known(a, b):
+        return k + common_prefix_len(a[k:], b[k:])
     n = min(len(a), len(b))
-    if not (type(a) is type(b) and isinstance(a, list | tuple)):
-        a, b = _tuple(a), _tuple(b)
+    if not (isinstance(a, list) and isinstance(b, list)):
+        a, b = as_tuple(a), as_tuple(b)
     lo = max(0, n - SCAN_TOKENS)
     if lo and (a[:SCAN_TOKENS] != b[:SCAN_TOKENS] or a[:lo] != b[:lo]):  # they part before the tail
         return next(compress(count(), map(ne, a, b)), n)
     return lo + next(compress(count(), map(ne, a[lo:n], b[lo:n])), n - lo)
-
-
-def _tuple(seq: Sequence[int]) -> tuple[int, ...]:
-    return seq if isinstance(seq, tuple) else tuple(seq)
 
 
 def lookup_draft(tokens: Sequence[int], k: int, *, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:

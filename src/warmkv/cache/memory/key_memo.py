@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...prompt.tokens import common_prefix_len
+from ...prompt.tokens import as_tuple, common_prefix_len
 from .block_hash import _h, seed_key, token_bytes
 
 RECENT = 4  # prompts remembered: a few conversations interleaved on one model
@@ -88,11 +88,11 @@ class KeyMemo:
     def keys(self, manifest_digest: str, tokens: Sequence[int], block_size: int, salt: str | None = None) -> list[str]:
         """block_keys(manifest_digest, tokens, block_size, salt)."""
         seed = seed_key(manifest_digest, block_size, salt)
-        return list(self._extend(tuple(tokens), block_size, seed).keys)
+        return list(self._extend(as_tuple(tokens), block_size, seed).keys)
 
     def digest(self, tokens: Sequence[int], block_size: int) -> str:
         """hash_token_ids(tokens): the running digest of the closest remembered prompt, fed the rest."""
-        t = tuple(tokens)
+        t = as_tuple(tokens)
         base, _, shared = self._closest(t, block_size, None)
         h = base.states[shared].copy() if base is not None else hashlib.sha256()
         h.update(token_bytes(t[shared * block_size :]))

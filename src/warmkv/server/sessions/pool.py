@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 
 from ...engine.runtime import Runtime
 from ...engine.session import Session
@@ -98,7 +99,7 @@ class SessionPool:
         return tuple(self._idle)
 
     async def acquire(
-        self, tokens: list[int], key: str | None = None, salt: str | None = None, branch: bool = False
+        self, tokens: Sequence[int], key: str | None = None, salt: str | None = None, branch: bool = False
     ) -> Session:
         """The idle session sharing the longest prefix with tokens under the same cache salt (key's own
         first, others' last); waits (bounded) when none is idle. branch: the prompt continues a stored
@@ -132,7 +133,7 @@ class SessionPool:
                     ) from None
                 raise
 
-    def _best(self, tokens: list[int], key: str | None, salt: str | None) -> Session:
+    def _best(self, tokens: Sequence[int], key: str | None, salt: str | None) -> Session:
         own = next((s for s in self._idle if key is not None and self._owner.get(s.id) == key), None)
         if own is not None:  # the key's own session ranks first whatever the others hold: no tokens compared
             self._idle.remove(own)
@@ -167,7 +168,7 @@ class SessionPool:
                 del self._owner[sid]
         self._owner[session.id] = key
 
-    def _victim(self, holder: Session, tokens: list[int], key: str | None, salt: str | None) -> Session | None:
+    def _victim(self, holder: Session, tokens: Sequence[int], key: str | None, salt: str | None) -> Session | None:
         """The idle session to close for a fork of holder, or None when taking holder as it is costs less:
         the tokens holder holds past the prompt (another branch's turn) against what the victim holds that
         holder does not. Sessions other keys hold are never closed for it."""

@@ -10,6 +10,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ...config import DecodeConfig
 from ...errors import ContextOverflow, InvalidInput, SessionFatal, Unsupported, WarmkvError
+from ...prompt.tokens import as_tuple
 from ...types import PrefixInput, PrefixStatus
 from ..http import cache_salt
 from ..state import ServerState
@@ -87,7 +88,8 @@ async def generate(
     except Unsupported as e:  # a 400 naming the field, saying why this runtime cannot move KV
         raise InvalidInput(f"reuse_mode: {e}", param="reuse_mode") from e
     inp = replace(PrefixInput.coerce(prompt), reuse_mode=mode, cache_salt=salt)
-    tokens = list(inp.tokens) if inp.tokens is not None else await run_in_threadpool(rt.tokenize, inp.text)
+    # the tuple as given: a prompt built to continue another (prompt.tokens.continuations) stays that one
+    tokens = as_tuple(inp.tokens if inp.tokens is not None else await run_in_threadpool(rt.tokenize, inp.text))
     num_ctx = rt.config.num_ctx if num_ctx is None else min(num_ctx, rt.config.num_ctx)
     if max_tokens is None:
         max_tokens = min(st.settings.default_max_tokens, num_ctx - len(tokens))
@@ -122,7 +124,7 @@ async def generate(
     stream.when_resident(lambda s: st.metrics.observe_prompt(s.reused_tokens, s.prefilled_tokens))
     if await stream.resident_within(wait):
         await stream.resident()  # its error raises here, before the response starts
-    return Generation(stream, tuple(tokens), t0, max_tokens, salt)
+    return Generation(stream, tokens, t0, max_tokens, salt)
 
 
 def open_wait(st: ServerState) -> float:
