@@ -42,7 +42,7 @@ def test_forgotten_continuations_are_compared_again() -> None:
     base = tuple(range(30))
     first = memo.continued(base, 20, [5])
     for k in range(2):
-        memo.continued(base, k, [])
+        memo.continued(base, k + 1, [])
     assert memo.known(base, first) == 0 and not memo.made(first)
 
 
@@ -50,3 +50,13 @@ def test_forgotten_continuations_are_compared_again() -> None:
 def test_a_shared_count_outside_the_base_is_refused(shared: int) -> None:
     with pytest.raises(ValueError, match=f"shared {shared} of a prompt of 30 tokens"):
         continuations.continued(tuple(range(30)), shared, [1])
+
+
+def test_what_it_makes_is_a_new_tuple_even_when_nothing_is_added() -> None:
+    base, tail = tuple(range(10)), (1, 2)
+    same = continuations.continued(base, len(base), [])
+    assert same == base and same is not base
+    assert continuations.made(same) and not continuations.made(base)
+    only = continuations.continued(base, 0, tail)
+    assert only == tail and only is not tail and not continuations.made(tail)
+    assert continuations.continued(base, 0, []) == () and not continuations.made(())

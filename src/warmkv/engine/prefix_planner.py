@@ -113,9 +113,9 @@ def finish_load(session: Session, load: PrefixLoad) -> PrefixStatus:
     status = load.status()
     ctx, prompt = session.ctx, load.plan.tokens
     n = min(len(prompt), len(ctx.tokens))  # its last id may wait as the pending token
-    session._line = (prompt, ctx.cuts, n)
     if CHECK and tuple(ctx.tokens[:n]) != prompt[:n]:
         raise AssertionError(f"a loaded prompt of {len(prompt)} tokens is not what the session holds")
+    session._line = (prompt, ctx.cuts, n)
     session._byte_hash = status.stable_byte_hash
     session._token_hash = status.stable_token_hash
     session._cached_since_decode = status.cached_tokens

@@ -87,7 +87,12 @@ class Continuations:
         """base[:shared] + tail, noted as sharing those ids with base."""
         if not 0 <= shared <= len(base):
             raise ValueError(f"continued: shared {shared} of a prompt of {len(base)} tokens")
-        out = (base if shared == len(base) else base[:shared]) + tuple(tail)
+        end = tuple(tail)
+        out = (base if shared == len(base) else base[:shared]) + end
+        if not out:
+            return out  # the empty tuple is one object for all: nothing is noted
+        if out is base or out is end:  # a tuple of the caller's (CPython skips an empty concat): a copy
+            out = tuple(list(out))
         with self._lock:
             self._recent[id(out)] = (out, base, shared)
             while len(self._recent) > self._max:
