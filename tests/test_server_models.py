@@ -196,7 +196,9 @@ def test_unload_then_sleep_gives_the_memory_back(server: tuple[str, subprocess.P
     while _status(base)[GEMMA] != "sleeping":  # --sleep-idle-seconds 5
         assert time.monotonic() - t0 < 10, "the idle model was not unloaded within 10 s"
         time.sleep(0.25)
-    after = _rss_kb(proc.pid)
+    # the model's memory goes back once its last references do (a worker thread's, the allocator's trim)
+    while (after := _rss_kb(proc.pid)) > 1.10 * before and time.monotonic() - t0 < 20:
+        time.sleep(0.25)
     print(f"\nRSS: {before / 1024:.0f} MiB unloaded, {loaded / 1024:.0f} MiB loaded, {after / 1024:.0f} MiB asleep")
     assert loaded > before
     assert after <= 1.10 * before, (before, loaded, after)

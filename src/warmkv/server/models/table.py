@@ -273,9 +273,11 @@ class ModelTable:
             try:
                 await self._teardown(state)
             finally:
-                slot.status = ModelStatus.SLEEPING if sleeping else ModelStatus.UNLOADED
-                slot.keep_alive_s = None
-                await asyncio.to_thread(heap.trim)
+                try:  # the memory is given back before the status says it is
+                    await asyncio.to_thread(heap.trim)
+                finally:
+                    slot.status = ModelStatus.SLEEPING if sleeping else ModelStatus.UNLOADED
+                    slot.keep_alive_s = None
             log.info("model %s unloaded (%s) in %.2f s", slot.id, why, time.perf_counter() - t0)
             return True
 
