@@ -59,3 +59,18 @@ def test_a_continued_prompt_is_matched_from_its_shared_ids_only_while_they_are_r
         assert plan.reused == 3
         out = s.ensure_prefix(warmkv.PrefixInput("third", tokens=third))
         assert s.token_ids() == third and out.reused_tokens == 3
+
+
+def test_a_plan_made_on_one_session_is_checked_on_another() -> None:
+    """Two sessions with equal cut counts: a plan of the first, begun on the second, is compared with
+    what the second holds and refused, never taken as resident there."""
+    with _runtime() as rt, rt.session() as a, rt.session() as b:
+        a.ensure_prefix(warmkv.PrefixInput("a", tokens=rt.tokenize("the first session's prompt")))
+        b.ensure_prefix(warmkv.PrefixInput("b", tokens=rt.tokenize("another prompt, on another session")))
+        assert a.ctx.cuts == b.ctx.cuts
+        plan = a.plan_prefix(warmkv.PrefixInput("a+", tokens=[*a.token_ids(), 7]))
+        assert plan.reused > 0
+        before = b.token_ids()
+        with rt.lock, pytest.raises(warmkv.WarmkvError, match="changed between planning and loading"):
+            b.begin_load(plan)
+        assert b.token_ids() == before

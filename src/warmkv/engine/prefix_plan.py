@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -82,6 +82,7 @@ class PrefixPlan:
     runs: tuple[int, int] | None = None  # reuse_mode="chunks": (chunk_min_tokens, chunk_recompute)
     salt: str | None = None  # the prompt's cache salt: seeds its block keys, marks the KV it leaves resident
     cuts: int = -1  # the context's cuts when planned (ResidentContext.cuts); -1: unknown
+    context: ResidentContext | None = field(default=None, repr=False, compare=False)  # the one planned on
 
 
 class PrefixLoad:
@@ -114,8 +115,8 @@ class PrefixLoad:
         self._t0 = time.perf_counter()
         # Parked while its turn was queued (Session.park): the KV it planned to keep is in the tiers now.
         parked = not ctx.tokens and plan.reused > 0
-        # tokens only appended since the plan leave its reused ones as they were: no compare (~0.7 ms at 32K)
-        appended = plan.cuts == ctx.cuts and len(ctx.tokens) >= plan.reused
+        # tokens of this context only appended since its plan leave the reused ones as they were: no compare
+        appended = plan.context is ctx and plan.cuts == ctx.cuts and len(ctx.tokens) >= plan.reused
         if not parked and not appended and tuple(ctx.tokens[: plan.reused]) != plan.tokens[: plan.reused]:
             raise WarmkvError("the session changed between planning and loading its prompt")
         # the runs still where they were planned (a turn waiting in the Scheduler is planned early)

@@ -87,6 +87,7 @@ def plan_prefix(session: Session, prefix: PrefixInput | str | bytes) -> PrefixPl
             runs=runs,
             salt=inp.cache_salt,
             cuts=ctx.cuts,
+            context=ctx,
         )
 
 
