@@ -84,10 +84,14 @@ class Continuations:
         self._lock = threading.Lock()
 
     def continued(self, base: tuple[int, ...], shared: int, tail: Sequence[int]) -> tuple[int, ...]:
-        """base[:shared] + tail, noted as sharing those ids with base."""
+        """base[:shared] + tail, noted as sharing those ids with base (and more, where tail starts with
+        the rest of base: a chained prompt's new ids start with the generation opener base ends with)."""
         if not 0 <= shared <= len(base):
             raise ValueError(f"continued: shared {shared} of a prompt of {len(base)} tokens")
         end = tuple(tail)
+        rest = len(base) - shared
+        if rest and end[:rest] == base[shared:]:  # all of base, then the rest of tail: one copy, no slice
+            shared, end = len(base), end[rest:]
         out = (base if shared == len(base) else base[:shared]) + end
         if not out:
             return out  # the empty tuple is one object for all: nothing is noted
