@@ -33,6 +33,7 @@ def test_only_the_very_tuple_it_continues_is_known() -> None:
     equal = tuple(range(50))  # the same ids, another tuple: compared as any other
     assert continuations.known(equal, out) == 0
     assert common_prefix_len(equal, out) == 40
+    assert common_prefix_len(list(equal), out, known=30) == 40  # a caller's known ids: compared past them
     other = continuations.continued(base, 10, [99])
     assert continuations.known(out, other) == 0 and common_prefix_len(out, other) == 10
 
