@@ -33,7 +33,6 @@ def test_only_the_very_tuple_it_continues_is_known() -> None:
     equal = tuple(range(50))  # the same ids, another tuple: compared as any other
     assert continuations.known(equal, out) == 0
     assert common_prefix_len(equal, out) == 40
-    assert common_prefix_len(list(equal), out, known=30) == 40  # a caller's known ids: compared past them
     other = continuations.continued(base, 10, [99])
     assert continuations.known(out, other) == 0 and common_prefix_len(out, other) == 10
 
@@ -61,12 +60,3 @@ def test_what_it_makes_is_a_new_tuple_even_when_nothing_is_added() -> None:
     only = continuations.continued(base, 0, tail)
     assert only == tail and only is not tail and not continuations.made(tail)
     assert continuations.continued(base, 0, []) == () and not continuations.made(())
-
-
-def test_a_tail_that_repeats_the_end_of_its_base_shares_all_of_it() -> None:
-    base = tuple(range(20))
-    out = continuations.continued(base, 17, [17, 18, 19, 5])  # a chained prompt: the opener again, then new
-    assert out == (*base, 5) and continuations.known(base, out) == 20
-    other = continuations.continued(base, 17, [17, 0, 19, 5])
-    assert other == (*base[:17], 17, 0, 19, 5) and continuations.known(base, other) == 17
-    assert common_prefix_len(base, other) == 18

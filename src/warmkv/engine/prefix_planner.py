@@ -132,7 +132,11 @@ def _given_tokens(session: Session, tokens: Sequence[int], resident: Sequence[in
     prefill). A prompt built to continue another (continuations: ints this process made) is kept as
     it is: the block keys and the store then compare it with that one in the time of its tail."""
     given = tokens if isinstance(tokens, list | tuple) else list(tokens)
-    k = common_prefix_len(resident, given, _known_resident(session, given)) if resident else 0
+    known = _known_resident(session, given) if resident else 0
+    if known:
+        k = known + common_prefix_len(resident[known:], given[known:])
+    else:
+        k = common_prefix_len(resident, given) if resident else 0
     n = session._backend.info.n_vocab
     tail = given[k:]
     for i, t in enumerate(tail, k):

@@ -84,14 +84,10 @@ class Continuations:
         self._lock = threading.Lock()
 
     def continued(self, base: tuple[int, ...], shared: int, tail: Sequence[int]) -> tuple[int, ...]:
-        """base[:shared] + tail, noted as sharing those ids with base (and more, where tail starts with
-        the rest of base: a chained prompt's new ids start with the generation opener base ends with)."""
+        """base[:shared] + tail, noted as sharing those ids with base."""
         if not 0 <= shared <= len(base):
             raise ValueError(f"continued: shared {shared} of a prompt of {len(base)} tokens")
         end = tuple(tail)
-        rest = len(base) - shared
-        if rest and end[:rest] == base[shared:]:  # all of base, then the rest of tail: one copy, no slice
-            shared, end = len(base), end[rest:]
         out = (base if shared == len(base) else base[:shared]) + end
         if not out:
             return out  # the empty tuple is one object for all: nothing is noted
@@ -127,9 +123,8 @@ def as_tuple(seq: Sequence[int]) -> tuple[int, ...]:
     return seq if isinstance(seq, tuple) else tuple(seq)
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int], known: int = 0) -> int:
-    """Length of the longest common prefix of two token sequences; known: how many leading ids the
-    caller knows they share (at most both lengths), or that `continuations` does, are not compared.
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences.
 
     Compared in C, never token by token in Python (~2 ms for a 32K-token history here): all but the
     last SCAN_TOKENS of the shorter length at once (a continued conversation parts near the end of
@@ -138,7 +133,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int], known: int = 0) -> int
     position, found by a C iterator from there (or from the start when they part before)."""
     if a is b:
         return len(a)
-    if k := max(known, continuations.known(a, b)):
+    if k := continuations.known(a, b):
         return k + common_prefix_len(a[k:], b[k:])
     n = min(len(a), len(b))
     if not (isinstance(a, list) and isinstance(b, list)):

@@ -82,6 +82,11 @@ def chained_prompt(
     new = rt.tokenize(text_a[cut:], add_bos=False)
     if rt.tokenize(text_b[cut:], add_bos=False) != opener or rt.tokenize(text_a) != toks_b[:j] + new:
         return FullRender("window-tokenization")
-    # history then new, and known to continue history: compared with it in the time of new (continuations)
-    tokens = continuations.continued(as_tuple(history), len(history) - len(opener), new)
+    # history then new, and known to continue history: compared with it in the time of new (continuations).
+    # new starts with the opener history ends with, as a rule: then one copy of history, not a slice and a copy
+    base, op = as_tuple(history), len(opener)
+    if new[:op] == opener:
+        tokens = continuations.continued(base, len(base), new[op:])
+    else:
+        tokens = continuations.continued(base, len(base) - op, new)
     return ChainedPrompt(tokens, text_a[cut:], after[-1], len(new) - len(opener))
